@@ -1,0 +1,65 @@
+"""Flags with environment-variable defaults, shared by every service's config loader.
+
+Each service keeps one frozen dataclass config, validated in __post_init__, built from argparse
+here. This is the only place that reads os.environ for configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from pathlib import Path
+from typing import Any, Callable
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+
+
+def flag(
+    parser: argparse.ArgumentParser,
+    name: str,
+    env: str,
+    default: Any,
+    type: Callable[[str], Any] = str,
+    help: str = "",
+    **kwargs: Any,
+) -> None:
+    """Add --name whose default comes from $env, then from `default`."""
+    raw = os.environ.get(env)
+    value = type(raw) if raw not in (None, "") else default
+    parser.add_argument(name, type=type, default=value, help=f"{help} (env {env}; default: %(default)s)", **kwargs)
+
+
+def add_common_flags(parser: argparse.ArgumentParser, role: str) -> None:
+    flag(parser, "--nats-url", "MOONBUS_NATS_URL", DEFAULT_NATS_URL, help="NATS server URL")
+    flag(parser, "--instance-id", "MOONBUS_INSTANCE_ID", default_instance_id(role), help="unique instance id")
+    flag(parser, "--log-level", "MOONBUS_LOG_LEVEL", "INFO", help="logging level")
+    flag(parser, "--home", "MOONBUS_HOME", str(default_home()), help="state directory (model cache)")
+
+
+def add_node_flags(parser: argparse.ArgumentParser) -> None:
+    flag(parser, "--node", "MOONBUS_NODE", socket.gethostname(), help="node this instance runs on")
+    flag(parser, "--shm-dir", "MOONBUS_SHM_DIR", "", help="node's shared-memory directory (default /dev/shm/moonbus-<node>)")
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    flag(parser, "--model", "MOONBUS_MODEL", "SmolLM2-135M-Instruct", help="model name, tiny-random, or a local checkpoint dir")
+
+
+def default_instance_id(role: str) -> str:
+    return f"{role}-{socket.gethostname()}-{os.getpid()}".replace(".", "-")
+
+
+def default_home() -> Path:
+    return Path.cwd() / ".moonbus"
+
+
+def shm_dir_for(node: str, configured: str) -> Path:
+    """The node's shared-memory directory: every process on the node must resolve the same one."""
+    return Path(configured) if configured else Path("/dev/shm") / f"moonbus-{node}"
+
+
+def check_subject_token(name: str, value: str) -> None:
+    """Ids end up inside NATS subjects: no dots, spaces or wildcards."""
+    if not value or any(c in value for c in ". *>\t\n"):
+        raise ValueError(f"{name} {value!r} must be non-empty with no '.', '*', '>' or spaces")

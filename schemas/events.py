@@ -1,0 +1,36 @@
+"""The audit log: one JSON event per state change, on subjects under moonbus.events.
+
+Request kinds, in path order: received, routed, prefilled, kv_transferred, first_token, then
+exactly one terminal kind: completed, failed, rejected or cancelled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from schemas.codec import Wire
+
+REQUEST_KINDS = (
+    "received",
+    "routed",
+    "prefilled",
+    "kv_transferred",
+    "first_token",
+    "decode_finished",
+    "completed",
+    "failed",
+    "rejected",
+    "cancelled",
+)
+TERMINAL_KINDS = frozenset({"completed", "failed", "rejected", "cancelled"})
+
+
+@dataclass(frozen=True)
+class Event(Wire):
+    kind: str
+    ts: float  # wall clock, seconds
+    service: str
+    instance_id: str
+    request_id: str = ""
+    data: dict[str, Any] = field(default_factory=dict)

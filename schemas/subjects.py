@@ -1,0 +1,58 @@
+"""Every NATS subject moonbus uses. Nothing else in the code spells a subject."""
+
+from __future__ import annotations
+
+# --- the audit log ------------------------------------------------------------------------
+EVENTS_STREAM = "MOONBUS_EVENTS"
+EVENTS_PREFIX = "moonbus.events"
+EVENTS_ALL = "moonbus.events.>"
+
+
+def request_event(kind: str, request_id: str) -> str:
+    """moonbus.events.request.<kind>.<request_id>: one request's step."""
+    return f"{EVENTS_PREFIX}.request.{kind}.{request_id}"
+
+
+def kv_event(kind: str, node: str) -> str:
+    """moonbus.events.kv.<kind>.<node>: a KV block changed state on a node."""
+    return f"{EVENTS_PREFIX}.kv.{kind}.{node}"
+
+
+def instance_event(kind: str, instance_id: str) -> str:
+    """moonbus.events.instance.<kind>.<instance_id>: an instance joined, left or failed."""
+    return f"{EVENTS_PREFIX}.instance.{kind}.{instance_id}"
+
+
+def events_of_request(request_id: str) -> str:
+    return f"{EVENTS_PREFIX}.request.*.{request_id}"
+
+
+def events_of_kind(kind: str) -> str:
+    return f"{EVENTS_PREFIX}.*.{kind}.>"
+
+
+# --- control plane ------------------------------------------------------------------------
+WORKER_HEARTBEAT = "moonbus.workers.heartbeat"  # every worker, every heartbeat_interval_s
+CONDUCTOR_ROUTE = "moonbus.conductor.route"  # gateway -> conductor, request/reply
+CONDUCTOR_STATUS = "moonbus.conductor.status"  # anyone -> conductor, request/reply
+CONDUCTOR_QUEUE = "conductor"  # queue group: replicated conductors share routes
+REQUEST_CANCEL = "moonbus.requests.cancel"  # gateway -> all workers: stop this request
+INDEX_QUERY = "moonbus.index.query"  # conductor -> cache_index, request/reply
+
+
+def prefill_tasks(instance_id: str) -> str:
+    return f"moonbus.prefill.{instance_id}.tasks"
+
+
+def decode_tasks(instance_id: str) -> str:
+    return f"moonbus.decode.{instance_id}.tasks"
+
+
+def messenger_control(node: str, op: str) -> str:
+    """moonbus.messenger.<node>.<op>: control messages to a node's messenger (bytes never ride here)."""
+    return f"moonbus.messenger.{node}.{op}"
+
+
+def gateway_tokens(gateway_id: str) -> str:
+    """moonbus.tokens.<gateway_id>: tokens and terminal errors for requests of one gateway."""
+    return f"moonbus.tokens.{gateway_id}"

@@ -1,0 +1,20 @@
+"""workers (and the conductor, for failures) -> gateway: tokens and ends of requests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from schemas.codec import Wire
+
+
+@dataclass(frozen=True)
+class TokenChunk(Wire):
+    request_id: str
+    index: int  # position of token_ids[0] among the completion's tokens
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" when this chunk ends the request
+    error: str = ""  # non-empty: the request failed; error_status says how
+    error_status: int = 0  # HTTP-like status: 429 rejected late, 500 internal, 503 instance lost
+    cached_tokens: int = 0  # prompt tokens whose KV was reused (sent with the first token)
+    source: str = ""  # instance that sent it
+    retry_after_s: float = 0.0

@@ -1,0 +1,61 @@
+"""prefill -> messenger -> messenger: moving a request's KV between nodes.
+
+Control goes over NATS (SendKv / SendKvReply on messenger_control(node, "send")); the bytes go
+over the point-to-point TCP link between messengers, framed as
+`[4-byte big-endian header length][TransferHeader JSON][payload bytes]`, answered by one
+`[4-byte length][TransferAck JSON]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from schemas.codec import Wire
+
+
+@dataclass(frozen=True)
+class KvHandle(Wire):
+    """A request's KV, as a file in a node's shared-memory directory.
+
+    Layout: C-order array shaped [num_layers, 2 (K, V), num_kv_heads, num_tokens, head_dim].
+    """
+
+    node: str
+    name: str
+    shape: list[int]
+    dtype: str
+    checksum: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.shape[3]
+
+
+@dataclass(frozen=True)
+class SendKv(Wire):
+    request_id: str
+    src: KvHandle
+    dest_node: str
+
+
+@dataclass(frozen=True)
+class SendKvReply(Wire):
+    ok: bool
+    dest: KvHandle | None = None
+    error: str = ""
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class TransferHeader(Wire):
+    request_id: str
+    handle: KvHandle  # as it was on the sending node
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class TransferAck(Wire):
+    ok: bool
+    dest: KvHandle | None = None
+    error: str = ""

@@ -1,0 +1,182 @@
+"""Overload admission: admit or reject a routed request at arrival (ARCHITECTURE.md "Overload admission").
+
+Goodput counts only requests that meet both SLOs, and a request rejected after its prefill wasted
+that prefill, so the conductor predicts. Modes (AdmissionSettings.mode):
+
+    none        admit everything
+    baseline    reject if predicted TTFT (of the policy's p*) > ttft_slo_s. Nothing else at
+                arrival: the decode instance re-checks TBT when the KV arrives (`decode_admits`)
+                and may reject then, late, with the prefill wasted.
+    early       baseline, and also reject if the decode pool's CURRENT load already breaks the
+                TBT SLO: min over decode instances of tbt(batch + 1, context + this prompt) >
+                tbt_slo_s. It acts on decode load one prefill-duration too early, which makes
+                prefill and decode load oscillate in anti-phase.
+    predictive  baseline, and also reject if the decode load AT THE MOMENT THIS PREFILL FINISHES
+                (T = now + ttft) breaks the TBT SLO. That load is predicted from the snapshot:
+                    + requests in prefill that finish by T (they will have joined decode)
+                    - decoding requests that will have left by T
+                Every request spends a uniform t_d_s in decode, so one that started decoding
+                at s leaves at s + t_d_s (and one whose prefill ends at f leaves at f + t_d_s).
+                This damps the oscillation.
+
+Retry-After on a rejection: for TTFT, the excess (ttft - slo), since a queue drains one second
+of work per second; for TBT, the time from the evaluated moment until departures alone bring
+the best instance under the SLO (arrivals after it are ignored, so it is optimistic). Both are
+clamped to [min_retry_after_s, max_retry_after_s].
+
+The module is pure: no I/O, no clock; the snapshot carries `now`.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from heapq import merge
+from dataclasses import dataclass, field
+from itertools import accumulate
+from typing import Iterator
+
+from common.perf import Profile
+from services.conductor.policy import DecodeCandidate
+
+MODES = ("none", "baseline", "early", "predictive")
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionSettings:
+    mode: str = "predictive"
+    ttft_slo_s: float = 10.0
+    tbt_slo_s: float = 0.25
+    t_d_s: float = 5.0  # assumed time every request spends in decode
+    min_retry_after_s: float = 1.0
+    max_retry_after_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"admission mode {self.mode!r} is not one of {MODES}")
+        for name in ("ttft_slo_s", "tbt_slo_s", "t_d_s", "min_retry_after_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.max_retry_after_s < self.min_retry_after_s:
+            raise ValueError("max_retry_after_s must be >= min_retry_after_s")
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLoad:
+    """One decode instance's requests, as times and context lengths in ascending time order.
+
+    NOTE: the conductor keeps one per instance and rebuilds it only when a request joins or leaves
+    (not per routing decision); ascending order lets a prediction bisect instead of scanning.
+    Decoding requests join in start order, so appending keeps it sorted, and so does removing.
+    """
+
+    decode_id: str
+    decoding_starts: tuple[float, ...] = ()  # when each decoding request joined the batch
+    decoding_context: tuple[int, ...] = ()
+    prefill_finishes: tuple[float, ...] = ()  # predicted prefill end of each request routed here
+    prefill_context: tuple[int, ...] = ()
+    # running sums with a leading 0, so that a range's context is one subtraction
+    _decoding_cum: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _prefill_cum: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if len(self.decoding_starts) != len(self.decoding_context) or len(self.prefill_finishes) != len(self.prefill_context):
+            raise ValueError(f"DecodeLoad {self.decode_id}: times and contexts differ in length")
+        object.__setattr__(self, "_decoding_cum", tuple(accumulate(self.decoding_context, initial=0)))
+        object.__setattr__(self, "_prefill_cum", tuple(accumulate(self.prefill_context, initial=0)))
+
+    def at(self, t: float, t_d_s: float, predictive: bool) -> tuple[int, int]:
+        """(batch, context tokens) now (predictive=False) or predicted at time t (predictive=True)."""
+        dcum = self._decoding_cum
+        if not predictive:
+            return len(self.decoding_starts), dcum[-1]
+        gone = t - t_d_s  # a request that joined at or before this has left by t
+        k = bisect_right(self.decoding_starts, gone)
+        lo, hi = bisect_right(self.prefill_finishes, gone), bisect_right(self.prefill_finishes, t)
+        pcum = self._prefill_cum
+        return len(self.decoding_starts) - k + hi - lo, dcum[-1] - dcum[k] + pcum[hi] - pcum[lo]
+
+    def departures(self, t: float, t_d_s: float, predictive: bool) -> Iterator[tuple[float, int]]:
+        """(leave time, context) of the requests counted by `at(t)`, lazily, in leave order."""
+        gone = t - t_d_s
+        k = bisect_right(self.decoding_starts, gone) if predictive else 0
+        leaving = ((max(s + t_d_s, t), c) for s, c in zip(self.decoding_starts[k:], self.decoding_context[k:]))
+        if not predictive:
+            return leaving
+        lo, hi = bisect_right(self.prefill_finishes, gone), bisect_right(self.prefill_finishes, t)
+        joined = ((f + t_d_s, c) for f, c in zip(self.prefill_finishes[lo:hi], self.prefill_context[lo:hi]))
+        return merge(leaving, joined)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLoadSnapshot:
+    now: float
+    decode: tuple[DecodeLoad, ...]  # every live decode instance
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    admit: bool
+    reason: str
+    stage: str = "arrival"
+    retry_after_s: float = 0.0  # > 0 only when rejected
+    ttft_s: float = 0.0  # the predicted TTFT judged
+    tbt_s: float = 0.0  # predicted TBT on the best decode instance (0 when not evaluated)
+    decode_id: str = ""  # the best decode instance at the evaluated moment ("" when not evaluated)
+
+
+def admit(ttft_s: float, context_tokens: int, load: DecodeLoadSnapshot, settings: AdmissionSettings, perf: Profile) -> Verdict:
+    """Judge a request whose prefill is predicted to end `ttft_s` from now (the policy's p*), at arrival."""
+    mode = settings.mode
+    if mode == "none":
+        return Verdict(True, "admission off", ttft_s=ttft_s)
+    if ttft_s > settings.ttft_slo_s:
+        retry = _clamp(ttft_s - settings.ttft_slo_s, settings)
+        return Verdict(False, f"ttft {ttft_s:.3f}s > slo {settings.ttft_slo_s:g}s", retry_after_s=retry, ttft_s=ttft_s)
+    if mode == "baseline":
+        return Verdict(True, f"ttft {ttft_s:.3f}s within slo; decode checks tbt on kv arrival", ttft_s=ttft_s)
+    if not load.decode:
+        return Verdict(False, "no decode instance", retry_after_s=settings.min_retry_after_s, ttft_s=ttft_s)
+
+    predictive = mode == "predictive"
+    at = load.now + ttft_s if predictive else load.now
+    step, t_d = perf.decode.step_seconds, settings.t_d_s
+    best_tbt, best_id = float("inf"), ""
+    for d in load.decode:
+        batch, context = d.at(at, t_d, predictive)
+        tbt = step(batch + 1, context + context_tokens)
+        if tbt < best_tbt or (tbt == best_tbt and d.decode_id < best_id):
+            best_tbt, best_id = tbt, d.decode_id
+    when = f"at prefill end (+{ttft_s:.3f}s)" if predictive else "now"
+    if best_tbt <= settings.tbt_slo_s:
+        return Verdict(True, f"tbt {best_tbt:.4f}s on {best_id} {when} within slo", ttft_s=ttft_s, tbt_s=best_tbt, decode_id=best_id)
+    retry = _tbt_retry_after(at, context_tokens, load, settings, perf, predictive)
+    return Verdict(False, f"tbt {best_tbt:.4f}s on {best_id} {when} > slo {settings.tbt_slo_s:g}s",
+                   retry_after_s=retry, ttft_s=ttft_s, tbt_s=best_tbt, decode_id=best_id)
+
+
+def decode_admits(state: DecodeCandidate, context_tokens: int, perf: Profile, tbt_slo_s: float) -> bool:
+    """The decode instance's late check when the KV arrives: TBT with it added, and KV room."""
+    if state.kv_free_tokens is not None and state.kv_free_tokens < context_tokens:
+        return False
+    return perf.decode.step_seconds(state.num_running + 1, state.context_tokens + context_tokens) <= tbt_slo_s
+
+
+def _tbt_retry_after(at: float, context_tokens: int, load: DecodeLoadSnapshot, settings: AdmissionSettings,
+                     perf: Profile, predictive: bool) -> float:
+    """Seconds after `at` until departures alone bring some decode instance under the TBT SLO."""
+    step, slo, t_d = perf.decode.step_seconds, settings.tbt_slo_s, settings.t_d_s
+    best = settings.max_retry_after_s
+    for d in load.decode:
+        batch, ctx = d.at(at, t_d, predictive)
+        for leave_s, c in d.departures(at, t_d, predictive):
+            if leave_s - at >= best:  # departures only get later: this instance cannot beat `best`
+                break
+            batch, ctx = batch - 1, ctx - c
+            if step(batch + 1, ctx + context_tokens) <= slo:
+                best = leave_s - at
+                break
+    return _clamp(best, settings)
+
+
+def _clamp(seconds: float, settings: AdmissionSettings) -> float:
+    return min(max(seconds, settings.min_retry_after_s), settings.max_retry_after_s)

@@ -1,0 +1,56 @@
+"""Decode instance settings (flags and MOONBUS_* environment variables)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from common import config as common
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    nats_url: str
+    instance_id: str
+    node: str
+    shm_dir: Path
+    model: str
+    home: Path
+    log_level: str
+    threads: int
+    heartbeat_interval_s: float
+    max_batch: int
+
+    def __post_init__(self) -> None:
+        common.check_subject_token("instance id", self.instance_id)
+        common.check_subject_token("node", self.node)
+        if self.threads < 0:
+            raise ValueError("threads must be >= 0 (0 = torch default)")
+        if self.heartbeat_interval_s <= 0:
+            raise ValueError("heartbeat interval must be > 0")
+        if self.max_batch < 1:
+            raise ValueError("max batch must be >= 1")
+
+
+def load(argv: list[str] | None = None) -> DecodeConfig:
+    parser = argparse.ArgumentParser(prog="python -m services.decode", description="moonbus decode instance")
+    common.add_common_flags(parser, "decode")
+    common.add_node_flags(parser)
+    common.add_model_flags(parser)
+    common.flag(parser, "--threads", "MOONBUS_THREADS", 0, int, help="torch intra-op threads (0 = default)")
+    common.flag(parser, "--heartbeat-interval", "MOONBUS_HEARTBEAT_INTERVAL", 1.0, float, help="seconds")
+    common.flag(parser, "--max-batch", "MOONBUS_MAX_BATCH", 64, int, help="most requests decoding at once")
+    args = parser.parse_args(argv)
+    return DecodeConfig(
+        nats_url=args.nats_url,
+        instance_id=args.instance_id,
+        node=args.node,
+        shm_dir=common.shm_dir_for(args.node, args.shm_dir),
+        model=args.model,
+        home=Path(args.home),
+        log_level=args.log_level,
+        threads=args.threads,
+        heartbeat_interval_s=args.heartbeat_interval,
+        max_batch=args.max_batch,
+    )

@@ -1,0 +1,147 @@
+"""Decode instance: continues requests whose KV has arrived, one token per iteration each.
+
+DecodeTask (NATS) -> load the KV from the node's shared memory -> join the running set ->
+every iteration: one forward per running request, sample, publish its token to the gateway,
+drop finished or cancelled requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from nats.aio.msg import Msg
+from transformers import DynamicCache
+
+from common import bus, engine, kvfiles, models, runner, sampling
+from schemas import subjects
+from schemas.decode import DecodeTask
+from schemas.tokens import TokenChunk
+from schemas.workers import WorkerInfo
+from services.decode.config import DecodeConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Sequence:
+    task: DecodeTask
+    cache: DynamicCache
+    last_token: int
+    num_generated: int = 1  # the first token came from prefill
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def request_id(self) -> str:
+        return self.task.request_id
+
+
+class DecodeService:
+    def __init__(self, cfg: DecodeConfig, nc, model, eos_token_id: int | None, max_context: int) -> None:
+        self.cfg = cfg
+        self.nc = nc
+        self.model = model
+        self.eos_token_id = eos_token_id
+        self.max_context = max_context
+        self.events = bus.EventPublisher(nc, "decode", cfg.instance_id)
+        self.waiting: asyncio.Queue[DecodeTask] = asyncio.Queue()
+        self.running: dict[str, Sequence] = {}  # request_id -> Sequence
+        self.cancelled: set[str] = set()
+
+    async def on_task(self, msg: Msg) -> None:
+        try:
+            await self.waiting.put(DecodeTask.from_bytes(msg.data))
+        except ValueError:
+            log.exception("dropping malformed decode task")
+
+    async def on_cancel(self, msg: Msg) -> None:
+        self.cancelled.add(msg.data.decode())
+        if len(self.cancelled) > 10_000:
+            self.cancelled.clear()
+
+    async def loop(self) -> None:
+        while True:
+            if not self.running:
+                await self.admit(await self.waiting.get())
+            while not self.waiting.empty() and len(self.running) < self.cfg.max_batch:
+                await self.admit(self.waiting.get_nowait())
+            for rid in [rid for rid in self.running if rid in self.cancelled]:
+                del self.running[rid]
+            if self.running:
+                await self.iterate()
+
+    async def admit(self, task: DecodeTask) -> None:
+        rid = task.request_id
+        if rid in self.cancelled:
+            kvfiles.remove(self.cfg.shm_dir, task.kv)
+            return
+        try:
+            kv = await asyncio.to_thread(kvfiles.read, self.cfg.shm_dir, task.kv, True)
+        except (OSError, kvfiles.KvChecksumError) as exc:
+            log.error("request %s: cannot load its KV: %s", rid, exc)
+            await self.nc.publish(task.reply_subject, TokenChunk(rid, 1, [], error=f"decode could not load KV: {exc}",
+                                                                 error_status=500, source=self.cfg.instance_id).to_bytes())
+            return
+        self.running[rid] = Sequence(task, engine.cache_from_kv(kv), task.first_token)
+
+    async def iterate(self) -> None:
+        batch = list(self.running.values())
+        tokens = await asyncio.to_thread(self.step, batch)
+        for seq, token in zip(batch, tokens):
+            index = seq.num_generated
+            seq.num_generated += 1
+            seq.last_token = token
+            finish = self.finish_reason(seq, token)
+            chunk = TokenChunk(seq.request_id, index, [token], finish_reason=finish, source=self.cfg.instance_id)
+            await self.nc.publish(seq.task.reply_subject, chunk.to_bytes())
+            if finish is not None:
+                del self.running[seq.request_id]
+                await self.events.request("decode_finished", seq.request_id, tokens=seq.num_generated,
+                                          seconds=round(time.perf_counter() - seq.started, 6), finish_reason=finish)
+
+    def step(self, batch: list[Sequence]) -> list[int]:
+        """One iteration over the running set (runs in a worker thread)."""
+        out = []
+        for seq in batch:
+            logits = engine.decode_step(self.model, seq.last_token, seq.cache)
+            out.append(sampling.sample(logits, seq.task.sampling, step=seq.num_generated))
+        return out
+
+    def finish_reason(self, seq: Sequence, token: int) -> str | None:
+        if token == self.eos_token_id and not seq.task.sampling.ignore_eos:
+            return "stop"
+        if seq.num_generated >= seq.task.sampling.max_tokens:
+            return "length"
+        if len(seq.task.prompt_token_ids) + seq.num_generated >= self.max_context:
+            return "length"
+        return None
+
+    async def heartbeat(self) -> None:
+        info = WorkerInfo(self.cfg.instance_id, "decode", self.cfg.node, self.cfg.model,
+                          num_queued=self.waiting.qsize(), num_running=len(self.running))
+        await self.nc.publish(subjects.WORKER_HEARTBEAT, info.to_bytes())
+
+
+async def serve(cfg: DecodeConfig, stop: asyncio.Event) -> None:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    ref = models.prepare(cfg.model, cfg.home)
+    model = await asyncio.to_thread(models.load_model, ref)
+    eos = model.generation_config.eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+    nc = await bus.connect(cfg.nats_url, cfg.instance_id)
+    service = DecodeService(cfg, nc, model, eos, models.read_shape(ref).max_context)
+    tasks = runner.TaskGroup(stop)
+    await nc.subscribe(subjects.decode_tasks(cfg.instance_id), cb=service.on_task)
+    await nc.subscribe(subjects.REQUEST_CANCEL, cb=service.on_cancel)
+    tasks.spawn(service.loop(), "decode-loop")
+    tasks.spawn(runner.every(cfg.heartbeat_interval_s, stop, service.heartbeat), "heartbeat")
+    await service.events.instance("started", cfg.instance_id, role="decode", node=cfg.node, model=ref.name)
+    log.info("decode %s ready on node %s (model %s)", cfg.instance_id, cfg.node, ref.name)
+    await stop.wait()
+    await nc.publish(subjects.WORKER_HEARTBEAT, WorkerInfo(cfg.instance_id, "decode", cfg.node, leaving=True).to_bytes())
+    await tasks.cancel_all()
+    await nc.drain()

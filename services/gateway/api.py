@@ -1,0 +1,168 @@
+"""HTTP routes of the gateway (aiohttp): the OpenAI-compatible API, /health and /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+
+from services.gateway import protocol
+from services.gateway.protocol import ApiError
+from services.gateway.service import Gateway, Generation
+
+log = logging.getLogger(__name__)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("moonbus_gateway_requests", "requests by endpoint and HTTP status",
+                                ["endpoint", "status"], registry=self.registry)
+        self.ttft = Histogram("moonbus_gateway_ttft_seconds", "time to first token",
+                              buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60), registry=self.registry)
+        self.tokens = Counter("moonbus_gateway_completion_tokens", "completion tokens sent", registry=self.registry)
+
+
+def json_response(body: dict, status: int = 200, headers: dict | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json", headers=headers)
+
+
+def error_response(err: ApiError) -> web.Response:
+    headers = {"Retry-After": str(max(1, math.ceil(err.retry_after_s)))} if err.status in (429, 503) else None
+    return json_response(err.body(), err.status, headers)
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler):
+    """Every failure answers in the OpenAI error shape; never a traceback."""
+    try:
+        return await handler(request)
+    except ApiError as err:
+        return error_response(err)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(ApiError(exc.status, exc.reason or "error"))
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("unhandled error on %s", request.path)
+        return error_response(ApiError(500, "internal error; see the gateway log"))
+
+
+class Api:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.metrics = Metrics()
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[errors_middleware], client_max_size=64 * 1024**2)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_page)
+        return app
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.generate(request, "completion")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.generate(request, "chat")
+
+    async def generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as exc:
+            self.metrics.requests.labels(kind, "400").inc()
+            raise ApiError(400, f"the request body is not valid JSON: {exc}")
+        try:
+            req = protocol.parse(body, kind, self.gateway.served_model)
+            gen = await self.gateway.start(req)
+        except ApiError as err:
+            self.metrics.requests.labels(kind, str(err.status)).inc()
+            raise
+        if req.stream:
+            return await self.stream(request, gen)
+        return await self.collect(gen)
+
+    async def collect(self, gen: Generation) -> web.Response:
+        parts = []
+        try:
+            async for delta in self.gateway.deltas(gen):
+                parts.append(delta.text)
+                gen.finish_reason = delta.finish_reason or gen.finish_reason
+        except ApiError as err:
+            await self.gateway.end(gen, "failed", status=err.status, reason=err.message)
+            self.metrics.requests.labels(gen.request.kind, str(err.status)).inc()
+            raise
+        except BaseException:
+            await self.gateway.end(gen, "cancelled", reason="client went away")
+            raise
+        await self.finish_ok(gen)
+        usage = protocol.usage(len(gen.prompt_ids), gen.completion_tokens, gen.cached_tokens)
+        return json_response(protocol.full_response(gen.request, gen.request_id, gen.created, "".join(parts),
+                                                    gen.finish_reason, usage))
+
+    async def stream(self, request: web.Request, gen: Generation) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "X-Request-Id": gen.request_id})
+        req = gen.request
+        try:
+            await response.prepare(request)
+            first = True
+            async for delta in self.gateway.deltas(gen):
+                gen.finish_reason = delta.finish_reason or gen.finish_reason
+                if delta.text or delta.finish_reason or first:
+                    chunk = protocol.stream_chunk(req, gen.request_id, gen.created, delta.text, delta.finish_reason, first)
+                    await send_event(response, chunk)
+                    first = False
+            if req.include_usage:
+                usage = protocol.usage(len(gen.prompt_ids), gen.completion_tokens, gen.cached_tokens)
+                await send_event(response, protocol.usage_chunk(req, gen.request_id, gen.created, usage))
+            await response.write(b"data: [DONE]\n\n")
+        except ApiError as err:
+            await self.gateway.end(gen, "failed", status=err.status, reason=err.message)
+            self.metrics.requests.labels(req.kind, str(err.status)).inc()
+            await send_event(response, err.body() | {"error": err.body()["error"] | {"code": err.status}})
+            await response.write(b"data: [DONE]\n\n")
+            return response
+        except BaseException:
+            await self.gateway.end(gen, "cancelled", reason="client went away")
+            raise
+        await self.finish_ok(gen)
+        await response.write_eof()
+        return response
+
+    async def finish_ok(self, gen: Generation) -> None:
+        await self.gateway.end(gen, "completed", finish_reason=gen.finish_reason)
+        self.metrics.requests.labels(gen.request.kind, "200").inc()
+        self.metrics.tokens.inc(gen.completion_tokens)
+        if gen.ttft_s is not None:
+            self.metrics.ttft.observe(gen.ttft_s)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return json_response(protocol.models_list(self.gateway.served_model))
+
+    async def health(self, request: web.Request) -> web.Response:
+        status = await self.gateway.cluster_status()
+        if status is None:
+            return json_response({"status": "unavailable", "reason": "no conductor answered"}, 503)
+        roles: dict[str, int] = {}
+        for worker in status.workers:
+            roles[worker.role] = roles.get(worker.role, 0) + 1
+        ready = roles.get("prefill", 0) > 0 and roles.get("decode", 0) > 0
+        body = {"status": "ok" if ready else "unavailable", "model": self.gateway.served_model,
+                "instances": roles, "in_flight": status.in_flight}
+        return json_response(body, 200 if ready else 503)
+
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def send_event(response: web.StreamResponse, payload: dict) -> None:
+    await response.write(b"data: " + orjson.dumps(payload) + b"\n\n")

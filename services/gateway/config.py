@@ -1,0 +1,56 @@
+"""Gateway settings."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from common import config as common
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    nats_url: str
+    instance_id: str
+    home: Path
+    log_level: str
+    host: str
+    port: int
+    model: str
+    route_timeout_s: float  # how long to wait for the conductor's answer
+    stall_timeout_s: float  # a request with no news from any worker for this long fails (504)
+    default_chat_max_tokens: int  # when a chat request sets no max_tokens (completions default to 16)
+
+    def __post_init__(self) -> None:
+        common.check_subject_token("instance id", self.instance_id)
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port {self.port} out of range")
+        if min(self.route_timeout_s, self.stall_timeout_s) <= 0:
+            raise ValueError("timeouts must be > 0")
+        if self.default_chat_max_tokens < 1:
+            raise ValueError("default chat max tokens must be >= 1")
+
+
+def load(argv: list[str] | None = None) -> GatewayConfig:
+    parser = argparse.ArgumentParser(prog="python -m services.gateway", description="moonbus gateway (OpenAI-compatible HTTP API)")
+    common.add_common_flags(parser, "gateway")
+    common.add_model_flags(parser)
+    common.flag(parser, "--host", "MOONBUS_HOST", "127.0.0.1", help="HTTP bind address")
+    common.flag(parser, "--port", "MOONBUS_PORT", 8000, int, help="HTTP port")
+    common.flag(parser, "--route-timeout", "MOONBUS_ROUTE_TIMEOUT", 5.0, float, help="seconds to wait for a route")
+    common.flag(parser, "--stall-timeout", "MOONBUS_STALL_TIMEOUT", 120.0, float, help="seconds without progress before a request fails")
+    common.flag(parser, "--default-chat-max-tokens", "MOONBUS_DEFAULT_CHAT_MAX_TOKENS", 512, int, help="max_tokens of a chat request that sets none")
+    args = parser.parse_args(argv)
+    return GatewayConfig(
+        nats_url=args.nats_url,
+        instance_id=args.instance_id,
+        home=Path(args.home),
+        log_level=args.log_level,
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        route_timeout_s=args.route_timeout,
+        stall_timeout_s=args.stall_timeout,
+        default_chat_max_tokens=args.default_chat_max_tokens,
+    )

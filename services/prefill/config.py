@@ -1,0 +1,54 @@
+"""Prefill instance settings (flags and MOONBUS_* environment variables)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from common import config as common
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    nats_url: str
+    instance_id: str
+    node: str
+    shm_dir: Path
+    model: str
+    home: Path
+    log_level: str
+    threads: int
+    heartbeat_interval_s: float
+    transfer_timeout_s: float
+
+    def __post_init__(self) -> None:
+        common.check_subject_token("instance id", self.instance_id)
+        common.check_subject_token("node", self.node)
+        if self.threads < 0:
+            raise ValueError("threads must be >= 0 (0 = torch default)")
+        if self.heartbeat_interval_s <= 0 or self.transfer_timeout_s <= 0:
+            raise ValueError("intervals and timeouts must be > 0")
+
+
+def load(argv: list[str] | None = None) -> PrefillConfig:
+    parser = argparse.ArgumentParser(prog="python -m services.prefill", description="moonbus prefill instance")
+    common.add_common_flags(parser, "prefill")
+    common.add_node_flags(parser)
+    common.add_model_flags(parser)
+    common.flag(parser, "--threads", "MOONBUS_THREADS", 0, int, help="torch intra-op threads (0 = default)")
+    common.flag(parser, "--heartbeat-interval", "MOONBUS_HEARTBEAT_INTERVAL", 1.0, float, help="seconds")
+    common.flag(parser, "--transfer-timeout", "MOONBUS_TRANSFER_TIMEOUT", 60.0, float, help="seconds for one KV transfer")
+    args = parser.parse_args(argv)
+    return PrefillConfig(
+        nats_url=args.nats_url,
+        instance_id=args.instance_id,
+        node=args.node,
+        shm_dir=common.shm_dir_for(args.node, args.shm_dir),
+        model=args.model,
+        home=Path(args.home),
+        log_level=args.log_level,
+        threads=args.threads,
+        heartbeat_interval_s=args.heartbeat_interval,
+        transfer_timeout_s=args.transfer_timeout,
+    )

@@ -1,0 +1,142 @@
+"""Prefill instance: computes a prompt's KV and first token, then hands the request to decode.
+
+task (NATS) -> forward pass in a worker thread -> first token to the gateway -> KV file in the
+node's shared memory -> local messenger moves it to the decode node -> DecodeTask to decode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import torch
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
+
+from common import bus, engine, kvfiles, models, runner, sampling
+from schemas import subjects
+from schemas.decode import DecodeTask
+from schemas.prefill import PrefillTask
+from schemas.tokens import TokenChunk
+from schemas.transfer import SendKv, SendKvReply
+from schemas.workers import WorkerInfo
+from services.prefill.config import PrefillConfig
+
+log = logging.getLogger(__name__)
+
+
+class TransferFailed(RuntimeError):
+    """Raised when the node's messenger could not move a request's KV to the decode node."""
+
+
+class PrefillService:
+    def __init__(self, cfg: PrefillConfig, nc, model, eos_token_id: int | None) -> None:
+        self.cfg = cfg
+        self.nc = nc
+        self.model = model
+        self.eos_token_id = eos_token_id
+        self.events = bus.EventPublisher(nc, "prefill", cfg.instance_id)
+        self.queue: asyncio.Queue[PrefillTask] = asyncio.Queue()
+        self.cancelled: set[str] = set()
+        self.running = 0
+
+    async def on_task(self, msg: Msg) -> None:
+        try:
+            task = PrefillTask.from_bytes(msg.data)
+        except ValueError:
+            log.exception("dropping malformed prefill task")
+            return
+        await self.queue.put(task)
+
+    async def on_cancel(self, msg: Msg) -> None:
+        self.cancelled.add(msg.data.decode())
+        if len(self.cancelled) > 10_000:  # ids of long-gone requests
+            self.cancelled.clear()
+
+    async def work_loop(self) -> None:
+        while True:
+            task = await self.queue.get()
+            if task.request_id in self.cancelled:
+                continue
+            self.running = 1
+            try:
+                await self.run_task(task)
+            except Exception as exc:
+                log.exception("request %s: prefill failed", task.request_id)
+                await self.reply(task, TokenChunk(task.request_id, 0, [], error=f"prefill failed: {exc}", error_status=500))
+            finally:
+                self.running = 0
+
+    async def run_task(self, task: PrefillTask) -> None:
+        rid = task.request_id
+        started = time.perf_counter()
+        cache, logits = await asyncio.to_thread(engine.prefill, self.model, task.prompt_token_ids)
+        first = sampling.sample(logits, task.sampling, step=0)
+        prefill_s = time.perf_counter() - started
+        finish = self.finish_reason(first, task)
+        await self.reply(task, TokenChunk(rid, 0, [first], finish_reason=finish, source=self.cfg.instance_id))
+        await self.events.request(
+            "prefilled", rid, prompt_tokens=len(task.prompt_token_ids), cached_tokens=0,
+            seconds=round(prefill_s, 6), decode_id=task.decode_id, finished=finish is not None,
+        )
+        if finish is not None or rid in self.cancelled:
+            return
+        kv = engine.kv_from_cache(cache)
+        handle = await asyncio.to_thread(kvfiles.write, self.cfg.shm_dir, self.cfg.node, f"{rid}.kv", kv)
+        reply = await self.send_kv(SendKv(rid, handle, task.decode_node))
+        await self.events.request(
+            "kv_transferred", rid, src_node=self.cfg.node, dest_node=task.decode_node,
+            bytes=reply.nbytes, seconds=round(reply.seconds, 6),
+        )
+        decode = DecodeTask(rid, task.prompt_token_ids, first, task.sampling, task.reply_subject, reply.dest, task.arrival_ts)
+        await self.nc.publish(subjects.decode_tasks(task.decode_id), decode.to_bytes())
+
+    async def send_kv(self, request: SendKv) -> SendKvReply:
+        subject = subjects.messenger_control(self.cfg.node, "send")
+        try:
+            msg = await self.nc.request(subject, request.to_bytes(), timeout=self.cfg.transfer_timeout_s)
+        except (NoRespondersError, NatsTimeout) as exc:
+            kvfiles.remove(self.cfg.shm_dir, request.src)
+            raise TransferFailed(f"no answer from the messenger of node {self.cfg.node}: {exc!r}") from exc
+        reply = SendKvReply.from_bytes(msg.data)
+        if not reply.ok or reply.dest is None:
+            raise TransferFailed(f"KV transfer to node {request.dest_node} failed: {reply.error}")
+        return reply
+
+    def finish_reason(self, token: int, task: PrefillTask) -> str | None:
+        if token == self.eos_token_id and not task.sampling.ignore_eos:
+            return "stop"
+        if task.sampling.max_tokens <= 1:
+            return "length"
+        return None
+
+    async def reply(self, task: PrefillTask, chunk: TokenChunk) -> None:
+        await self.nc.publish(task.reply_subject, chunk.to_bytes())
+
+    async def heartbeat(self) -> None:
+        info = WorkerInfo(self.cfg.instance_id, "prefill", self.cfg.node, self.cfg.model,
+                          num_queued=self.queue.qsize(), num_running=self.running)
+        await self.nc.publish(subjects.WORKER_HEARTBEAT, info.to_bytes())
+
+
+async def serve(cfg: PrefillConfig, stop: asyncio.Event) -> None:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    ref = models.prepare(cfg.model, cfg.home)
+    model = await asyncio.to_thread(models.load_model, ref)
+    eos = model.generation_config.eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+    nc = await bus.connect(cfg.nats_url, cfg.instance_id)
+    service = PrefillService(cfg, nc, model, eos)
+    tasks = runner.TaskGroup(stop)
+    await nc.subscribe(subjects.prefill_tasks(cfg.instance_id), cb=service.on_task)
+    await nc.subscribe(subjects.REQUEST_CANCEL, cb=service.on_cancel)
+    tasks.spawn(service.work_loop(), "prefill-work")
+    tasks.spawn(runner.every(cfg.heartbeat_interval_s, stop, service.heartbeat), "heartbeat")
+    await service.events.instance("started", cfg.instance_id, role="prefill", node=cfg.node, model=ref.name)
+    log.info("prefill %s ready on node %s (model %s)", cfg.instance_id, cfg.node, ref.name)
+    await stop.wait()
+    await nc.publish(subjects.WORKER_HEARTBEAT, WorkerInfo(cfg.instance_id, "prefill", cfg.node, leaving=True).to_bytes())
+    await tasks.cancel_all()
+    await nc.drain()

@@ -1,0 +1,122 @@
+"""Admission verdicts per mode, on hand-built decode loads.
+
+Decode step = 0.01 + 0.01 * batch, TBT SLO 0.1 s: with the new request added, an instance stays
+within the SLO while it already runs at most 8 requests. t_d = 5 s in decode per request.
+"""
+
+import pytest
+
+from common.perf import DecodeModel, PrefillModel, Profile
+from services.conductor.admission import AdmissionSettings, DecodeLoad, DecodeLoadSnapshot, admit, decode_admits
+from services.conductor.policy import DecodeCandidate
+
+PERF = Profile(PrefillModel((0.0, 0.001, 0.0, 0.0)), DecodeModel((0.01, 0.01, 0.0)))
+NOW = 100.0
+
+
+def make_settings(mode: str) -> AdmissionSettings:
+    return AdmissionSettings(mode, ttft_slo_s=5.0, tbt_slo_s=0.1, t_d_s=5.0)
+
+
+def make_instance(decode_id: str = "d0", decoding: dict[float, int] | None = None,
+                  in_prefill: dict[float, int] | None = None) -> DecodeLoad:
+    """`decoding`: start time -> how many requests joined then; `in_prefill`: finish time -> how many.
+    Every request has 100 context tokens."""
+    starts = [t for t, n in sorted((decoding or {}).items()) for _ in range(n)]
+    finishes = [t for t, n in sorted((in_prefill or {}).items()) for _ in range(n)]
+    return DecodeLoad(decode_id, tuple(starts), (100,) * len(starts), tuple(finishes), (100,) * len(finishes))
+
+
+def make_load(*instances: DecodeLoad) -> DecodeLoadSnapshot:
+    return DecodeLoadSnapshot(NOW, instances)
+
+
+def judge(mode: str, load: DecodeLoadSnapshot, ttft_s: float = 2.0):
+    return admit(ttft_s, 100, load, make_settings(mode), PERF)
+
+
+# Draining: 10 decoding requests that leave at 101, before this prefill ends at 102.
+DRAINING = make_load(make_instance(decoding={96.0: 10}))
+# Filling: 2 decoding now, 10 in prefill that join at 101 and stay until 106.
+FILLING = make_load(make_instance(decoding={99.0: 2}, in_prefill={101.0: 10}))
+
+
+def test_none_admits_everything():
+    v = judge("none", DRAINING, ttft_s=100.0)
+    assert v.admit and v.stage == "arrival"
+
+
+@pytest.mark.parametrize("mode", ["baseline", "early", "predictive"])
+def test_ttft_over_slo_rejects_with_retry_after_the_excess(mode):
+    v = judge(mode, make_load(make_instance()), ttft_s=8.5)
+    assert not v.admit and "ttft" in v.reason
+    assert v.retry_after_s == pytest.approx(3.5)
+
+
+def test_retry_after_is_at_least_one_second():
+    assert judge("baseline", make_load(make_instance()), ttft_s=5.2).retry_after_s == 1.0
+
+
+def test_baseline_ignores_decode_load():
+    assert judge("baseline", DRAINING).admit
+    assert judge("baseline", FILLING).admit
+
+
+def test_early_rejects_current_overload_predictive_admits_because_it_drains():
+    early = judge("early", DRAINING)
+    assert not early.admit
+    assert early.tbt_s == pytest.approx(0.12) and early.decode_id == "d0"
+    # two departures at 101 bring 10 -> 8 running: 1 s after now
+    assert early.retry_after_s == pytest.approx(1.0)
+    predictive = judge("predictive", DRAINING)
+    assert predictive.admit
+    assert predictive.tbt_s == pytest.approx(0.02)  # empty by 102: only this request
+
+
+def test_early_admits_predictive_rejects_because_prefills_land_on_decode():
+    assert judge("early", FILLING).admit
+    predictive = judge("predictive", FILLING)
+    assert not predictive.admit
+    assert predictive.tbt_s == pytest.approx(0.14)  # 2 + 10 running at 102, plus this one
+    # departures: 2 at 104, then 10 at 106; under the SLO at 8 running, i.e. 106 - 102
+    assert predictive.retry_after_s == pytest.approx(4.0)
+
+
+def test_predictive_picks_the_instance_that_will_be_lightest():
+    load = make_load(make_instance("d1", decoding={99.0: 3}, in_prefill={101.0: 7}), make_instance("d0", decoding={99.0: 9}))
+    v = judge("predictive", load)
+    # at 102: d0 runs 9 (tbt 0.11), d1 runs 3 + 7 = 10 (tbt 0.12): both over
+    assert not v.admit and v.decode_id == "d0" and v.tbt_s == pytest.approx(0.11)
+    # d0's 9 and d1's 3 leave at 104, 2 s after the prefill ends
+    assert v.retry_after_s == pytest.approx(2.0)
+
+
+def test_load_at_counts_arrivals_and_departures():
+    d = make_instance(decoding={96.0: 3, 99.0: 2}, in_prefill={101.0: 4, 103.0: 1, 95.0: 1})
+    assert d.at(NOW, 5.0, predictive=False) == (5, 500)
+    # at 102: the 3 from 96 and the prefill done at 95 have left; 2 still + 4 joined; 103 not yet
+    assert d.at(102.0, 5.0, predictive=True) == (6, 600)
+    assert list(d.departures(102.0, 5.0, predictive=True)) == [(104.0, 100)] * 2 + [(106.0, 100)] * 4
+
+
+def test_decode_load_rejects_mismatched_lengths():
+    with pytest.raises(ValueError):
+        DecodeLoad("d0", (1.0, 2.0), (100,))
+
+
+def test_no_decode_instance_rejects():
+    v = judge("early", make_load())
+    assert not v.admit and v.retry_after_s == 1.0
+
+
+def test_decode_admits_late_check():
+    assert decode_admits(DecodeCandidate("d0", "n", 8, 800), 100, PERF, 0.1)
+    assert not decode_admits(DecodeCandidate("d0", "n", 9, 900), 100, PERF, 0.1)
+    assert not decode_admits(DecodeCandidate("d0", "n", 0, 0, kv_free_tokens=50), 100, PERF, 0.1)
+
+
+@pytest.mark.parametrize("kwargs", [{"mode": "eager"}, {"tbt_slo_s": 0}, {"t_d_s": -1},
+                                    {"min_retry_after_s": 5, "max_retry_after_s": 1}])
+def test_settings_are_validated(kwargs):
+    with pytest.raises(ValueError):
+        AdmissionSettings(**kwargs)

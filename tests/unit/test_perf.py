@@ -1,0 +1,122 @@
+"""Performance models: fits recover known formulas; analytic numbers; profile files round-trip."""
+
+import numpy as np
+import pytest
+
+from common.perf import (
+    A800_X8,
+    LLAMA3_70B,
+    AnalyticDecodeModel,
+    AnalyticPrefillModel,
+    DecodeModel,
+    DecodeSample,
+    PrefillModel,
+    PrefillSample,
+    Profile,
+    analytic_profile,
+    transfer_seconds,
+)
+
+TRUE_PREFILL = (0.005, 2e-4, 3e-8, 1e-6)  # fixed, per computed token, attention, per prefix token
+TRUE_DECODE = (0.02, 0.003, 2e-6)
+
+
+def true_prefill(n: int, p: int) -> float:
+    c0, c1, c2, c3 = TRUE_PREFILL
+    return c0 + c1 * (n - p) + c2 * (n * n - p * p) + c3 * p
+
+
+def make_prefill_samples(noise: float, seed: int) -> list[PrefillSample]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in (64, 128, 256, 512, 1024, 2048, 4096):
+        for frac in (0.0, 0.25, 0.5, 0.75, 0.95):
+            p = int(n * frac)
+            out.append(PrefillSample(n, p, true_prefill(n, p) * (1 + noise * rng.standard_normal())))
+    return out
+
+
+def make_decode_samples(noise: float, seed: int) -> list[DecodeSample]:
+    rng = np.random.default_rng(seed)
+    a, b, c = TRUE_DECODE
+    return [DecodeSample(batch, ctx, (a + b * batch + c * ctx) * (1 + noise * rng.standard_normal()))
+            for batch in (1, 2, 4, 8, 16, 32) for ctx in (batch * 128, batch * 1024, batch * 4096)]
+
+
+def test_prefill_fit_recovers_exact_formula():
+    model = PrefillModel.fit(make_prefill_samples(0.0, 0))
+    assert model.coef == pytest.approx(TRUE_PREFILL, rel=1e-6)
+    assert model.fit_error.max_rel < 1e-9
+    assert model.grid["input_tokens"] == [64, 128, 256, 512, 1024, 2048, 4096]
+
+
+def test_prefill_fit_with_noise_predicts_held_out():
+    model = PrefillModel.fit(make_prefill_samples(0.02, seed=1))
+    report = model.error_report(make_prefill_samples(0.0, seed=2))
+    assert report.mean_rel < 0.02 and report.max_rel < 0.06
+    assert report.num_samples == 35
+    assert model.seconds(3000, 1000) == pytest.approx(true_prefill(3000, 1000), rel=0.03)
+
+
+def test_decode_fit_recovers_formula_and_predicts_held_out():
+    exact = DecodeModel.fit(make_decode_samples(0.0, 0))
+    assert exact.coef == pytest.approx(TRUE_DECODE, rel=1e-6)
+    noisy = DecodeModel.fit(make_decode_samples(0.02, seed=3))
+    assert noisy.error_report(make_decode_samples(0.0, seed=4)).mean_rel < 0.02
+
+
+def test_fit_needs_enough_positive_samples():
+    with pytest.raises(ValueError):
+        PrefillModel.fit([PrefillSample(10, 0, 0.1)])
+    with pytest.raises(ValueError):
+        DecodeModel.fit([DecodeSample(1, 1, 0.0)] * 5)
+
+
+def test_analytic_prefill_flops_llama3_70b():
+    model = AnalyticPrefillModel.from_specs(LLAMA3_70B, A800_X8, efficiency=0.5)
+    # 80 * (4 * 1000^2 * 8192 + 22 * 1000 * 8192^2)
+    assert model.flops(1000) == pytest.approx(1.2073304064e14)
+    assert model.flops(0) == 0
+    # a cached prefix of p tokens saves flops(p)
+    expected = (model.flops(8000) - model.flops(6000)) / (8 * 312e12 * 0.5)
+    assert model.seconds(8000, 6000) == pytest.approx(expected)
+
+
+def test_presets():
+    assert LLAMA3_70B.kv_bytes_per_token == 80 * 2 * 8 * 128 * 2 == 327_680
+    assert LLAMA3_70B.n_heads // LLAMA3_70B.n_kv_heads == 8
+    assert A800_X8.gpu_flops == pytest.approx(2.496e15) and A800_X8.nic_bytes_s == pytest.approx(100e9)
+
+
+def test_analytic_decode_is_memory_bound():
+    model = AnalyticDecodeModel.from_specs(LLAMA3_70B, A800_X8, efficiency=1.0)
+    assert model.step_seconds(1, 0) == pytest.approx(70.6e9 * 2 / 16e12)
+    # each context token adds its KV bytes to every step
+    assert model.step_seconds(1, 100_000) - model.step_seconds(1, 0) == pytest.approx(327_680 * 100_000 / 16e12)
+
+
+def test_transfer_seconds_counts_queued_bytes():
+    assert transfer_seconds(1e9, 1e9) == 1.0
+    assert transfer_seconds(1e9, 1e9, queued_bytes=5e8) == 1.5
+
+
+def test_profile_round_trip(tmp_path):
+    fitted = Profile(PrefillModel.fit(make_prefill_samples(0.0, 0)), DecodeModel.fit(make_decode_samples(0.0, 0)),
+                     model="SmolLM2-135M-Instruct", device="cpu", kv_bytes_per_token=46080, meta={"threads": 16})
+    path = tmp_path / "profile.json"
+    fitted.save(path)
+    loaded = Profile.load(path)
+    assert loaded == fitted and loaded.meta == {"threads": 16}
+    assert loaded.prefill.fit_error == fitted.prefill.fit_error
+    assert loaded.prefill.seconds(500, 100) == fitted.prefill.seconds(500, 100)
+
+    analytic = analytic_profile()
+    analytic.save(path)
+    assert Profile.load(path) == analytic
+
+
+def test_profile_rejects_unknown_kind():
+    obj = analytic_profile().to_dict()
+    obj["prefill"]["kind"] = "magic"
+    with pytest.raises(ValueError):
+        Profile.from_dict(obj)

@@ -1,0 +1,253 @@
+"""`moonbus bench conductor`: how fast the conductor decides one request, ours against `random`.
+
+Setup (scaled to the released trace, so nothing needs a model):
+  - 32 nodes: 16 prefill instances on node-00..15, 16 decode instances on node-16..31.
+  - The PrefixIndex is filled with the chained keys of the first --fill-rows rows of the
+    conversation trace (512-token blocks), each row stored on one prefill node (round robin,
+    every 4th row in the SSD tier), so shared prefixes end up replicated over several nodes.
+  - The remaining rows are the queries, replayed round robin until --decisions.
+  - Cluster state (prefill queues, sender congestion, decode batches, requests in prefill and in
+    decode: up to 32 decoding and 8 in prefill per decode instance) comes from a pool of
+    --states states drawn from a seeded RNG, outside the timed section. Like the live conductor,
+    the pool keeps candidate objects built (they change on dispatch/completion, not per request).
+  - Performance model: analytic LLaMA3-70B on 8xA800 (common/perf.py), NIC link 100 GB/s.
+
+Timed, per request (time.perf_counter_ns): the full decision the conductor makes,
+    index match -> snapshot (holders from the match + snapshot objects) -> policy decide
+    -> admission (mode predictive)
+Block keys are computed outside it (from the trace's hash ids; the live conductor hashes tokens).
+The `random` baseline skips the index match (it needs no prefix lengths) but builds the same
+snapshot and runs the same admission. Goal: p99 < 200 us for kvcache-centric. Single thread,
+garbage collector on, as in the live service.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+from common.kv.blocks import block_keys_from_hash_ids
+from common.perf import A800_X8, LLAMA3_70B, Profile, analytic_profile
+from common.traces import TRACE_BLOCK_TOKENS, load_trace
+from services.cache_index.index import KvEvent, PrefixIndex
+from services.conductor.admission import AdmissionSettings, DecodeLoad, DecodeLoadSnapshot, Verdict, admit
+from services.conductor.policy import (
+    POLICIES,
+    ClusterSnapshot,
+    Decision,
+    DecodeCandidate,
+    PolicySettings,
+    PrefillCandidate,
+    RequestInfo,
+    decide,
+)
+
+GOAL_P99_US = 200.0
+NUM_PREFILL = NUM_DECODE = 16
+PREFILL_NODES = tuple(f"node-{i:02d}" for i in range(NUM_PREFILL))
+DECODE_NODES = tuple(f"node-{i:02d}" for i in range(NUM_PREFILL, NUM_PREFILL + NUM_DECODE))
+PREFILL_IDS = tuple(f"prefill-{i:02d}" for i in range(NUM_PREFILL))
+DECODE_IDS = tuple(f"decode-{i:02d}" for i in range(NUM_DECODE))
+STAGES = ("match", "snapshot", "decide", "admit")
+
+
+def _default_trace() -> Path:
+    root = Path(__file__).resolve().parents[2]
+    for base in (root / "shared", root.parent / "shared", Path.cwd() / "shared"):
+        path = base / "data" / "traces" / "conversation_trace.jsonl"
+        if path.exists():
+            return path
+    return root.parent / "shared" / "data" / "traces" / "conversation_trace.jsonl"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", type=Path, default=_default_trace(), help="conversation trace (JSONL)")
+    parser.add_argument("--fill-rows", type=int, default=10_000, help="trace rows stored in the index")
+    parser.add_argument("--decisions", type=int, default=20_000, help="timed decisions per policy")
+    parser.add_argument("--policies", default="kvcache-centric,random",
+                        help=f"comma-separated, from {','.join(POLICIES)}; the first is ours, random is the baseline")
+    parser.add_argument("--states", type=int, default=256, help="cluster states in the pool")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    request: RequestInfo
+    keys: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class State:
+    """What the conductor holds in memory besides the index, as it would keep it between requests."""
+
+    now: float
+    prefill: tuple[PrefillCandidate, ...]
+    decode: tuple[DecodeCandidate, ...]
+    sender_queued: dict[str, int]  # node -> bytes
+    loads: tuple[DecodeLoad, ...]
+    draw: float
+
+
+def run(args: argparse.Namespace) -> int:
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if any(p not in POLICIES for p in policies):
+        print(f"unknown policy in {args.policies!r}; choose from {POLICIES}", file=sys.stderr)
+        return 2
+    if "random" not in policies:
+        policies.append("random")
+    rows = load_trace(args.trace)
+    if len(rows) <= args.fill_rows:
+        print(f"{args.trace}: {len(rows)} rows, need more than --fill-rows {args.fill_rows}", file=sys.stderr)
+        return 2
+    index, replicas = _fill_index(rows[: args.fill_rows])
+    queries = [Query(RequestInfo(f"req-{i}", r.input_length, len(r.hash_ids)), block_keys_from_hash_ids(r.hash_ids))
+               for i, r in enumerate(rows[args.fill_rows:])]
+    perf = analytic_profile(LLAMA3_70B, A800_X8)
+    admission = AdmissionSettings("predictive", ttft_slo_s=5.0, tbt_slo_s=0.05, t_d_s=20.0)
+    rng = random.Random(args.seed)
+    states = [_draw_state(rng, 1000.0 + i) for i in range(args.states)]
+    settings = [PolicySettings(p, block_tokens=TRACE_BLOCK_TOKENS, kv_bytes_per_token=perf.kv_bytes_per_token,
+                               link_bytes_s=A800_X8.nic_bytes_s) for p in policies]
+    results = _bench(index, queries, states, settings, admission, perf, args.decisions)
+    ours = policies[0]
+    report = {
+        "trace": str(args.trace), "fill_rows": args.fill_rows, "query_rows": len(queries),
+        "index_keys": len(index), "index_replicas": replicas, "nodes": len(PREFILL_NODES) + len(DECODE_NODES),
+        "prefill_instances": NUM_PREFILL, "decode_instances": NUM_DECODE, "decisions": args.decisions,
+        "model": f"analytic {LLAMA3_70B.name} on {A800_X8.name}", "block_tokens": TRACE_BLOCK_TOKENS,
+        "admission_mode": admission.mode, "goal_p99_us": GOAL_P99_US,
+        "goal_met": results[ours]["p99_us"] < GOAL_P99_US, "ours": ours, "baseline": "random",
+        "ratio_p50": results[ours]["p50_us"] / results["random"]["p50_us"],
+        "ratio_p99": results[ours]["p99_us"] / results["random"]["p99_us"],
+        "results": results,
+    }
+    if args.json:
+        sys.stdout.write(orjson.dumps(report).decode() + "\n")
+    else:
+        _print_table(report, policies)
+    return 0
+
+
+def _fill_index(rows) -> tuple[PrefixIndex, int]:
+    """Store each row's keys on one prefill node; returns the index and its (key, node) count."""
+    index = PrefixIndex()
+    seq = dict.fromkeys(PREFILL_NODES, 0)
+    held: set[tuple[str, int]] = set()
+    for i, row in enumerate(rows):
+        node = PREFILL_NODES[i % NUM_PREFILL]
+        keys = block_keys_from_hash_ids(row.hash_ids)
+        fresh = tuple(k for k in keys if (node, k) not in held)
+        if not fresh:
+            continue
+        held.update((node, k) for k in fresh)
+        seq[node] += 1
+        index.apply(KvEvent(node, seq[node], "stored", fresh, "ssd" if i % 4 == 3 else "dram"))
+    return index, len(held)
+
+
+def _draw_state(rng: random.Random, now: float) -> State:
+    decode, loads = [], []
+    for did, node in zip(DECODE_IDS, DECODE_NODES):
+        running, waiting = rng.randint(0, 32), rng.randint(0, 8)
+        starts = sorted(now - rng.uniform(0, 25.0) for _ in range(running))
+        contexts = tuple(rng.randint(500, 30_000) for _ in range(running))
+        finishes = sorted(now + rng.uniform(0, 4.0) for _ in range(waiting))
+        loads.append(DecodeLoad(did, tuple(starts), contexts, tuple(finishes),
+                                tuple(rng.randint(500, 30_000) for _ in range(waiting))))
+        decode.append(DecodeCandidate(did, node, running, sum(contexts)))
+    prefill = tuple(PrefillCandidate(pid, node, rng.uniform(0.0, 3.0)) for pid, node in zip(PREFILL_IDS, PREFILL_NODES))
+    queued = {n: rng.choice((0, 0, rng.randint(0, 2_000_000_000))) for n in PREFILL_NODES}
+    return State(now, prefill, tuple(decode), queued, tuple(loads), rng.random())
+
+
+def _bench(index: PrefixIndex, queries: list[Query], states: list[State], settings: list[PolicySettings],
+           admission: AdmissionSettings, perf: Profile, decisions: int) -> dict[str, dict]:
+    """Time every policy on the same (query, state) pairs, interleaved, so machine noise hits all alike."""
+    warmup = min(500, decisions)
+    samples: dict[str, list[tuple[int, int, int, int, int]]] = {s.policy: [] for s in settings}
+    outcomes = {s.policy: [0, 0, 0] for s in settings}  # pulls, prefix blocks reused, rejects
+    gc.collect()
+    for i in range(warmup + decisions):
+        q, state = queries[i % len(queries)], states[i % len(states)]
+        for s in settings:
+            stamps, decision, verdict = _decide_once(index, q, state, s, admission, perf)
+            if i >= warmup:
+                samples[s.policy].append(stamps)
+                out = outcomes[s.policy]
+                out[0] += decision.pull is not None
+                out[1] += decision.prefix_blocks
+                out[2] += not verdict.admit
+    return {policy: _summary(rows, outcomes[policy], decisions) for policy, rows in samples.items()}
+
+
+def _decide_once(index: PrefixIndex, q: Query, state: State, settings: PolicySettings, admission: AdmissionSettings,
+                 perf: Profile) -> tuple[tuple[int, int, int, int, int], Decision, Verdict]:
+    t0 = time.perf_counter_ns()
+    # 1. index match (random needs no prefix lengths)
+    m = index.match(q.keys) if settings.policy != "random" else None
+    t1 = time.perf_counter_ns()
+    # 2. snapshot: this request's holders, the conductor's kept candidates
+    holders = {n: x.prefix_len for n, x in m.per_node.items() if x.prefix_len} if m is not None else {}
+    snap = ClusterSnapshot(state.now, state.prefill, state.decode, holders, state.sender_queued, state.draw)
+    load = DecodeLoadSnapshot(state.now, state.loads)
+    t2 = time.perf_counter_ns()
+    # 3. policy
+    decision = decide(q.request, snap, settings, perf)
+    t3 = time.perf_counter_ns()
+    # 4. admission
+    verdict = admit(decision.ttft_s, q.request.input_tokens, load, admission, perf)  # type: ignore[union-attr]
+    t4 = time.perf_counter_ns()
+    assert isinstance(decision, Decision)
+    return (t4 - t0, t1 - t0, t2 - t1, t3 - t2, t4 - t3), decision, verdict
+
+
+def _summary(rows: list[tuple[int, int, int, int, int]], outcome: list[int], decisions: int) -> dict:
+    ns = np.array(rows, dtype=np.float64) / 1e3  # columns: total, then STAGES; microseconds
+    total = ns[:, 0]
+    return {
+        "decisions_per_s": 1e6 / total.mean(),
+        "mean_us": float(total.mean()),
+        "p50_us": float(np.percentile(total, 50)),
+        "p99_us": float(np.percentile(total, 99)),
+        "max_us": float(total.max()),
+        "stage_p50_us": {s: float(np.percentile(ns[:, j + 1], 50)) for j, s in enumerate(STAGES)},
+        "stage_p99_us": {s: float(np.percentile(ns[:, j + 1], 99)) for j, s in enumerate(STAGES)},
+        "pull_share": outcome[0] / decisions,
+        "mean_prefix_blocks": outcome[1] / decisions,
+        "reject_share": outcome[2] / decisions,
+    }
+
+
+def _print_table(r: dict, policies: list[str]) -> None:
+    print(f"moonbus bench conductor: {r['prefill_instances']} prefill + {r['decode_instances']} decode instances "
+          f"on {r['nodes']} nodes")
+    print(f"  index: {r['index_replicas']:,} blocks held ({r['index_keys']:,} distinct keys) from the first "
+          f"{r['fill_rows']:,} rows of {Path(r['trace']).name}; queries: the other {r['query_rows']:,} rows")
+    print(f"  model: {r['model']}, {r['block_tokens']}-token blocks; admission {r['admission_mode']}; "
+          f"{r['decisions']:,} timed decisions per policy (single thread, gc on)")
+    print("  timed: index match + snapshot + decide + admission  (random skips the match)\n")
+    head = f"  {'policy':<17}{'decisions/s':>12}{'p50 us':>9}{'p99 us':>9}{'max us':>9}   {'pulls':>6}{'reuse':>7}{'reject':>7}"
+    print(head)
+    print("  " + "-" * (len(head) - 2))
+    for p in policies:
+        x = r["results"][p]
+        label = p + (" (baseline)" if p == "random" else "")
+        print(f"  {label:<17}{x['decisions_per_s']:>12,.0f}{x['p50_us']:>9.1f}{x['p99_us']:>9.1f}{x['max_us']:>9.0f}"
+              f"   {x['pull_share']:>6.1%}{x['mean_prefix_blocks']:>7.1f}{x['reject_share']:>7.1%}")
+    print(f"\n  {'p50 / p99 us per stage':<24}" + "".join(f"{s:>14}" for s in STAGES))
+    for p in policies:
+        x = r["results"][p]
+        print(f"  {p:<24}" + "".join(f"{x['stage_p50_us'][s]:>7.1f}/{x['stage_p99_us'][s]:<6.1f}" for s in STAGES))
+    print(f"\n  {r['ours']} / random: p50 x{r['ratio_p50']:.2f}, p99 x{r['ratio_p99']:.2f}")
+    verdict = "MET" if r["goal_met"] else "NOT MET"
+    print(f"  goal p99 < {r['goal_p99_us']:.0f} us for {r['ours']}: {verdict} ({r['results'][r['ours']]['p99_us']:.1f} us)")
+    print("  pulls = share of decisions with a pull plan; reuse = mean prefix blocks reused; reject = predictive admission")

@@ -1,0 +1,46 @@
+"""The `moonbus` command line: one subcommand per module, loaded on demand.
+
+Each subcommand module exposes `add_arguments(parser)` and `run(args) -> int`.
+Loading on demand keeps `moonbus tap` from importing torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+
+# subcommand -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("tools.moonbus.up", "start a local cluster (embedded NATS and every service)"),
+    "tap": ("tools.moonbus.tap", "print the event stream live, filtered by kind or request id"),
+    "cachesim": ("tools.moonbus.cachesim", "replay a trace through the KV pool's eviction and index code"),
+    "bench": ("tools.moonbus.bench", "side-by-side benchmarks (store, conductor, engine)"),
+    "profile": ("tools.moonbus.profile", "measure the model's prefill/decode times and fit the predictors"),
+    "replay": ("tools.moonbus.replay", "replay a trace against a live cluster"),
+    "sim": ("tools.moonbus.sim", "simulate a cluster from the same scheduling code"),
+}
+
+
+def build_parser(available: dict[str, tuple[str, str]]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moonbus", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module_name, help_text) in available.items():
+        module = importlib.import_module(module_name)
+        module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # Only import the module of the subcommand asked for (torch is slow to import).
+    wanted = {k: v for k, v in COMMANDS.items() if argv and argv[0] == k} or COMMANDS
+    available = {k: v for k, v in wanted.items() if importlib.util.find_spec(v[0]) is not None}
+    args = build_parser(available).parse_args(argv)
+    module = importlib.import_module(available[args.command][0])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

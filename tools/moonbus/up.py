@@ -1,0 +1,83 @@
+"""`moonbus up`: start a local cluster (embedded NATS, every service) and keep it running until Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from pathlib import Path
+
+from common import models
+from common.config import default_home
+from tools.moonbus.cluster import Cluster, ClusterError, ClusterSpec
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=models.SMOLLM2, help="SmolLM2-135M-Instruct (default), tiny-random, or a local checkpoint dir")
+    parser.add_argument("--prefill", type=int, default=1, help="prefill instances, each on its own node with a messenger")
+    parser.add_argument("--decode", type=int, default=1, help="decode instances, each on its own node with a messenger")
+    parser.add_argument("--host", default="127.0.0.1", help="gateway bind address")
+    parser.add_argument("--port", type=int, default=8000, help="gateway port")
+    parser.add_argument("--nats-port", type=int, default=4333, help="port of the embedded nats-server")
+    parser.add_argument("--home", type=Path, default=default_home(), help="state directory (logs, NATS store, model cache)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (0 = share the cores)")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.prefill < 1 or args.decode < 1:
+        print("moonbus up: --prefill and --decode must be at least 1", file=sys.stderr)
+        return 2
+    home = args.home.resolve()
+    print(f"preparing model {args.model} (converted once, cached under {home / 'models'}) ...", flush=True)
+    try:
+        ref = models.prepare(args.model, home)
+    except models.ModelNotFound as exc:
+        print(f"moonbus up: {exc}", file=sys.stderr)
+        return 2
+    spec = ClusterSpec(home=home, model=args.model, prefill=args.prefill, decode=args.decode, host=args.host,
+                       port=args.port, nats_port=args.nats_port, threads=args.threads, log_level=args.log_level)
+    cluster = Cluster(spec)
+    stopping = False
+
+    def on_signal(signum, frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    print(f"starting NATS on {spec.nats_url} and {args.prefill} prefill + {args.decode} decode instances ...", flush=True)
+    try:
+        cluster.start()
+    except ClusterError as exc:
+        print(f"moonbus up: {exc}", file=sys.stderr)
+        return 1
+    print_ready(spec, ref.name, cluster)
+    code = 0
+    while not stopping:
+        dead = cluster.dead()
+        if dead:
+            for proc in dead:
+                print(f"moonbus up: {proc.name} exited with code {proc.popen.returncode}; see {proc.log_path}", file=sys.stderr)
+            code = 1
+            break
+        time.sleep(0.5)
+    print("stopping the cluster ...", flush=True)
+    cluster.stop()
+    print("stopped.")
+    return code
+
+
+def print_ready(spec: ClusterSpec, model: str, cluster: Cluster) -> None:
+    print(f"""
+moonbus is ready: {spec.url}   (model {model})
+  processes: {', '.join(cluster.procs)}
+  logs:      {cluster.log_dir}
+  events:    moonbus tap --nats-url {spec.nats_url}
+
+try:
+  curl {spec.url}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32}}'
+
+Ctrl-C stops every process.""", flush=True)
