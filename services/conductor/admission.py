@@ -12,7 +12,8 @@ that prefill, so the conductor predicts. Modes (AdmissionSettings.mode):
                 tbt_slo_s. It acts on decode load one prefill-duration too early, which makes
                 prefill and decode load oscillate in anti-phase.
     predictive  baseline, and also reject if the decode load AT THE MOMENT THIS PREFILL FINISHES
-                (T = now + ttft) breaks the TBT SLO. That load is predicted from the snapshot:
+                (T = now + ttft) breaks the TBT SLO. That load is predicted from the snapshot
+                (per decode instance, a DecodeLoad: join times and context lengths):
                     + requests in prefill that finish by T (they will have joined decode)
                     - decoding requests that will have left by T
                 Every request spends a uniform t_d_s in decode, so one that started decoding
@@ -30,9 +31,10 @@ The module is pure: no I/O, no clock; the snapshot carries `now`.
 from __future__ import annotations
 
 from bisect import bisect_right
-from heapq import merge
 from dataclasses import dataclass, field
+from heapq import merge
 from itertools import accumulate
+from operator import itemgetter
 from typing import Iterator
 
 from common.perf import Profile
@@ -140,18 +142,20 @@ def admit(ttft_s: float, context_tokens: int, load: DecodeLoadSnapshot, settings
     predictive = mode == "predictive"
     at = load.now + ttft_s if predictive else load.now
     step, t_d = perf.decode.step_seconds, settings.t_d_s
-    best_tbt, best_id = float("inf"), ""
+    judged = []  # (tbt with this request, decode_id, batch, context, instance)
     for d in load.decode:
         batch, context = d.at(at, t_d, predictive)
-        tbt = step(batch + 1, context + context_tokens)
-        if tbt < best_tbt or (tbt == best_tbt and d.decode_id < best_id):
-            best_tbt, best_id = tbt, d.decode_id
+        judged.append((step(batch + 1, context + context_tokens), d.decode_id, batch, context, d))
+    best_tbt, best_id = min(judged, key=_by_tbt_then_id)[:2]
     when = f"at prefill end (+{ttft_s:.3f}s)" if predictive else "now"
     if best_tbt <= settings.tbt_slo_s:
         return Verdict(True, f"tbt {best_tbt:.4f}s on {best_id} {when} within slo", ttft_s=ttft_s, tbt_s=best_tbt, decode_id=best_id)
-    retry = _tbt_retry_after(at, context_tokens, load, settings, perf, predictive)
+    retry = _tbt_retry_after(at, context_tokens, judged, settings, perf, predictive)
     return Verdict(False, f"tbt {best_tbt:.4f}s on {best_id} {when} > slo {settings.tbt_slo_s:g}s",
                    retry_after_s=retry, ttft_s=ttft_s, tbt_s=best_tbt, decode_id=best_id)
+
+
+_by_tbt_then_id = itemgetter(0, 1)
 
 
 def decode_admits(state: DecodeCandidate, context_tokens: int, perf: Profile, tbt_slo_s: float) -> bool:
@@ -161,13 +165,15 @@ def decode_admits(state: DecodeCandidate, context_tokens: int, perf: Profile, tb
     return perf.decode.step_seconds(state.num_running + 1, state.context_tokens + context_tokens) <= tbt_slo_s
 
 
-def _tbt_retry_after(at: float, context_tokens: int, load: DecodeLoadSnapshot, settings: AdmissionSettings,
+def _tbt_retry_after(at: float, context_tokens: int, judged: list, settings: AdmissionSettings,
                      perf: Profile, predictive: bool) -> float:
-    """Seconds after `at` until departures alone bring some decode instance under the TBT SLO."""
+    """Seconds after `at` until departures alone bring some decode instance under the TBT SLO.
+
+    Instances are tried least loaded first, so `best` shrinks early and prunes the rest.
+    """
     step, slo, t_d = perf.decode.step_seconds, settings.tbt_slo_s, settings.t_d_s
     best = settings.max_retry_after_s
-    for d in load.decode:
-        batch, ctx = d.at(at, t_d, predictive)
+    for _, _, batch, ctx, d in sorted(judged, key=_by_tbt_then_id):
         for leave_s, c in d.departures(at, t_d, predictive):
             if leave_s - at >= best:  # departures only get later: this instance cannot beat `best`
                 break

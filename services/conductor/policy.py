@@ -39,6 +39,8 @@ Settings (PolicySettings):
                                  (`moonbus bench store` measures it); RDMA/NIC links are faster
     block_tokens                 tokens per KV block (must equal the cache index's); default 16
     kv_bytes_per_token           default 46080: SmolLM2-135M in float32 (30*2*3*64*4)
+The SLOs live in AdmissionSettings: with one TBT SLO for all, ranking decode instances by TBT is
+ranking them by TBT / SLO, so the policy needs no SLO.
 
 The module is pure: no I/O, no clock, no globals; randomness only from `random_draw`.
 """

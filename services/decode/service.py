@@ -95,12 +95,12 @@ class DecodeService:
             seq.num_generated += 1
             seq.last_token = token
             finish = self.finish_reason(seq, token)
-            chunk = TokenChunk(seq.request_id, index, [token], finish_reason=finish, source=self.cfg.instance_id)
-            await self.nc.publish(seq.task.reply_subject, chunk.to_bytes())
-            if finish is not None:
+            if finish is not None:  # the event goes before the last token: the gateway's terminal event follows it
                 del self.running[seq.request_id]
                 await self.events.request("decode_finished", seq.request_id, tokens=seq.num_generated,
                                           seconds=round(time.perf_counter() - seq.started, 6), finish_reason=finish)
+            chunk = TokenChunk(seq.request_id, index, [token], finish_reason=finish, source=self.cfg.instance_id)
+            await self.nc.publish(seq.task.reply_subject, chunk.to_bytes())
 
     def step(self, batch: list[Sequence]) -> list[int]:
         """One iteration over the running set (runs in a worker thread)."""

@@ -91,10 +91,11 @@ class Api:
         return await self.collect(gen)
 
     async def collect(self, gen: Generation) -> web.Response:
-        parts = []
+        parts, token_ids = [], []
         try:
             async for delta in self.gateway.deltas(gen):
                 parts.append(delta.text)
+                token_ids.extend(delta.token_ids)
                 gen.finish_reason = delta.finish_reason or gen.finish_reason
         except ApiError as err:
             await self.gateway.end(gen, "failed", status=err.status, reason=err.message)
@@ -106,7 +107,7 @@ class Api:
         await self.finish_ok(gen)
         usage = protocol.usage(len(gen.prompt_ids), gen.completion_tokens, gen.cached_tokens)
         return json_response(protocol.full_response(gen.request, gen.request_id, gen.created, "".join(parts),
-                                                    gen.finish_reason, usage))
+                                                    gen.finish_reason, usage, token_ids))
 
     async def stream(self, request: web.Request, gen: Generation) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -117,8 +118,9 @@ class Api:
             first = True
             async for delta in self.gateway.deltas(gen):
                 gen.finish_reason = delta.finish_reason or gen.finish_reason
-                if delta.text or delta.finish_reason or first:
-                    chunk = protocol.stream_chunk(req, gen.request_id, gen.created, delta.text, delta.finish_reason, first)
+                if delta.text or delta.finish_reason or first or (req.return_token_ids and delta.token_ids):
+                    chunk = protocol.stream_chunk(req, gen.request_id, gen.created, delta.text, delta.finish_reason,
+                                                  first, delta.token_ids)
                     await send_event(response, chunk)
                     first = False
             if req.include_usage:
@@ -128,7 +130,7 @@ class Api:
         except ApiError as err:
             await self.gateway.end(gen, "failed", status=err.status, reason=err.message)
             self.metrics.requests.labels(req.kind, str(err.status)).inc()
-            await send_event(response, err.body() | {"error": err.body()["error"] | {"code": err.status}})
+            await send_event(response, err.body())
             await response.write(b"data: [DONE]\n\n")
             return response
         except BaseException:

@@ -29,19 +29,25 @@ class Detokenizer:
         if self.stopped:
             return ""
         self.ids.extend(token_ids)
-        before = self._decode(self.ids[self._prefix:self._read])
-        after = self._decode(self.ids[self._prefix:])
-        incomplete = after.endswith("\ufffd") and len(self.ids) - self._read < _MAX_PENDING
-        if incomplete or len(after) <= len(before):
-            return self._release(final=False)  # a character split across tokens: wait for the rest
-        self.text += after[len(before):]
-        self._prefix = max(0, len(self.ids) - _WINDOW)
-        self._read = len(self.ids)
+        self._absorb(final=False)
         return self._release(final=False)
 
     def flush(self) -> str:
         """At the end of the request: release everything held back."""
+        if not self.stopped:
+            self._absorb(final=True)
         return self._release(final=True)
+
+    def _absorb(self, final: bool) -> None:
+        """Move newly decodable text from the token ids into self.text."""
+        before = self._decode(self.ids[self._prefix:self._read])
+        after = self._decode(self.ids[self._prefix:])
+        incomplete = after.endswith("\ufffd") and len(self.ids) - self._read < _MAX_PENDING
+        if (incomplete and not final) or len(after) <= len(before):
+            return  # a character split across tokens: wait for the rest
+        self.text += after[len(before):]
+        self._prefix = max(0, len(self.ids) - _WINDOW)
+        self._read = len(self.ids)
 
     def _release(self, final: bool) -> str:
         hits = [i for i in (self.text.find(s, max(0, self.sent - len(s))) for s in self.stop) if i >= 0]

@@ -55,7 +55,8 @@ class GenerateRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
-    ignore_eos: bool = False
+    ignore_eos: bool = False  # extension (as in vLLM): generate max_tokens even past EOS
+    return_token_ids: bool = False  # extension (as in vLLM): also return the completion's token ids
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_p, max_tokens, self.seed, self.ignore_eos)
@@ -101,6 +102,7 @@ def parse(body: Any, kind: str, served_model: str) -> GenerateRequest:
         stream=_get(body, "stream", bool, default=False),
         include_usage=bool(stream_options.get("include_usage", False)),
         ignore_eos=_get(body, "ignore_eos", bool, default=False),
+        return_token_ids=_get(body, "return_token_ids", bool, default=False),
     )
 
 
@@ -207,8 +209,8 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
-def full_response(req: GenerateRequest, request_id: str, created: int, text: str,
-                  finish_reason: str | None, usage_: dict[str, Any]) -> dict[str, Any]:
+def full_response(req: GenerateRequest, request_id: str, created: int, text: str, finish_reason: str | None,
+                  usage_: dict[str, Any], token_ids: list[int]) -> dict[str, Any]:
     if req.kind == "completion":
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         obj = "text_completion"
@@ -216,12 +218,14 @@ def full_response(req: GenerateRequest, request_id: str, created: int, text: str
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                   "finish_reason": finish_reason}
         obj = "chat.completion"
+    if req.return_token_ids:
+        choice["token_ids"] = token_ids
     return {"id": request_id, "object": obj, "created": created, "model": req.model,
             "choices": [choice], "usage": usage_}
 
 
 def stream_chunk(req: GenerateRequest, request_id: str, created: int, text: str | None,
-                 finish_reason: str | None, first: bool = False) -> dict[str, Any]:
+                 finish_reason: str | None, first: bool = False, token_ids: tuple[int, ...] = ()) -> dict[str, Any]:
     if req.kind == "completion":
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         obj = "text_completion"
@@ -231,6 +235,8 @@ def stream_chunk(req: GenerateRequest, request_id: str, created: int, text: str 
             delta["content"] = text
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
+    if req.return_token_ids:
+        choice["token_ids"] = list(token_ids)
     return {"id": request_id, "object": obj, "created": created, "model": req.model, "choices": [choice]}
 
 

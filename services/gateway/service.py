@@ -56,8 +56,9 @@ class Generation:
 
 @dataclass(frozen=True)
 class Delta:
-    text: str
+    text: str  # may be empty: text can be held back while its tokens are known
     finish_reason: str | None = None
+    token_ids: tuple[int, ...] = ()
 
 
 class Gateway:
@@ -165,14 +166,14 @@ class Gateway:
                     await self.events.request("first_token", gen.request_id, ttft_s=round(gen.ttft_s, 6))
                 gen.completion_tokens += len(chunk.token_ids)
                 text = detok.add(chunk.token_ids)
+                ids = tuple(chunk.token_ids)
                 if detok.stopped:
-                    yield Delta(text, "stop")
+                    yield Delta(text, "stop", ids)
                     return
                 if chunk.finish_reason is not None:
-                    yield Delta(text + detok.flush(), chunk.finish_reason)
+                    yield Delta(text + detok.flush(), chunk.finish_reason, ids)
                     return
-                if text:
-                    yield Delta(text)
+                yield Delta(text, None, ids)
 
     async def end(self, gen: Generation, kind: str, **data) -> None:
         """Exactly one terminal event per request; stops its workers if it ended early."""

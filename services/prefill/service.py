@@ -75,11 +75,12 @@ class PrefillService:
         first = sampling.sample(logits, task.sampling, step=0)
         prefill_s = time.perf_counter() - started
         finish = self.finish_reason(first, task)
-        await self.reply(task, TokenChunk(rid, 0, [first], finish_reason=finish, source=self.cfg.instance_id))
+        # NOTE: the event goes first so that the audit log keeps causal order (first_token after it)
         await self.events.request(
             "prefilled", rid, prompt_tokens=len(task.prompt_token_ids), cached_tokens=0,
             seconds=round(prefill_s, 6), decode_id=task.decode_id, finished=finish is not None,
         )
+        await self.reply(task, TokenChunk(rid, 0, [first], finish_reason=finish, source=self.cfg.instance_id))
         if finish is not None or rid in self.cancelled:
             return
         kv = engine.kv_from_cache(cache)

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -39,7 +40,7 @@ def test_known_key_values_never_change():
 def test_keys_are_stable_across_processes():
     code = "from common.kv.blocks import block_keys; print(block_keys(list(range(8)), 4))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"PYTHONHASHSEED": "123"}, cwd=".")
+                         env={"PYTHONHASHSEED": "123"}, cwd=Path(__file__).parents[2])
     assert out.stdout.strip() == "[17724182554405238087, 18158546241820043086]"
 
 

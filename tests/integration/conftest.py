@@ -1,0 +1,95 @@
+"""Integration fixtures: a real nats-server on a free port and every service as a real process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import aiohttp
+import pytest
+import torch
+
+from common import models
+from tools.moonbus.cluster import Cluster, ClusterSpec, free_port
+
+TINY = models.TINY_RANDOM
+
+
+def start_cluster(home: Path, model: str = TINY, **kwargs) -> Cluster:
+    spec = ClusterSpec(home=home, model=model, port=free_port(), nats_port=free_port(), **kwargs)
+    cluster = Cluster(spec)
+    cluster.start(ready_timeout_s=300)
+    return cluster
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    """1 prefill + 1 decode instance of tiny-random, each on its own node."""
+    cluster = start_cluster(tmp_path_factory.mktemp("cluster"))
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny(cluster):
+    """The same model in this process, for single-process reference outputs."""
+    ref = models.prepare(TINY, cluster.spec.home)
+    return models.load_tokenizer(ref), models.load_model(ref)
+
+
+def reference_greedy(model, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+    return out[0, len(prompt_ids):].tolist()
+
+
+async def post(url: str, body: dict | bytes, timeout_s: float = 120) -> tuple[int, dict, dict]:
+    """POST JSON; returns (status, parsed body, headers)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+        async with session.post(url, data=data, headers={"Content-Type": "application/json"}) as resp:
+            return resp.status, await resp.json(content_type=None), dict(resp.headers)
+
+
+async def stream_events(url: str, body: dict, timeout_s: float = 120) -> list[dict]:
+    """POST with stream=true; returns every SSE data payload (the [DONE] marker as {"done": True})."""
+    events = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+        async with session.post(url, json=body | {"stream": True}) as resp:
+            assert resp.status == 200, await resp.text()
+            async for line in resp.content:
+                line = line.strip()
+                if line.startswith(b"data: "):
+                    payload = line[6:]
+                    events.append({"done": True} if payload == b"[DONE]" else json.loads(payload))
+    return events
+
+
+async def collect_request_events(nats_url: str, request_id: str, timeout_s: float = 30) -> list[dict]:
+    """Read one request's events from the JetStream stream, until its terminal event."""
+    from nats.js.api import ConsumerConfig, DeliverPolicy
+
+    from common import bus
+    from schemas import subjects
+    from schemas.events import TERMINAL_KINDS
+
+    nc = await bus.connect(nats_url, "test-tap")
+    try:
+        sub = await nc.jetstream().subscribe(subjects.events_of_request(request_id), ordered_consumer=True,
+                                             config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
+        events = []
+        while True:
+            msg = await sub.next_msg(timeout=timeout_s)
+            events.append(json.loads(msg.data))
+            if events[-1]["kind"] in TERMINAL_KINDS:
+                # anything after the terminal event would be a bug: look a little longer
+                try:
+                    msg = await sub.next_msg(timeout=1.0)
+                    events.append(json.loads(msg.data))
+                except asyncio.TimeoutError:
+                    pass
+                return events
+    finally:
+        await nc.drain()

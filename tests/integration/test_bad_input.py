@@ -1,0 +1,57 @@
+"""Bad input gets a 4xx in the OpenAI error shape, with a message that says what is wrong."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.conftest import post
+
+pytestmark = pytest.mark.integration
+
+OK = {"model": "tiny-random", "prompt": "hi", "max_tokens": 4}
+CASES = [
+    ("malformed json", b'{"model": "tiny-random", "prompt": ', "not valid JSON"),
+    ("not an object", b'["a"]', "must be a JSON object"),
+    ("missing model", {"prompt": "hi"}, "missing required field 'model'"),
+    ("missing prompt", {"model": "tiny-random"}, "missing required field 'prompt'"),
+    ("unknown model", OK | {"model": "gpt-9"}, "does not exist"),
+    ("wrong-typed max_tokens", OK | {"max_tokens": "10"}, "'max_tokens' must be an integer"),
+    ("boolean temperature", OK | {"temperature": True}, "'temperature' must be a number"),
+    ("empty prompt", OK | {"prompt": ""}, "prompt must not be empty"),
+    ("zero max_tokens", OK | {"max_tokens": 0}, "max_tokens must be at least 1"),
+    ("negative max_tokens", OK | {"max_tokens": -3}, "max_tokens must be at least 1"),
+    ("max_tokens beyond context", OK | {"max_tokens": 10_000}, "exceed this model's context of 4096"),
+    ("prompt beyond context", OK | {"prompt": "x" * 5000}, "this model's context is 4096"),
+    ("token id outside vocabulary", OK | {"prompt": [1, 2, 99999]}, "outside the vocabulary"),
+    ("top_p out of range", OK | {"top_p": 0}, "top_p must be in (0, 1]"),
+]
+
+
+@pytest.mark.parametrize("body,message", [(c[1], c[2]) for c in CASES], ids=[c[0] for c in CASES])
+async def test_completion_bad_input(cluster, body, message):
+    status, reply, _ = await post(f"{cluster.spec.url}/v1/completions", body)
+    assert status == 400, reply
+    assert message in reply["error"]["message"]
+    assert reply["error"]["type"] == "invalid_request_error"
+    assert "Traceback" not in reply["error"]["message"]
+
+
+CHAT = {"model": "tiny-random", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("body,message", [
+    (CHAT | {"messages": []}, "messages must be a non-empty array"),
+    (CHAT | {"messages": "hi"}, "messages must be a non-empty array"),
+    (CHAT | {"messages": [{"role": "wizard", "content": "hi"}]}, "role must be one of"),
+    (CHAT | {"messages": [{"role": "user", "content": 5}]}, "content must be a string"),
+    (CHAT | {"stream": "yes"}, "'stream' must be a boolean"),
+], ids=["empty", "not a list", "bad role", "bad content", "bad stream"])
+async def test_chat_bad_input(cluster, body, message):
+    status, reply, _ = await post(f"{cluster.spec.url}/v1/chat/completions", body)
+    assert status == 400, reply
+    assert message in reply["error"]["message"]
+
+
+async def test_the_server_keeps_serving_after_bad_input(cluster):
+    status, reply, _ = await post(f"{cluster.spec.url}/v1/completions", OK | {"temperature": 0})
+    assert status == 200 and reply["usage"]["completion_tokens"] >= 1
