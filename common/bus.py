@@ -66,8 +66,8 @@ class EventPublisher:
     async def instance(self, kind: str, instance_id: str, **data: Any) -> None:
         await self._publish(subjects.instance_event(kind, instance_id), kind, "", data)
 
-    async def kv(self, kind: str, node: str, **data: Any) -> None:
-        await self._publish(subjects.kv_event(kind, node), kind, "", data)
+    async def kv(self, kind: str, node: str, data: dict[str, Any]) -> None:
+        await self._publish(subjects.kv_event(kind, node), kind, data.get("request_id", ""), data)
 
     async def _publish(self, subject: str, kind: str, request_id: str, data: dict[str, Any]) -> None:
         event = Event(kind, time.time(), self._service, self._instance_id, request_id, data)

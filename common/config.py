@@ -42,8 +42,13 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
     flag(parser, "--shm-dir", "MOONBUS_SHM_DIR", "", help="node's shared-memory directory (default /dev/shm/moonbus-<node>)")
 
 
+DEFAULT_BLOCK_TOKENS = 16
+
+
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
     flag(parser, "--model", "MOONBUS_MODEL", "SmolLM2-135M-Instruct", help="model name, tiny-random, or a local checkpoint dir")
+    flag(parser, "--block-tokens", "MOONBUS_BLOCK_TOKENS", DEFAULT_BLOCK_TOKENS, int,
+         help="tokens per KV block (must be equal on every service)")
 
 
 def default_instance_id(role: str) -> str:

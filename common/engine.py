@@ -24,10 +24,16 @@ def cache_from_kv(kv: torch.Tensor) -> DynamicCache:
 
 
 @torch.inference_mode()
-def prefill(model, token_ids: list[int]) -> tuple[DynamicCache, torch.Tensor]:
-    """Run the whole prompt; returns its KV and the logits of the last position."""
-    cache = DynamicCache()
-    out = model(torch.tensor([token_ids]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+def prefill(model, token_ids: list[int], prefix_kv: torch.Tensor | None = None) -> tuple[DynamicCache, torch.Tensor]:
+    """Run the prompt; returns the KV of all of it and the logits of the last position.
+
+    With `prefix_kv` ([L, 2, H, p, D], the KV of token_ids[:p]) only token_ids[p:] is computed.
+    """
+    done = 0 if prefix_kv is None else prefix_kv.shape[3]
+    if done >= len(token_ids):
+        raise ValueError(f"a prefix of {done} tokens leaves nothing to compute in a {len(token_ids)}-token prompt")
+    cache = DynamicCache() if prefix_kv is None else cache_from_kv(prefix_kv)
+    out = model(torch.tensor([token_ids[done:]]), past_key_values=cache, use_cache=True, logits_to_keep=1)
     return cache, out.logits[0, -1]
 
 

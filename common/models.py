@@ -59,6 +59,11 @@ class ModelShape:
     def kv_bytes_per_token(self) -> int:
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * 4  # float32
 
+    def kv_layout(self, block_tokens: int):
+        from common.kv.blocks import KvLayout
+
+        return KvLayout(self.num_layers, self.num_kv_heads, self.head_dim, block_tokens, "float32")
+
 
 def resolve(model: str, home: Path) -> ModelRef:
     """Name -> where it lives (or will live, once prepared). Does no work."""

@@ -89,3 +89,47 @@ def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
 def _is_count(value: object) -> bool:
     # bool is an int subclass; a timestamp of `true` is a malformed row, not 1.
     return type(value) is int and value >= 0
+
+
+# --------------------------------------------------------------------------- prompts for replay
+
+
+def block_token_ids(hash_id: int, tokens_per_block: int, vocab_size: int, min_token_id: int = 3,
+                    seed: int = 0) -> list[int]:
+    """The fixed block of `tokens_per_block` token ids that trace hash id `hash_id` stands for.
+
+    Ids are drawn uniformly from [min_token_id, vocab_size) (low ids are usually special tokens) by
+    a generator seeded with (seed, hash_id): the same id always gives the same block, in any process.
+    """
+    if tokens_per_block <= 0:
+        raise ValueError(f"tokens_per_block must be > 0, got {tokens_per_block}")
+    if not 0 <= min_token_id < vocab_size:
+        raise ValueError(f"need 0 <= min_token_id < vocab_size, got {min_token_id}, {vocab_size}")
+    import numpy as np  # only replay needs it; load_trace stays light
+
+    rng = np.random.Generator(np.random.PCG64([seed & 0xFFFFFFFF, hash_id & 0xFFFFFFFFFFFFFFFF]))
+    return rng.integers(min_token_id, vocab_size, size=tokens_per_block).tolist()
+
+
+def scaled_input_length(row: TraceRow, tokens_per_block: int) -> int:
+    """input_length scaled by tokens_per_block / TRACE_BLOCK_TOKENS, at least 1 token and at most
+    the row's blocks (so every full trace block stays a full block)."""
+    scaled = round(row.input_length * tokens_per_block / TRACE_BLOCK_TOKENS)
+    return max(1, min(scaled, len(row.hash_ids) * tokens_per_block))
+
+
+def prompt_token_ids(row: TraceRow, tokens_per_block: int, vocab_size: int, min_token_id: int = 3,
+                     seed: int = 0, max_tokens: int | None = None) -> list[int]:
+    """A prompt whose i-th block of `tokens_per_block` tokens is `block_token_ids(row.hash_ids[i])`.
+
+    Its length is `scaled_input_length`, cut to `max_tokens` if given. Two rows whose hash ids share
+    a prefix of k ids get prompts sharing a prefix of k full blocks, so their chained block keys
+    (common.kv.blocks.block_keys with block_tokens == tokens_per_block) share exactly that prefix.
+    """
+    length = scaled_input_length(row, tokens_per_block)
+    if max_tokens is not None:
+        length = max(1, min(length, max_tokens))
+    tokens: list[int] = []
+    for hash_id in row.hash_ids[: -(-length // tokens_per_block)]:
+        tokens.extend(block_token_ids(hash_id, tokens_per_block, vocab_size, min_token_id, seed))
+    return tokens[:length]

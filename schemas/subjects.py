@@ -56,3 +56,5 @@ def messenger_control(node: str, op: str) -> str:
 def gateway_tokens(gateway_id: str) -> str:
     """moonbus.tokens.<gateway_id>: tokens and terminal errors for requests of one gateway."""
     return f"moonbus.tokens.{gateway_id}"
+INDEX_DUMP = "moonbus.index.dump"  # anyone -> cache_index: one node's entries, request/reply
+KV_EVENTS_ALL = f"{EVENTS_PREFIX}.kv.>"

@@ -17,6 +17,7 @@ from nats.aio.msg import Msg
 from transformers import DynamicCache
 
 from common import bus, engine, kvfiles, models, runner, sampling
+from common.pool_client import PoolClient, PoolUnavailable
 from schemas import subjects
 from schemas.decode import DecodeTask
 from schemas.tokens import TokenChunk
@@ -33,6 +34,7 @@ class Sequence:
     last_token: int
     num_generated: int = 1  # the first token came from prefill
     started: float = field(default_factory=time.perf_counter)
+    generated: list[int] = field(default_factory=list)  # every completion token so far
 
     @property
     def request_id(self) -> str:
@@ -40,13 +42,16 @@ class Sequence:
 
 
 class DecodeService:
-    def __init__(self, cfg: DecodeConfig, nc, model, eos_token_id: int | None, max_context: int) -> None:
+    def __init__(self, cfg: DecodeConfig, nc, model, eos_token_id: int | None, max_context: int,
+                 layout, tasks: runner.TaskGroup) -> None:
         self.cfg = cfg
         self.nc = nc
         self.model = model
         self.eos_token_id = eos_token_id
         self.max_context = max_context
+        self.tasks = tasks
         self.events = bus.EventPublisher(nc, "decode", cfg.instance_id)
+        self.pool = PoolClient(nc, cfg.node, layout, self.events)
         self.waiting: asyncio.Queue[DecodeTask] = asyncio.Queue()
         self.running: dict[str, Sequence] = {}  # request_id -> Sequence
         self.cancelled: set[str] = set()
@@ -85,7 +90,7 @@ class DecodeService:
             await self.nc.publish(task.reply_subject, TokenChunk(rid, 1, [], error=f"decode could not load KV: {exc}",
                                                                  error_status=500, source=self.cfg.instance_id).to_bytes())
             return
-        self.running[rid] = Sequence(task, engine.cache_from_kv(kv), task.first_token)
+        self.running[rid] = Sequence(task, engine.cache_from_kv(kv), task.first_token, generated=[task.first_token])
 
     async def iterate(self) -> None:
         batch = list(self.running.values())
@@ -94,13 +99,25 @@ class DecodeService:
             index = seq.num_generated
             seq.num_generated += 1
             seq.last_token = token
+            seq.generated.append(token)
             finish = self.finish_reason(seq, token)
             if finish is not None:  # the event goes before the last token: the gateway's terminal event follows it
                 del self.running[seq.request_id]
+                self.tasks.spawn(self.store_kv(seq), f"store-{seq.request_id}")
                 await self.events.request("decode_finished", seq.request_id, tokens=seq.num_generated,
                                           seconds=round(time.perf_counter() - seq.started, 6), finish_reason=finish)
             chunk = TokenChunk(seq.request_id, index, [token], finish_reason=finish, source=self.cfg.instance_id)
             await self.nc.publish(seq.task.reply_subject, chunk.to_bytes())
+
+    async def store_kv(self, seq: Sequence) -> None:
+        """Keep the prompt's and the completion's KV in the node's pool, so the next turn hits."""
+        # the cache holds every token but the last one sampled (it was never fed back)
+        tokens = seq.task.prompt_token_ids + seq.generated[:-1]
+        try:
+            kv = await asyncio.to_thread(engine.kv_from_cache, seq.cache)
+            await self.pool.store(seq.request_id, tokens, kv)
+        except PoolUnavailable as exc:
+            log.warning("request %s: KV not stored: %s", seq.request_id, exc)
 
     def step(self, batch: list[Sequence]) -> list[int]:
         """One iteration over the running set (runs in a worker thread)."""
@@ -132,9 +149,10 @@ async def serve(cfg: DecodeConfig, stop: asyncio.Event) -> None:
     model = await asyncio.to_thread(models.load_model, ref)
     eos = model.generation_config.eos_token_id
     eos = eos[0] if isinstance(eos, list) else eos
+    shape = models.read_shape(ref)
     nc = await bus.connect(cfg.nats_url, cfg.instance_id)
-    service = DecodeService(cfg, nc, model, eos, models.read_shape(ref).max_context)
     tasks = runner.TaskGroup(stop)
+    service = DecodeService(cfg, nc, model, eos, shape.max_context, shape.kv_layout(cfg.block_tokens), tasks)
     await nc.subscribe(subjects.decode_tasks(cfg.instance_id), cb=service.on_task)
     await nc.subscribe(subjects.REQUEST_CANCEL, cb=service.on_cancel)
     tasks.spawn(service.loop(), "decode-loop")

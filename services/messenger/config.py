@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common import config as common
+from common.kv.eviction import POLICIES
 
 
 @dataclass(frozen=True)
@@ -17,20 +18,31 @@ class MessengerConfig:
     shm_dir: Path
     home: Path
     log_level: str
+    model: str
+    block_tokens: int
     transfer_host: str  # where the point-to-point link listens
     transfer_port: int  # 0 = any free port
     advertise_host: str  # how other nodes reach this one
+    dram_bytes: int  # DRAM tier (shared-memory slab) capacity
+    ssd_bytes: int  # SSD tier (LMDB) capacity; 0 = no SSD tier
+    ssd_dir: Path
+    eviction: str  # lru | lfu | length-aware
     heartbeat_interval_s: float
     peer_timeout_s: float  # forget a peer messenger after this long without heartbeats
     connect_timeout_s: float
+    pin_lease_s: float  # pins of a request that never released them are dropped after this long
 
     def __post_init__(self) -> None:
         common.check_subject_token("instance id", self.instance_id)
         common.check_subject_token("node", self.node)
         if not 0 <= self.transfer_port < 65536:
             raise ValueError(f"transfer port {self.transfer_port} out of range")
-        if min(self.heartbeat_interval_s, self.peer_timeout_s, self.connect_timeout_s) <= 0:
+        if min(self.heartbeat_interval_s, self.peer_timeout_s, self.connect_timeout_s, self.pin_lease_s) <= 0:
             raise ValueError("intervals and timeouts must be > 0")
+        if self.block_tokens < 1 or self.dram_bytes < 0 or self.ssd_bytes < 0:
+            raise ValueError("block tokens must be >= 1 and capacities >= 0")
+        if self.eviction not in POLICIES:
+            raise ValueError(f"eviction must be one of {', '.join(POLICIES)}; got {self.eviction!r}")
 
     @property
     def transfer_addr_host(self) -> str:
@@ -41,24 +53,38 @@ def load(argv: list[str] | None = None) -> MessengerConfig:
     parser = argparse.ArgumentParser(prog="python -m services.messenger", description="moonbus messenger (one per node)")
     common.add_common_flags(parser, "messenger")
     common.add_node_flags(parser)
+    common.add_model_flags(parser)
     common.flag(parser, "--transfer-host", "MOONBUS_TRANSFER_HOST", "127.0.0.1", help="bind address of the KV link")
     common.flag(parser, "--transfer-port", "MOONBUS_TRANSFER_PORT", 0, int, help="port of the KV link (0 = free port)")
     common.flag(parser, "--advertise-host", "MOONBUS_ADVERTISE_HOST", "", help="host other nodes connect to")
+    common.flag(parser, "--dram-bytes", "MOONBUS_DRAM_BYTES", 1 << 30, int, help="DRAM tier capacity in bytes")
+    common.flag(parser, "--ssd-bytes", "MOONBUS_SSD_BYTES", 4 << 30, int, help="SSD tier capacity in bytes (0: none)")
+    common.flag(parser, "--ssd-dir", "MOONBUS_SSD_DIR", "", help="LMDB directory (default $MOONBUS_HOME/ssd/<node>)")
+    common.flag(parser, "--eviction", "MOONBUS_EVICTION", "lru", help="lru, lfu or length-aware")
     common.flag(parser, "--heartbeat-interval", "MOONBUS_HEARTBEAT_INTERVAL", 1.0, float, help="seconds")
     common.flag(parser, "--peer-timeout", "MOONBUS_PEER_TIMEOUT", 5.0, float, help="seconds")
     common.flag(parser, "--connect-timeout", "MOONBUS_CONNECT_TIMEOUT", 5.0, float, help="seconds")
+    common.flag(parser, "--pin-lease", "MOONBUS_PIN_LEASE", 600.0, float, help="seconds")
     args = parser.parse_args(argv)
+    home = Path(args.home)
     return MessengerConfig(
         nats_url=args.nats_url,
         instance_id=args.instance_id,
         node=args.node,
         shm_dir=common.shm_dir_for(args.node, args.shm_dir),
-        home=Path(args.home),
+        home=home,
         log_level=args.log_level,
+        model=args.model,
+        block_tokens=args.block_tokens,
         transfer_host=args.transfer_host,
         transfer_port=args.transfer_port,
         advertise_host=args.advertise_host,
+        dram_bytes=args.dram_bytes,
+        ssd_bytes=args.ssd_bytes,
+        ssd_dir=Path(args.ssd_dir) if args.ssd_dir else home / "ssd" / args.node,
+        eviction=args.eviction,
         heartbeat_interval_s=args.heartbeat_interval,
         peer_timeout_s=args.peer_timeout,
         connect_timeout_s=args.connect_timeout,
+        pin_lease_s=args.pin_lease,
     )

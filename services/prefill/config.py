@@ -16,6 +16,7 @@ class PrefillConfig:
     node: str
     shm_dir: Path
     model: str
+    block_tokens: int
     home: Path
     log_level: str
     threads: int
@@ -46,6 +47,7 @@ def load(argv: list[str] | None = None) -> PrefillConfig:
         node=args.node,
         shm_dir=common.shm_dir_for(args.node, args.shm_dir),
         model=args.model,
+        block_tokens=args.block_tokens,
         home=Path(args.home),
         log_level=args.log_level,
         threads=args.threads,

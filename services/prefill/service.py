@@ -15,6 +15,8 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
 from common import bus, engine, kvfiles, models, runner, sampling
+from common.kv.blocks import block_keys
+from common.pool_client import PoolClient, PoolUnavailable, Prefix
 from schemas import subjects
 from schemas.decode import DecodeTask
 from schemas.prefill import PrefillTask
@@ -31,12 +33,14 @@ class TransferFailed(RuntimeError):
 
 
 class PrefillService:
-    def __init__(self, cfg: PrefillConfig, nc, model, eos_token_id: int | None) -> None:
+    def __init__(self, cfg: PrefillConfig, nc, model, eos_token_id: int | None, layout) -> None:
         self.cfg = cfg
         self.nc = nc
         self.model = model
         self.eos_token_id = eos_token_id
         self.events = bus.EventPublisher(nc, "prefill", cfg.instance_id)
+        self.pool = PoolClient(nc, cfg.node, layout, self.events)
+        self.block_tokens = layout.block_tokens
         self.queue: asyncio.Queue[PrefillTask] = asyncio.Queue()
         self.cancelled: set[str] = set()
         self.running = 0
@@ -69,21 +73,46 @@ class PrefillService:
                 self.running = 0
 
     async def run_task(self, task: PrefillTask) -> None:
-        rid = task.request_id
+        rid, ids = task.request_id, task.prompt_token_ids
         started = time.perf_counter()
-        cache, logits = await asyncio.to_thread(engine.prefill, self.model, task.prompt_token_ids)
+        prefix = await self.reusable_prefix(task)
+        cached = prefix.num_blocks * self.block_tokens
+        cache, logits = await asyncio.to_thread(engine.prefill, self.model, ids, prefix.kv)
         first = sampling.sample(logits, task.sampling, step=0)
         prefill_s = time.perf_counter() - started
         finish = self.finish_reason(first, task)
         # NOTE: the event goes first so that the audit log keeps causal order (first_token after it)
         await self.events.request(
-            "prefilled", rid, prompt_tokens=len(task.prompt_token_ids), cached_tokens=0,
+            "prefilled", rid, prompt_tokens=len(ids), cached_tokens=cached, computed_tokens=len(ids) - cached,
             seconds=round(prefill_s, 6), decode_id=task.decode_id, finished=finish is not None,
         )
-        await self.reply(task, TokenChunk(rid, 0, [first], finish_reason=finish, source=self.cfg.instance_id))
-        if finish is not None or rid in self.cancelled:
-            return
+        await self.reply(task, TokenChunk(rid, 0, [first], finish_reason=finish, cached_tokens=cached,
+                                          source=self.cfg.instance_id))
         kv = engine.kv_from_cache(cache)
+        if finish is None and rid not in self.cancelled:
+            await self.hand_off(task, first, kv)
+        await self.store_prompt(rid, ids, kv, prefix.num_blocks)
+
+    async def reusable_prefix(self, task: PrefillTask) -> Prefix:
+        """Pull what the conductor asked for, then load the longest prefix held on this node."""
+        rid = task.request_id
+        # reusable blocks must leave at least one prompt token to compute (it yields the logits)
+        keys = block_keys(task.prompt_token_ids[:-1], self.block_tokens)
+        try:
+            if task.pull is not None and task.pull.num_blocks > 0:
+                spec = task.pull
+                wanted = keys[spec.first_block: spec.first_block + spec.num_blocks]
+                reply = await self.pool.pull(rid, spec.source_node, wanted, spec.first_block)
+                await self.events.request("kv_pulled", rid, source_node=spec.source_node, dest_node=self.cfg.node,
+                                          blocks=reply.num_blocks, requested_blocks=len(wanted),
+                                          bytes=reply.nbytes, seconds=round(reply.seconds, 6))
+            return await self.pool.load_prefix(rid, keys)
+        except PoolUnavailable as exc:
+            log.warning("request %s: KV pool unavailable, recomputing the whole prompt: %s", rid, exc)
+            return Prefix(None, 0)
+
+    async def hand_off(self, task: PrefillTask, first: int, kv: torch.Tensor) -> None:
+        rid = task.request_id
         handle = await asyncio.to_thread(kvfiles.write, self.cfg.shm_dir, self.cfg.node, f"{rid}.kv", kv)
         reply = await self.send_kv(SendKv(rid, handle, task.decode_node))
         await self.events.request(
@@ -92,6 +121,18 @@ class PrefillService:
         )
         decode = DecodeTask(rid, task.prompt_token_ids, first, task.sampling, task.reply_subject, reply.dest, task.arrival_ts)
         await self.nc.publish(subjects.decode_tasks(task.decode_id), decode.to_bytes())
+
+    async def store_prompt(self, rid: str, ids: list[int], kv: torch.Tensor, num_cached: int) -> None:
+        """Keep the prompt's new full blocks in this node's pool, so later requests reuse them."""
+        if len(ids) // self.block_tokens <= num_cached:
+            return
+        try:
+            stored = await self.pool.store(rid, ids, kv)
+        except PoolUnavailable as exc:
+            log.warning("request %s: prompt KV not stored: %s", rid, exc)
+            return
+        if stored:
+            log.debug("request %s: stored %d new blocks", rid, stored)
 
     async def send_kv(self, request: SendKv) -> SendKvReply:
         subject = subjects.messenger_control(self.cfg.node, "send")
@@ -128,8 +169,9 @@ async def serve(cfg: PrefillConfig, stop: asyncio.Event) -> None:
     model = await asyncio.to_thread(models.load_model, ref)
     eos = model.generation_config.eos_token_id
     eos = eos[0] if isinstance(eos, list) else eos
+    layout = models.read_shape(ref).kv_layout(cfg.block_tokens)
     nc = await bus.connect(cfg.nats_url, cfg.instance_id)
-    service = PrefillService(cfg, nc, model, eos)
+    service = PrefillService(cfg, nc, model, eos, layout)
     tasks = runner.TaskGroup(stop)
     await nc.subscribe(subjects.prefill_tasks(cfg.instance_id), cb=service.on_task)
     await nc.subscribe(subjects.REQUEST_CANCEL, cb=service.on_cancel)

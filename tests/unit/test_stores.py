@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from common.kv.blocks import ChecksumMismatch, KvLayout, checksum, pack_block
-from services.messenger.slab import DramSlab, SlabError
+from common.kv.slab import DramSlab, SlabError
 from services.messenger.ssd import PutStatus, SsdStore, map_size_for
 
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_tokens=4, dtype="float32")

@@ -26,7 +26,7 @@ import numpy as np
 import orjson
 
 from common.kv.blocks import KvLayout, checksum
-from services.messenger.slab import DramSlab
+from common.kv.slab import DramSlab
 from services.messenger.ssd import PutStatus, SsdStore, map_size_for
 
 

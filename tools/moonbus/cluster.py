@@ -57,6 +57,10 @@ class ClusterSpec:
     port: int = 8000
     nats_port: int = 4333
     threads: int = 0  # torch threads per worker; 0 = share the cores among workers
+    block_tokens: int = 16
+    dram_bytes: int = 512 << 20  # per node
+    ssd_bytes: int = 2 << 30  # per node
+    eviction: str = "lru"
     log_level: str = "INFO"
     extra_env: dict[str, str] = field(default_factory=dict)
     service_args: dict[str, list[str]] = field(default_factory=dict)  # service kind -> extra flags
@@ -85,10 +89,12 @@ class Cluster:
         self.spec = spec
         self.procs: dict[str, Proc] = {}  # name -> Proc, in start order
         self.log_dir = spec.home / "logs"
+        self.shm_root = Path("/dev/shm") / f"moonbus-{spec.nats_port}"
 
     # --- start ----------------------------------------------------------------------------
     def start(self, ready_timeout_s: float = 600.0) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.shm_root, ignore_errors=True)  # left by a cluster that was killed
         try:
             self.start_nats()
             self.start_services()
@@ -120,21 +126,32 @@ class Cluster:
         self.service("cache_index", "cache_index")
         for i in range(spec.prefill):
             node = f"node-p{i}"
-            self.service(f"messenger-p{i}", "messenger", "--node", node)
-            self.service(f"prefill-{i}", "prefill", "--node", node, "--model", spec.model, "--threads", threads)
+            self.messenger(f"messenger-p{i}", node)
+            self.service(f"prefill-{i}", "prefill", *self.node_args(node), "--threads", threads, *self.model_args())
         for i in range(spec.decode):
             node = f"node-d{i}"
-            self.service(f"messenger-d{i}", "messenger", "--node", node)
-            self.service(f"decode-{i}", "decode", "--node", node, "--model", spec.model, "--threads", threads)
+            self.messenger(f"messenger-d{i}", node)
+            self.service(f"decode-{i}", "decode", *self.node_args(node), "--threads", threads, *self.model_args())
         self.service("gateway", "gateway", "--model", spec.model, "--host", spec.host, "--port", str(spec.port))
 
     def service(self, name: str, kind: str, *args: str) -> None:
-        if kind == "cache_index" and not (Path(__file__).parents[2] / "services" / "cache_index" / "__main__.py").exists():
-            return
         argv = [sys.executable, "-m", f"services.{kind}", "--nats-url", self.spec.nats_url,
                 "--instance-id", name, "--home", str(self.spec.home), "--log-level", self.spec.log_level, *args,
                 *self.spec.service_args.get(kind, [])]
         self.spawn(name, argv)
+
+    def model_args(self) -> list[str]:
+        return ["--model", self.spec.model, "--block-tokens", str(self.spec.block_tokens)]
+
+    def messenger(self, name: str, node: str) -> None:
+        spec = self.spec
+        self.service(name, "messenger", *self.node_args(node), *self.model_args(), "--dram-bytes", str(spec.dram_bytes),
+                     "--ssd-bytes", str(spec.ssd_bytes), "--eviction", spec.eviction,
+                     "--ssd-dir", str(spec.home / "ssd" / node))
+
+    def node_args(self, node: str) -> list[str]:
+        """Every process of a node shares its shared-memory directory (one per cluster and node)."""
+        return ["--node", node, "--shm-dir", str(self.shm_root / node)]
 
     def spawn(self, name: str, argv: list[str]) -> None:
         log_path = self.log_dir / f"{name}.log"
@@ -191,3 +208,4 @@ class Cluster:
                     proc.popen.kill()
                     proc.popen.wait()
         self.procs.clear()
+        shutil.rmtree(self.shm_root, ignore_errors=True)

@@ -1,0 +1,126 @@
+"""A worker's client of its node's KV pool (the messenger): reuse cached prefixes, store new blocks.
+
+Payloads never cross NATS: the messenger answers with slot numbers of the node's shared-memory
+slab, and the worker reads or writes those slots in place. Every read is checked against the
+block's checksum; a mismatch ends the usable prefix there (the rest is recomputed) and is
+reported as an event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import torch
+from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
+
+from common import bus
+from common.kv import blocks as kvblocks
+from common.kv.blocks import KvLayout
+from schemas import subjects
+from schemas.codec import Wire
+from schemas.pool import (
+    CommitRequest, LookupReply, LookupRequest, PoolReply, PullRequest, ReleaseRequest, ReserveReply,
+    ReserveRequest, SlotRef,
+)
+from common.kv.slab import DramSlab
+
+log = logging.getLogger(__name__)
+
+
+class PoolUnavailable(RuntimeError):
+    """Raised when the node's messenger does not answer a pool request in time."""
+
+
+@dataclass(frozen=True)
+class Prefix:
+    kv: torch.Tensor | None  # [L, 2, H, num_blocks * block_tokens, D], a private copy
+    num_blocks: int
+    corrupt: int = 0  # blocks dropped because their checksum failed
+
+
+class PoolClient:
+    def __init__(self, nc, node: str, layout: KvLayout, events: bus.EventPublisher, timeout_s: float = 30.0) -> None:
+        self.nc = nc
+        self.node = node
+        self.layout = layout
+        self.events = events
+        self.timeout_s = timeout_s
+        self._slab: DramSlab | None = None
+
+    async def call(self, op: str, request: Wire, reply_type: type[Wire]) -> Wire:
+        try:
+            msg = await self.nc.request(subjects.messenger_control(self.node, op), request.to_bytes(), timeout=self.timeout_s)
+        except (NoRespondersError, NatsTimeout) as exc:
+            raise PoolUnavailable(f"the messenger of node {self.node} did not answer {op!r}: {exc!r}") from exc
+        reply = reply_type.from_bytes(msg.data)
+        if getattr(reply, "error", ""):
+            raise PoolUnavailable(f"messenger {op!r} failed: {reply.error}")
+        return reply
+
+    def slab(self, path: str) -> DramSlab:
+        if self._slab is None or self._slab.path != path:
+            self._slab = DramSlab.attach(path)
+        return self._slab
+
+    async def load_prefix(self, request_id: str, keys: list[int]) -> Prefix:
+        """Pin, copy out and unpin the longest prefix of `keys` this node holds."""
+        if not keys:
+            return Prefix(None, 0)
+        reply: LookupReply = await self.call("lookup", LookupRequest(request_id, keys), LookupReply)
+        try:
+            if not reply.blocks:
+                return Prefix(None, 0)
+            slab = self.slab(reply.slab_path)
+            parts, corrupt = await asyncio.to_thread(self._read, slab, reply.blocks)
+        finally:
+            if reply.blocks:
+                await self.call("release", ReleaseRequest(request_id, []), PoolReply)
+        if corrupt:
+            bad = reply.blocks[len(parts)]
+            log.error("request %s: block %016x failed its checksum on read; recomputing from there", request_id, bad.key)
+            await self.events.kv("corrupt", self.node, {"request_id": request_id, "node": self.node, "keys": [bad.key],
+                                                       "reader": "worker"})
+        kv = torch.cat(parts, dim=kvblocks.SEQ_AXIS) if parts else None
+        return Prefix(kv, len(parts), corrupt)
+
+    def _read(self, slab: DramSlab, refs: list[SlotRef]) -> tuple[list[torch.Tensor], int]:
+        parts = []
+        for ref in refs:
+            view = slab.view(ref.slot)
+            if kvblocks.checksum(view) != ref.checksum:
+                return parts, 1
+            parts.append(slab.tensor(ref.slot, self.layout).clone())
+        return parts, 0
+
+    async def store(self, request_id: str, token_ids: list[int], kv: torch.Tensor) -> int:
+        """Store the full blocks of `token_ids` (whose KV is `kv`) that the node lacks; returns how many."""
+        keys = kvblocks.block_keys(token_ids, self.layout.block_tokens)
+        if not keys:
+            return 0
+        reply: ReserveReply = await self.call("reserve", ReserveRequest(request_id, keys, 0), ReserveReply)
+        try:
+            if not reply.slots:
+                return 0
+            written = await asyncio.to_thread(self._write, self.slab(reply.slab_path), reply.slots, keys, kv)
+            await self.call("commit", CommitRequest(request_id, written), PoolReply)
+            return len(written)
+        finally:
+            await self.call("release", ReleaseRequest(request_id, []), PoolReply)
+
+    def _write(self, slab: DramSlab, slots: list[SlotRef], keys: list[int], kv: torch.Tensor) -> list[SlotRef]:
+        position = {key: i for i, key in enumerate(keys)}
+        bt = self.layout.block_tokens
+        written = []
+        for ref in slots:
+            i = position[ref.key]
+            block = kv.narrow(kvblocks.SEQ_AXIS, i * bt, bt)
+            target = slab.tensor(ref.slot, self.layout)
+            target.copy_(block)
+            written.append(SlotRef(ref.key, ref.slot, kvblocks.checksum(slab.view(ref.slot))))
+        return written
+
+    async def pull(self, request_id: str, source_node: str, keys: list[int], first_depth: int) -> PoolReply:
+        """Have the node's messenger fetch blocks from `source_node` and keep them (replication)."""
+        return await self.call("pull", PullRequest(request_id, source_node, keys, first_depth), PoolReply)

@@ -1,0 +1,43 @@
+"""Cache index settings."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from common import config as common
+
+
+@dataclass(frozen=True)
+class CacheIndexConfig:
+    nats_url: str
+    instance_id: str
+    home: Path
+    log_level: str
+    heartbeat_interval_s: float
+    node_timeout_s: float  # a node whose messenger stops sending heartbeats is dropped after this
+    resync_timeout_s: float
+
+    def __post_init__(self) -> None:
+        common.check_subject_token("instance id", self.instance_id)
+        if min(self.heartbeat_interval_s, self.node_timeout_s, self.resync_timeout_s) <= 0:
+            raise ValueError("intervals and timeouts must be > 0")
+
+
+def load(argv: list[str] | None = None) -> CacheIndexConfig:
+    parser = argparse.ArgumentParser(prog="python -m services.cache_index", description="moonbus cache index")
+    common.add_common_flags(parser, "cache_index")
+    common.flag(parser, "--heartbeat-interval", "MOONBUS_HEARTBEAT_INTERVAL", 1.0, float, help="seconds")
+    common.flag(parser, "--node-timeout", "MOONBUS_NODE_TIMEOUT", 5.0, float, help="seconds")
+    common.flag(parser, "--resync-timeout", "MOONBUS_RESYNC_TIMEOUT", 10.0, float, help="seconds")
+    args = parser.parse_args(argv)
+    return CacheIndexConfig(
+        nats_url=args.nats_url,
+        instance_id=args.instance_id.replace("_", "-"),
+        home=Path(args.home),
+        log_level=args.log_level,
+        heartbeat_interval_s=args.heartbeat_interval,
+        node_timeout_s=args.node_timeout,
+        resync_timeout_s=args.resync_timeout,
+    )

@@ -1,0 +1,137 @@
+"""Cache index service: keeps block key -> holders (node, tier) exact, answers prefix queries.
+
+Fed by the messengers' numbered KV events. A node is (re)synced from its messenger's snapshot
+when it is first seen (so a restarted index rebuilds itself), on a sequence gap, and when its
+epoch changes (the messenger restarted and numbers from 1 again). A node whose messenger stops
+sending heartbeats is dropped: its DRAM is gone with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
+
+from common import bus, runner
+from schemas import subjects
+from schemas.events import Event
+from schemas.index import IndexDumpReply, IndexDumpRequest, IndexQuery, IndexReply, NodePrefix
+from schemas.pool import KvEventData, SnapshotReply
+from schemas.workers import WorkerInfo
+from services.cache_index.config import CacheIndexConfig
+from services.cache_index.index import KINDS, KvEvent, PrefixIndex
+
+log = logging.getLogger(__name__)
+
+
+class CacheIndexService:
+    def __init__(self, cfg: CacheIndexConfig, nc, tasks: runner.TaskGroup) -> None:
+        self.cfg = cfg
+        self.nc = nc
+        self.tasks = tasks
+        self.index = PrefixIndex()
+        self.events = bus.EventPublisher(nc, "cache_index", cfg.instance_id)
+        self.epochs: dict[str, str] = {}  # node -> epoch of the events we applied
+        self.last_seen: dict[str, float] = {}  # node -> monotonic time of its messenger's last heartbeat
+        self.syncing: dict[str, list[KvEvent]] = {}  # node -> events held back while its resync is in flight
+
+    async def on_kv_event(self, msg: Msg) -> None:
+        event = Event.from_bytes(msg.data)
+        if event.kind not in KINDS:
+            return  # e.g. "corrupt": audit only
+        data = KvEventData.from_dict(event.data)
+        kv_event = KvEvent(data.node, data.seq, event.kind, tuple(data.keys), data.tier)
+        if data.node in self.syncing:
+            self.syncing[data.node].append(kv_event)  # applied after the snapshot, if newer than it
+            return
+        if self.epochs.get(data.node) != data.epoch:
+            self.start_resync(data.node, "new epoch")
+            return
+        result = self.index.apply(kv_event)
+        if result.resync_needed:
+            self.start_resync(data.node, f"gap: expected seq {result.expected_seq}, got {data.seq}")
+
+    async def on_heartbeat(self, msg: Msg) -> None:
+        info = WorkerInfo.from_bytes(msg.data)
+        if info.role != "messenger":
+            return
+        if info.leaving:
+            self.forget(info.node, "messenger left")
+            return
+        first = info.node not in self.last_seen
+        self.last_seen[info.node] = time.monotonic()
+        if first and info.node not in self.epochs:
+            self.start_resync(info.node, "first seen")
+
+    def start_resync(self, node: str, why: str) -> None:
+        if node in self.syncing:
+            return
+        self.syncing[node] = []
+        self.tasks.spawn(self.resync(node, why), f"resync-{node}")
+
+    async def resync(self, node: str, why: str) -> None:
+        try:
+            msg = await self.nc.request(subjects.messenger_control(node, "snapshot"), b"{}",
+                                        timeout=self.cfg.resync_timeout_s)
+            snap = SnapshotReply.from_bytes(msg.data)
+            self.index.load_snapshot(node, snap.seq, dict(zip(snap.keys, snap.tiers)))
+            self.epochs[node] = snap.epoch
+            for event in sorted(self.syncing.get(node, []), key=lambda e: e.seq):
+                if event.seq > snap.seq:
+                    self.index.apply(event)  # a gap here is caught by the next live event
+            log.info("node %s resynced (%s): %d blocks at seq %d", node, why, len(snap.keys), snap.seq)
+            await self.events.instance("resynced", self.cfg.instance_id, node=node, reason=why,
+                                       blocks=len(snap.keys), seq=snap.seq)
+        except (NoRespondersError, NatsTimeout, ValueError) as exc:
+            log.warning("node %s: resync failed (%r); dropping its entries until it answers", node, exc)
+            self.index.drop_node(node)
+            self.epochs.pop(node, None)
+        finally:
+            self.syncing.pop(node, None)
+
+    def forget(self, node: str, why: str) -> None:
+        log.info("node %s dropped from the index: %s", node, why)
+        self.index.drop_node(node)
+        self.epochs.pop(node, None)
+        self.last_seen.pop(node, None)
+
+    async def on_query(self, msg: Msg) -> None:
+        query = IndexQuery.from_bytes(msg.data)
+        match = self.index.match(query.keys)
+        per_node = {n: NodePrefix(m.prefix_len, m.num_dram, m.num_ssd) for n, m in match.per_node.items()}
+        await msg.respond(IndexReply(per_node, match.best_len, list(match.best_nodes)).to_bytes())
+
+    async def on_dump(self, msg: Msg) -> None:
+        request = IndexDumpRequest.from_bytes(msg.data)
+        entries = self.index.node_entries(request.node)
+        await msg.respond(IndexDumpReply(request.node, self.index.last_seq(request.node),
+                                         list(entries), list(entries.values())).to_bytes())
+
+    async def sweep(self) -> None:
+        now = time.monotonic()
+        for node, seen in list(self.last_seen.items()):
+            if now - seen > self.cfg.node_timeout_s:
+                self.forget(node, "messenger stopped sending heartbeats")
+
+    async def heartbeat(self) -> None:
+        info = WorkerInfo(self.cfg.instance_id, "cache_index", "", num_running=len(self.index))
+        await self.nc.publish(subjects.WORKER_HEARTBEAT, info.to_bytes())
+
+
+async def serve(cfg: CacheIndexConfig, stop: asyncio.Event) -> None:
+    nc = await bus.connect(cfg.nats_url, cfg.instance_id)
+    tasks = runner.TaskGroup(stop)
+    service = CacheIndexService(cfg, nc, tasks)
+    await nc.subscribe(subjects.KV_EVENTS_ALL, cb=service.on_kv_event)
+    await nc.subscribe(subjects.WORKER_HEARTBEAT, cb=service.on_heartbeat)
+    await nc.subscribe(subjects.INDEX_QUERY, cb=service.on_query)
+    await nc.subscribe(subjects.INDEX_DUMP, cb=service.on_dump)
+    tasks.spawn(runner.every(cfg.heartbeat_interval_s, stop, service.heartbeat), "heartbeat")
+    tasks.spawn(runner.every(1.0, stop, service.sweep), "sweep")
+    log.info("cache index %s ready", cfg.instance_id)
+    await stop.wait()
+    await tasks.cancel_all()
+    await nc.drain()

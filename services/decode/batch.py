@@ -1,0 +1,248 @@
+"""Continuous batching for decode: one model forward per iteration for every running request.
+
+Each running request is a row of one right-padded KV buffer, allocated once and grown in
+chunks (never re-padded per step):
+
+    kv  [num_layers, 2 (K, V), rows_cap, num_kv_heads, tokens_cap, head_dim]
+
+    row 0  | t0 t1 t2 t3 t4 t5 . . . . |   kv_len 6: the next token's K, V land at 6
+    row 1  | t0 t1 t2 . . . . . . . . |   kv_len 3
+    row 2  | t0 t1 t2 t3 t4 t5 t6 t7 . |   kv_len 8
+             <------ width = max kv_len + 1 ------>   (attention reads only this)
+
+One `step()` feeds every row its last token at its own position (position id = its kv_len),
+writes the new K, V in place at that position, attends over `[0, width)` with a mask that hides
+each row's padding, and samples every row with its own settings (greedy rows by one batched
+argmax, the others through `common.sampling.sample`, seeded per (seed, step) as in prefill).
+Rows stay contiguous: `remove()` moves the last row into the freed slot.
+
+Admission: a request reserves `kv_len + tokens it may still generate` (capped by the model's
+context) against `kv_budget_tokens`, so a running request never runs out of room; `can_admit()`
+checks that and `max_batch`; `tbt_admits()` is the late TBT re-check of ARCHITECTURE.md (the
+conductor's pure `decode_admits`, fed this engine's state).
+NOTE: the budget counts reserved tokens, not the padded buffer: with very ragged lengths the
+buffer holds up to rows * (longest + grow) tokens.
+
+Numerics: on CPU float32, a [B, d] matmul can differ from B [1, d] matmuls in the last bits
+(oneDNN picks a different kernel for M=1), and the masked attention over padding runs a different
+kernel than the unmasked single-sequence one. Logits therefore equal per-sequence decoding only
+to ~1e-6; greedy tokens are equal unless two logits tie to that precision (tests check tokens).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from schemas.route import SamplingParams
+from common.sampling import sample
+from services.conductor.admission import decode_admits
+from services.conductor.policy import DecodeCandidate
+
+
+class BatchFull(RuntimeError):
+    """Raised by `add()` when the request does not fit (max_batch or the KV budget); call `can_admit` first."""
+
+
+@dataclass
+class _Row:
+    request_id: str
+    sampling: SamplingParams
+    last_token: int  # fed at the next step
+    num_generated: int  # tokens generated so far (the prefill's first token counts)
+    reserved: int  # tokens counted against the budget
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """What one iteration cost: a sample for fitting the decode step-time model."""
+
+    batch: int
+    context_tokens: int  # sum of the rows' KV lengths read by the step
+    seconds: float
+
+
+class BatchEngine:
+    def __init__(self, model, max_batch: int, kv_budget_tokens: int, grow_tokens: int = 256) -> None:
+        if max_batch < 1 or kv_budget_tokens < 1 or grow_tokens < 1:
+            raise ValueError("max_batch, kv_budget_tokens and grow_tokens must be >= 1")
+        cfg = model.config
+        self.model = model
+        self.max_batch = max_batch
+        self.kv_budget_tokens = kv_budget_tokens
+        self.grow_tokens = grow_tokens
+        self.max_context = cfg.max_position_embeddings
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eager = cfg._attn_implementation == "eager"
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.rows: list[_Row] = []  # row index -> _Row
+        self.index: dict[str, int] = {}  # request_id -> row index
+        self.kv_lens = torch.zeros(0, dtype=torch.long)  # row index -> tokens in its KV
+        self.kv = self._alloc(1, grow_tokens)
+        self.reserved_tokens = 0
+        self.last_step: StepStats | None = None
+
+    # ------------------------------------------------------------------ admission
+
+    @property
+    def num_running(self) -> int:
+        return len(self.rows)
+
+    @property
+    def context_tokens(self) -> int:
+        return int(self.kv_lens.sum())
+
+    def tokens_needed(self, kv_len: int, sampling: SamplingParams, num_generated: int) -> int:
+        """Tokens a request reserves: its KV now plus every token it may still generate."""
+        return min(kv_len + max(sampling.max_tokens - num_generated, 0) + 1, self.max_context)
+
+    def can_admit(self, num_tokens: int) -> bool:
+        return len(self.rows) < self.max_batch and self.reserved_tokens + num_tokens <= self.kv_budget_tokens
+
+    def admission_state(self, instance_id: str = "", node: str = "") -> DecodeCandidate:
+        """This engine as the conductor sees a decode instance (heartbeats, `decode_admits`)."""
+        return DecodeCandidate(instance_id, node, len(self.rows), self.context_tokens,
+                               self.kv_budget_tokens - self.reserved_tokens)
+
+    def tbt_admits(self, context_tokens: int, perf, tbt_slo_s: float) -> bool:
+        """The late TBT re-check when a request's KV arrives: predicted step time with it added <= SLO.
+
+        `perf` is a common.perf.Profile (only `perf.decode.step_seconds(batch, context)` is used).
+        KV room is `can_admit`'s job (it counts reservations), so it is not re-checked here.
+        """
+        state = DecodeCandidate("", "", len(self.rows), self.context_tokens, None)
+        return decode_admits(state, context_tokens, perf, tbt_slo_s)
+
+    # ------------------------------------------------------------------ membership
+
+    def add(self, request_id: str, prompt_kv: torch.Tensor, last_token: int, sampling: SamplingParams,
+            num_generated: int = 1) -> None:
+        """Join a request: prompt_kv [L, 2, H, S, D] (its whole KV so far), last_token is fed next."""
+        if request_id in self.index:
+            raise ValueError(f"request {request_id} is already running")
+        num_layers, _, heads, kv_len, head_dim = prompt_kv.shape
+        if (num_layers, heads, head_dim) != (self.kv.shape[0], self.num_kv_heads, self.head_dim):
+            raise ValueError(f"request {request_id}: KV shape {tuple(prompt_kv.shape)} does not fit the model")
+        if kv_len >= self.max_context:
+            raise ValueError(f"request {request_id}: {kv_len} tokens leave no room in context {self.max_context}")
+        reserved = self.tokens_needed(kv_len, sampling, num_generated)
+        if not self.can_admit(reserved):
+            raise BatchFull(f"request {request_id}: {reserved} tokens do not fit "
+                            f"({len(self.rows)}/{self.max_batch} rows, {self.reserved_tokens}/{self.kv_budget_tokens} tokens)")
+        row = len(self.rows)
+        self._ensure(row + 1, kv_len + 1)
+        self.kv[:, :, row, :, :kv_len] = prompt_kv.to(self.device, self.dtype)
+        self.rows.append(_Row(request_id, sampling, last_token, num_generated, reserved))
+        self.index[request_id] = row
+        self.kv_lens = torch.cat((self.kv_lens, torch.tensor([kv_len])))
+        self.reserved_tokens += reserved
+
+    def remove(self, request_id: str) -> None:
+        """Drop a finished or cancelled request (a no-op for an unknown id)."""
+        row = self.index.pop(request_id, None)
+        if row is None:
+            return
+        self.reserved_tokens -= self.rows[row].reserved
+        last = len(self.rows) - 1
+        if row != last:  # keep rows contiguous: the last row moves into the hole
+            n = int(self.kv_lens[last])
+            self.kv[:, :, row, :, :n] = self.kv[:, :, last, :, :n]
+            self.kv_lens[row] = self.kv_lens[last]
+            self.rows[row] = self.rows[last]
+            self.index[self.rows[row].request_id] = row
+        self.rows.pop()
+        self.kv_lens = self.kv_lens[:last].clone()
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.index
+
+    def num_generated(self, request_id: str) -> int:
+        return self.rows[self.index[request_id]].num_generated
+
+    # ------------------------------------------------------------------ the iteration
+
+    @torch.inference_mode()
+    def step(self) -> dict[str, int]:
+        """One forward for every running row; returns request_id -> its next token."""
+        if not self.rows:
+            return {}
+        started = time.perf_counter()
+        batch = len(self.rows)
+        context = self.context_tokens
+        width = int(self.kv_lens.max()) + 1
+        self._ensure(batch, width)
+        logits = self._forward(batch, width)
+        out = self._sample(logits)
+        self.kv_lens += 1
+        self.last_step = StepStats(batch, context, time.perf_counter() - started)
+        return out
+
+    def _forward(self, batch: int, width: int) -> torch.Tensor:
+        inner = self.model.model
+        positions = self.kv_lens.to(self.device)[:, None]  # [B, 1]: each row's new token sits at its kv_len
+        tokens = torch.tensor([[r.last_token] for r in self.rows], device=self.device)
+        hidden = inner.embed_tokens(tokens)
+        rope = inner.rotary_emb(hidden, position_ids=positions)
+        visible = torch.arange(width, device=self.device)[None, :] <= positions  # [B, width]: the row's KV plus the new token
+        mask = visible[:, None, None, :]
+        if self.eager:  # eager attention adds the mask; sdpa takes it as bool
+            mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill(~mask, torch.finfo(self.dtype).min)
+        cache = _RowsCache(self.kv, batch, width, positions[:, 0])
+        for layer in inner.layers:
+            hidden = layer(hidden, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                           use_cache=True, position_embeddings=rope)
+        return self.model.lm_head(inner.norm(hidden))[:, -1].float()  # [B, vocab]
+
+    def _sample(self, logits: torch.Tensor) -> dict[str, int]:
+        greedy = torch.argmax(logits, dim=-1).tolist()
+        out = {}
+        for i, row in enumerate(self.rows):
+            if row.sampling.temperature <= 0:
+                token = greedy[i]
+            else:
+                token = sample(logits[i], row.sampling, step=row.num_generated)
+            row.last_token = token
+            row.num_generated += 1
+            out[row.request_id] = token
+        return out
+
+    # ------------------------------------------------------------------ the buffer
+
+    def _alloc(self, rows: int, tokens: int) -> torch.Tensor:
+        shape = (self.model.config.num_hidden_layers, 2, rows, self.num_kv_heads, tokens, self.head_dim)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def _ensure(self, rows: int, tokens: int) -> None:
+        """Grow the buffer to hold `rows` rows of `tokens` tokens (rows double, tokens grow in chunks)."""
+        _, _, rows_cap, _, tokens_cap, _ = self.kv.shape
+        if rows <= rows_cap and tokens <= tokens_cap:
+            return
+        new_rows = max(rows_cap, min(max(rows, 2 * rows_cap), self.max_batch))
+        new_tokens = max(tokens_cap, -(-tokens // self.grow_tokens) * self.grow_tokens)
+        grown = self._alloc(new_rows, new_tokens)
+        n = len(self.rows)
+        used = int(self.kv_lens.max()) if n else 0
+        grown[:, :, :n, :, :used] = self.kv[:, :, :n, :, :used]
+        self.kv = grown
+
+
+class _RowsCache:
+    """What a transformers decoder layer needs from a cache: `update` returns the whole K, V to attend.
+
+    Writes the new token's K, V of every row at that row's position, in place, and returns views
+    of the first `width` positions of the running rows (padding is hidden by the mask).
+    """
+
+    def __init__(self, kv: torch.Tensor, batch: int, width: int, positions: torch.Tensor) -> None:
+        self.kv, self.batch, self.width, self.positions = kv, batch, width, positions
+        self.rows = torch.arange(batch, device=kv.device)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        keys, values = self.kv[layer_idx, 0], self.kv[layer_idx, 1]  # [rows_cap, H, tokens_cap, D]
+        keys[self.rows, :, self.positions] = key_states[:, :, 0]
+        values[self.rows, :, self.positions] = value_states[:, :, 0]
+        return keys[: self.batch, :, : self.width], values[: self.batch, :, : self.width]

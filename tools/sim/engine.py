@@ -1,0 +1,268 @@
+"""The event loop: arrivals, prefill ends, KV arrivals at decode, decode segment ends.
+
+    arrive      conductor: index.match -> decide -> admit   (services/conductor: the live code)
+                rejected -> done (rejected at arrival); else book the prefix pull on the NICs,
+                queue at p*, reserve room at d*
+    prefill     FIFO per instance; starts when the instance is free and the pulled prefix is in;
+                reuses the prefix still in its pool at that moment (+ the pulled blocks);
+                time = max(compute(n, prefix), prefix bytes / host-to-device) (layer-wise: loading
+                layer i+1 overlaps computing layer i). The KV streams to d* layer by layer from
+                the prefill's start, over both nodes' NICs: it lands at
+                max(prefill end + one layer's share, when the NIC booking completes).
+    prefill end first token; the node's pool stores every block (pulled ones too: replication)
+    kv arrives  decode_admits (live code) -> late rejection, or join the batch (decode.py)
+    segment end members that produced their last token are done
+
+Coupled instances (coupled.py) prefill and decode on one GPU: a prefill pauses the batch.
+Ties in time are broken by booking order, so a run is a pure function of (trace, config).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import time
+from dataclasses import dataclass, field
+
+from common.kv.blocks import block_keys_from_hash_ids
+from common.measures import FAILED, OK, REJECTED_ARRIVAL, REJECTED_LATE, RequestResult, summarize
+from common.perf import Profile
+from common.traces import TraceRow
+from services.cache_index.index import PrefixIndex
+from services.conductor.admission import AdmissionSettings, DecodeLoadSnapshot, admit, decode_admits
+from services.conductor.policy import ClusterSnapshot, NoInstances, PolicySettings, RequestInfo, decide
+from tools.sim.config import SimConfig, build_profile
+from tools.sim.coupled import CoupledInstance
+from tools.sim.decode import DecodeBatch
+from tools.sim.instances import DecodeInstance, Nic, PoolNode, PrefillInstance, transfer
+from tools.sim.request import SimRequest
+
+PREFILL_DONE, KV_ARRIVE, SEGMENT_END = range(3)
+
+
+@dataclass
+class SimOutcome:
+    results: list[RequestResult]
+    summary: dict
+    stats: dict = field(default_factory=dict)  # wall time, simulated time, pulls, utilisation
+
+
+def make_requests(rows: list[TraceRow], cfg: SimConfig) -> list[SimRequest]:
+    """Trace rows as requests: time / speed, outputs capped or forced, block keys from hash ids."""
+    out = []
+    for i, row in enumerate(rows):
+        output = max(1, row.output_length)
+        if cfg.max_output is not None:
+            output = cfg.max_output if cfg.force_output else min(output, cfg.max_output)
+        out.append(SimRequest(i, row.timestamp_ms / 1000.0 / cfg.speed, max(1, row.input_length), output,
+                              block_keys_from_hash_ids(row.hash_ids)))
+    out.sort(key=lambda r: (r.arrival_s, r.index))
+    return out
+
+
+class Simulator:
+    def __init__(self, requests: list[SimRequest], cfg: SimConfig, profile: Profile) -> None:
+        self.cfg = cfg
+        self.perf = profile
+        self.requests = requests
+        self.kv_bytes = profile.kv_bytes_per_token
+        self.heap: list = []
+        self.seq = 0
+        self.rng = random.Random(cfg.seed)
+        self.index = PrefixIndex()
+        self.ended = 0
+        self.pulls = self.pulled_blocks = 0
+        mean_out = sum(r.output_tokens for r in requests) / max(1, len(requests))
+        mean_in = sum(r.input_tokens for r in requests) / max(1, len(requests))
+        t_d = cfg.t_d_s or max(1e-3, mean_out * profile.decode.step_seconds(8, int(8 * mean_in)))
+        self.admission = AdmissionSettings(cfg.admission, cfg.ttft_slo_s, cfg.tbt_slo_s, t_d)
+        self.policy = PolicySettings(cfg.policy, cfg.kvcache_balancing_threshold, cfg.nic_bytes_s,
+                                     cfg.block_tokens, self.kv_bytes)
+        dram_blocks = cfg.dram_tokens // cfg.block_tokens
+        self.nics: dict[str, Nic] = {}  # node -> its NIC
+        self.prefills: list[PrefillInstance] = []
+        self.decodes: list[DecodeInstance] = []
+        if cfg.coupled:
+            for i in range(cfg.coupled):
+                name = f"c{i}"
+                nic = self.nics[name] = Nic(cfg.nic_bytes_s)
+                dec = DecodeInstance(name, nic, self._batch(), cfg.decode_kv_tokens)
+                inst = CoupledInstance(name, PoolNode(name, dram_blocks, cfg.eviction, self.index), nic, dec)
+                dec.batch.owner = dec
+                self.prefills.append(inst)
+                self.decodes.append(dec)
+        else:
+            for i in range(cfg.prefill):
+                name = f"p{i}"
+                nic = self.nics[name] = Nic(cfg.nic_bytes_s)
+                self.prefills.append(PrefillInstance(name, PoolNode(name, dram_blocks, cfg.eviction, self.index), nic))
+            for i in range(cfg.decode):
+                name = f"d{i}"
+                nic = self.nics[name] = Nic(cfg.nic_bytes_s)
+                dec = DecodeInstance(name, nic, self._batch(), cfg.decode_kv_tokens)
+                dec.batch.owner = dec
+                self.decodes.append(dec)
+        self.prefill_by_id = {p.instance_id: p for p in self.prefills}
+        self.decode_by_id = {d.instance_id: d for d in self.decodes}
+        self.handlers = (self.on_prefill_done, self.on_kv_arrive, self.on_segment_end)
+
+    def _batch(self) -> DecodeBatch:
+        return DecodeBatch(self.perf.decode.step_seconds, self.cfg.segment_steps, self._book_segment)
+
+    def _book_segment(self, t: float, batch: DecodeBatch, version: int) -> None:
+        self.push(t, SEGMENT_END, batch, version)
+
+    def push(self, t: float, kind: int, a, b=None) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, a, b))
+
+    # --- the loop ------------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        heap, handlers, arrivals = self.heap, self.handlers, self.requests
+        i, n = 0, len(arrivals)
+        while True:
+            if i < n and (not heap or arrivals[i].arrival_s <= heap[0][0]):
+                r = arrivals[i]
+                i += 1
+                self.on_arrive(r, r.arrival_s)
+                continue
+            if not heap:
+                break
+            t, _, kind, a, b = heapq.heappop(heap)
+            handlers[kind](a, b, t)
+
+    def end(self, r: SimRequest, t: float, status: str = OK, error: str = "") -> None:
+        if r.end_s is not None:
+            raise RuntimeError(f"request {r.index} ended twice")
+        r.status, r.end_s, r.error = status, t, error
+        self.ended += 1
+
+    def end_done(self, batch: DecodeBatch) -> None:
+        for r, t in batch.take_done():
+            self.end(r, t)
+
+    # --- the conductor ---------------------------------------------------------------------------------
+
+    def on_arrive(self, r: SimRequest, t: float) -> None:
+        match = self.index.match(r.keys)
+        holders = {node: m.prefix_len for node, m in match.per_node.items() if m.prefix_len}
+        nics = self.nics
+        queued = {node: nics[node].queued_bytes(t) for node in holders}
+        snapshot = ClusterSnapshot(t, tuple(p.candidate(t) for p in self.prefills),
+                                   tuple(d.candidate() for d in self.decodes), holders, queued, self.rng.random())
+        decision = decide(RequestInfo(str(r.index), r.input_tokens, len(r.keys)), snapshot, self.policy, self.perf)
+        if isinstance(decision, NoInstances):
+            self.end(r, t, REJECTED_ARRIVAL, decision.reason)
+            return
+        if self.cfg.admission != "none":
+            load = DecodeLoadSnapshot(t, tuple(d.load() for d in self.decodes))
+            verdict = admit(decision.ttft_s, r.input_tokens, load, self.admission, self.perf)
+            if not verdict.admit:
+                self.end(r, t, REJECTED_ARRIVAL, verdict.reason)
+                return
+        self.dispatch(r, decision, t)
+
+    def dispatch(self, r: SimRequest, decision, t: float) -> None:
+        p = self.prefill_by_id[decision.prefill_id]
+        r.decision, r.prefill = decision, p
+        r.decode = p.decode if isinstance(p, CoupledInstance) else self.decode_by_id[decision.decode_id]
+        if decision.pull is not None:
+            r.ready_s = transfer(self.nics[decision.pull.source_node], p.nic, t, decision.pull.nbytes)
+            self.pulls += 1
+            self.pulled_blocks += decision.pull.num_blocks
+        p.predicted_free = max(t + decision.transfer_s, p.predicted_free) + decision.prefill_s
+        r.predicted_end_s = t + decision.ttft_s
+        if r.output_tokens > 1:
+            r.decode.reserve(r)
+        p.queue.append(r)
+        if not p.busy:
+            self.start_prefill(p, t)
+
+    # --- prefill ---------------------------------------------------------------------------------------
+
+    def start_prefill(self, p: PrefillInstance, t: float) -> None:
+        r = p.queue.popleft()
+        p.busy = True
+        start = max(p.claim_gpu(t), r.ready_s)
+        if isinstance(p, CoupledInstance):
+            self.end_done(p.decode.batch)
+        cfg, n = self.cfg, r.input_tokens
+        local = p.pool.local_prefix(r.keys)
+        prefix, pull = local, r.decision.pull
+        if pull is not None and local >= pull.first_block:  # pulled blocks still extend the local prefix
+            prefix = max(local, pull.first_block + pull.num_blocks)
+        prefix_tokens = min(prefix * cfg.block_tokens, n - 1)
+        r.cached_tokens = prefix_tokens
+        duration = max(self.perf.prefill.seconds(n, prefix_tokens), prefix_tokens * self.kv_bytes / cfg.h2d_bytes_s)
+        end = start + duration
+        p.busy_s += duration
+        p.prefills_done += 1
+        if r.output_tokens > 1 and not isinstance(p, CoupledInstance):
+            nbytes = n * self.kv_bytes
+            landed = transfer(p.nic, r.decode.nic, start, nbytes)
+            r.kv_arrival_s = max(end + nbytes / cfg.nic_bytes_s / cfg.layers, landed)
+        self.push(end, PREFILL_DONE, p, r)
+
+    def on_prefill_done(self, p: PrefillInstance, r: SimRequest, t: float) -> None:
+        p.pool.store(r.keys)
+        r.first_token_s = t
+        p.busy = False
+        coupled = isinstance(p, CoupledInstance)
+        if coupled:
+            p.release_gpu(t)
+            self.end_done(p.decode.batch)
+        if r.output_tokens <= 1:
+            self.end(r, t)
+        elif coupled:
+            self.on_kv_arrive(r, None, t)
+        else:
+            self.push(r.kv_arrival_s, KV_ARRIVE, r)
+        if p.queue:
+            self.start_prefill(p, t)
+
+    # --- decode ----------------------------------------------------------------------------------------
+
+    def on_kv_arrive(self, r: SimRequest, _unused, t: float) -> None:
+        d: DecodeInstance = r.decode
+        d.unreserve(r)
+        if self.cfg.admission != "none" and not decode_admits(d.own_state(), r.input_tokens, self.perf, self.cfg.tbt_slo_s):
+            self.end(r, t, REJECTED_LATE, f"decode {d.instance_id}: tbt or kv room over budget on kv arrival")
+            return
+        r.kv_arrival_s = t
+        d.batch.join(r, t)
+        self.end_done(d.batch)
+        d.changed()
+
+    def on_segment_end(self, batch: DecodeBatch, version: int, t: float) -> None:
+        if version != batch.version or not batch.running:
+            return  # superseded: a join closed that segment early
+        batch.segment_end(t)
+        self.end_done(batch)
+        batch.owner.changed()
+        batch.open(t)
+
+
+def simulate(rows: list[TraceRow], cfg: SimConfig, profile: Profile | None = None) -> SimOutcome:
+    """Run the trace through the simulated cluster; results are in trace row order."""
+    if profile is None:
+        profile = cfg.profile or build_profile()[0]
+    requests = make_requests(rows, cfg)
+    sim = Simulator(requests, cfg, profile)
+    started = time.perf_counter()
+    sim.run()
+    wall = time.perf_counter() - started
+    for r in requests:
+        if r.end_s is None:  # cannot happen; kept so that a bug shows up as failures, not as a hang
+            sim.end(r, r.arrival_s, FAILED, "never ended")
+    results = sorted((r.result() for r in requests), key=lambda x: x.index)
+    sim_s = max((r.end_s for r in requests), default=0.0)
+    stats = {
+        "wall_s": wall, "simulated_s": sim_s, "sim_s_per_wall_s": sim_s / wall if wall > 0 else None,
+        "ended": sim.ended, "pulls": sim.pulls, "pulled_blocks": sim.pulled_blocks,
+        "t_d_s": sim.admission.t_d_s,
+        "prefill_utilisation": {p.instance_id: round(p.busy_s / sim_s, 4) if sim_s else 0.0 for p in sim.prefills},
+        "index_keys": len(sim.index),
+        "prefill_mean_s": sum(p.busy_s for p in sim.prefills) / max(1, sum(p.prefills_done for p in sim.prefills)),
+    }
+    return SimOutcome(results, summarize(results, cfg.ttft_slo_s, cfg.tbt_slo_s), stats)
