@@ -54,6 +54,9 @@ class ModelShape:
     head_dim: int
     max_context: int
     vocab_size: int
+    hidden_size: int = 0
+    num_heads: int = 0
+    num_params: float = 0.0  # approximate: embeddings + layers
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -118,12 +121,19 @@ def read_shape(ref: ModelRef) -> ModelShape:
 
     cfg = AutoConfig.from_pretrained(str(ref.path))
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    d, layers = cfg.hidden_size, cfg.num_hidden_layers
+    attention = d * head_dim * (2 * cfg.num_attention_heads + 2 * kv_heads)
+    mlp = 3 * d * getattr(cfg, "intermediate_size", 4 * d)
     return ModelShape(
-        num_layers=cfg.num_hidden_layers,
-        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        num_layers=layers,
+        num_kv_heads=kv_heads,
         head_dim=head_dim,
         max_context=cfg.max_position_embeddings,
         vocab_size=cfg.vocab_size,
+        hidden_size=d,
+        num_heads=cfg.num_attention_heads,
+        num_params=float(layers * (attention + mlp) + cfg.vocab_size * d),
     )
 
 

@@ -1,11 +1,9 @@
 """The simulator: determinism, one end per request, zero-load TTFT, a hand-computed trace."""
 
-from dataclasses import replace
-
 import pytest
 
 from common.measures import OK
-from common.perf import LLAMA3_70B, analytic_profile
+from common.perf import LLAMA3_70B
 from common.traces import TraceRow
 from tools.sim import SimConfig, build_profile, simulate
 

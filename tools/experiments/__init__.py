@@ -1,0 +1,1 @@
+"""Experiments of docs/experiments: `python -m tools.experiments N [--out DIR] [--limit N]`."""

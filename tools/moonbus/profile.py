@@ -1,0 +1,117 @@
+"""`moonbus profile`: measure the deployed model's prefill and decode times and fit the predictors.
+
+Prefill is timed over a grid of (input length, cached prefix length) through the same code the
+prefill instance runs (a prefix's KV is loaded, the rest computed); decode step time over
+(batch size, context). Every third point is held out of the fit and the error on it reported.
+The conductor and the decode instances load the profile from $MOONBUS_HOME/profiles/<model>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from common import engine, models, profiles
+from common.config import default_home
+from common.perf import DecodeModel, DecodeSample, PrefillModel, PrefillSample, Profile
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=models.SMOLLM2)
+    parser.add_argument("--home", type=Path, default=default_home())
+    parser.add_argument("--out", type=Path, help="default: $MOONBUS_HOME/profiles/<model>.json")
+    parser.add_argument("--max-input", type=int, default=2048, help="longest prompt measured")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default), as the workers run")
+    parser.add_argument("--repeats", type=int, default=2, help="timings per point (the fastest is kept)")
+    parser.add_argument("--quick", action="store_true", help="a small grid (what `moonbus up` runs the first time)")
+    parser.add_argument("--json", action="store_true")
+
+
+def prefill_grid(max_input: int, quick: bool) -> list[tuple[int, int]]:
+    sizes = [n for n in (32, 128, 256, 512, 1024, 1536, 2048, 3072, 4096) if n <= max_input]
+    if quick:
+        sizes = sizes[::2] if len(sizes) > 4 else sizes
+    return [(n, p) for n in sizes for p in (0, n // 4, n // 2, (3 * n) // 4) if n - p >= 1]
+
+
+def decode_grid(max_context: int, quick: bool) -> list[tuple[int, int]]:
+    batches = (1, 4, 8) if quick else (1, 2, 4, 8, 16)
+    contexts = [c for c in (64, 256, 1024) if c <= max_context]
+    return [(b, c) for b in batches for c in contexts]
+
+
+def time_prefill(model, n: int, p: int, repeats: int, vocab: int) -> float:
+    ids = torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+    prefix_kv = None
+    if p:
+        cache, _ = engine.prefill(model, ids[:p])
+        prefix_kv = engine.kv_from_cache(cache)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        engine.prefill(model, ids, prefix_kv)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def time_decode_step(model, batch: int, context: int, repeats: int, vocab: int) -> float:
+    """One decode iteration over `batch` sequences of `context` tokens each, as decode runs it."""
+    caches = []
+    for i in range(batch):
+        ids = torch.randint(3, vocab, (context,), generator=torch.Generator().manual_seed(i)).tolist()
+        caches.append(engine.prefill(model, ids)[0])
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for cache in caches:
+            engine.decode_step(model, 5, cache)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ref = models.prepare(args.model, args.home.resolve())
+    shape = models.read_shape(ref)
+    model = models.load_model(ref)
+    max_input = min(args.max_input, shape.max_context - 1)
+    prefill_samples, decode_samples = [], []
+    for n, p in prefill_grid(max_input, args.quick):
+        prefill_samples.append(PrefillSample(n, p, time_prefill(model, n, p, args.repeats, shape.vocab_size)))
+        print(f"prefill n={n:5d} p={p:5d}  {prefill_samples[-1].seconds * 1000:9.2f} ms", file=sys.stderr, flush=True)
+    for b, c in decode_grid(shape.max_context // 2, args.quick):
+        decode_samples.append(DecodeSample(b, b * c, time_decode_step(model, b, c, args.repeats, shape.vocab_size)))
+        print(f"decode  batch={b:3d} context={b * c:6d}  {decode_samples[-1].seconds * 1000:9.2f} ms", file=sys.stderr, flush=True)
+    prefill_fit = PrefillModel.fit(s for i, s in enumerate(prefill_samples) if i % 3 != 2)
+    decode_fit = DecodeModel.fit(s for i, s in enumerate(decode_samples) if i % 3 != 2)
+    prefill_err = prefill_fit.error_report(s for i, s in enumerate(prefill_samples) if i % 3 == 2)
+    decode_err = decode_fit.error_report(s for i, s in enumerate(decode_samples) if i % 3 == 2)
+    profile = Profile(prefill_fit, decode_fit, model=ref.name, device=f"cpu x{torch.get_num_threads()} threads",
+                      kv_bytes_per_token=shape.kv_bytes_per_token,
+                      meta={"source": "moonbus profile", "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                            "held_out_error": {"prefill": _err(prefill_err), "decode": _err(decode_err)}})
+    out = args.out or profiles.profile_path(args.home.resolve(), ref.name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    profile.save(out)
+    summary = {"model": ref.name, "profile": str(out), "prefill_points": len(prefill_samples),
+               "decode_points": len(decode_samples), "prefill_held_out_error": _err(prefill_err),
+               "decode_held_out_error": _err(decode_err)}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"profile of {ref.name} written to {out}")
+        print(f"  prefill: {len(prefill_samples)} points; held-out error mean {summary['prefill_held_out_error']['mean_rel']:.1%}, "
+              f"max {summary['prefill_held_out_error']['max_rel']:.1%}")
+        print(f"  decode:  {len(decode_samples)} points; held-out error mean {summary['decode_held_out_error']['mean_rel']:.1%}, "
+              f"max {summary['decode_held_out_error']['max_rel']:.1%}")
+    return 0
+
+
+def _err(err) -> dict:
+    return {"mean_rel": err.mean_rel, "max_rel": err.max_rel, "num_samples": err.num_samples}
