@@ -18,3 +18,5 @@ class DecodeTask(Wire):
     reply_subject: str
     kv: KvHandle  # on the decode instance's node
     arrival_ts: float
+    cached_tokens: int = 0  # prompt tokens prefill reused rather than computed
+    prefill_s: float = 0.0  # what a late rejection wastes

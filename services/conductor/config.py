@@ -1,4 +1,4 @@
-"""Conductor settings."""
+"""Conductor settings: routing policy, admission, predictions."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common import config as common
+from services.conductor.admission import MODES, AdmissionSettings
+from services.conductor.policy import POLICIES
 
 
 @dataclass(frozen=True)
@@ -15,29 +17,60 @@ class ConductorConfig:
     instance_id: str
     home: Path
     log_level: str
+    model: str
+    block_tokens: int
+    policy: str  # random | load-balancing | cache-aware | kvcache-centric
+    kvcache_balancing_threshold: float
+    link_bytes_s: float  # node-to-node KV bandwidth assumed by the transfer estimate
+    admission: AdmissionSettings
+    profile: str  # explicit profile file ("" = $MOONBUS_HOME/profiles/<model>.json, else a guess)
     heartbeat_timeout_s: float  # forget an instance after this long without heartbeats
     lease_s: float  # forget a dispatched request after this long without an end
     sweep_interval_s: float
+    index_timeout_s: float  # no answer from the cache index in time: route as if nothing is cached
 
     def __post_init__(self) -> None:
         common.check_subject_token("instance id", self.instance_id)
-        if min(self.heartbeat_timeout_s, self.lease_s, self.sweep_interval_s) <= 0:
+        if min(self.heartbeat_timeout_s, self.lease_s, self.sweep_interval_s, self.index_timeout_s) <= 0:
             raise ValueError("timeouts and intervals must be > 0")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
 
 
 def load(argv: list[str] | None = None) -> ConductorConfig:
     parser = argparse.ArgumentParser(prog="python -m services.conductor", description="moonbus conductor (global scheduler)")
     common.add_common_flags(parser, "conductor")
+    common.add_model_flags(parser)
+    common.flag(parser, "--policy", "MOONBUS_POLICY", "kvcache-centric", help=", ".join(POLICIES))
+    common.flag(parser, "--kvcache-balancing-threshold", "MOONBUS_KVCACHE_BALANCING_THRESHOLD", 1.25, float,
+                help="pull a remote prefix only if it is this many times longer than the local one")
+    common.flag(parser, "--link-bandwidth", "MOONBUS_LINK_BANDWIDTH", 1.0e9, float, help="bytes/s between nodes")
+    common.flag(parser, "--admission", "MOONBUS_ADMISSION", "predictive", help=", ".join(MODES))
+    common.flag(parser, "--ttft-slo", "MOONBUS_TTFT_SLO", 30.0, float, help="seconds")
+    common.flag(parser, "--tbt-slo", "MOONBUS_TBT_SLO", 1.0, float, help="seconds")
+    common.flag(parser, "--decode-time", "MOONBUS_DECODE_TIME", 10.0, float,
+                help="t_d: seconds every request is assumed to spend in decode (predictive admission)")
+    common.flag(parser, "--profile", "MOONBUS_PROFILE", "", help="performance profile file")
     common.flag(parser, "--heartbeat-timeout", "MOONBUS_HEARTBEAT_TIMEOUT", 3.0, float, help="seconds")
     common.flag(parser, "--lease", "MOONBUS_LEASE", 900.0, float, help="seconds a dispatched request may stay without an end")
     common.flag(parser, "--sweep-interval", "MOONBUS_SWEEP_INTERVAL", 0.5, float, help="seconds")
+    common.flag(parser, "--index-timeout", "MOONBUS_INDEX_TIMEOUT", 0.5, float, help="seconds")
     args = parser.parse_args(argv)
     return ConductorConfig(
         nats_url=args.nats_url,
         instance_id=args.instance_id,
         home=Path(args.home),
         log_level=args.log_level,
+        model=args.model,
+        block_tokens=args.block_tokens,
+        policy=args.policy,
+        kvcache_balancing_threshold=args.kvcache_balancing_threshold,
+        link_bytes_s=args.link_bandwidth,
+        admission=AdmissionSettings(mode=args.admission, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
+                                    t_d_s=args.decode_time),
+        profile=args.profile,
         heartbeat_timeout_s=args.heartbeat_timeout,
         lease_s=args.lease,
         sweep_interval_s=args.sweep_interval,
+        index_timeout_s=args.index_timeout,
     )

@@ -2,12 +2,15 @@
 
 Load that a request puts on its instances is added at dispatch and removed on every terminal
 path (done, failed, cancelled, rejected), or when its lease runs out, so that a lost
-completion cannot leak load forever.
+completion cannot leak load forever. The same table yields the policy's and admission's view
+of every instance: queued prefill seconds, decode batches, bytes being pulled from each node.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from services.conductor.admission import DecodeLoad
 
 
 @dataclass
@@ -18,8 +21,16 @@ class InFlight:
     reply_subject: str
     prompt_tokens: int
     dispatched_at: float
-    predicted_prefill_s: float = 0.0
+    predicted_prefill_s: float = 0.0  # work: prefill + transfer, as routed
+    predicted_ttft_s: float = 0.0  # queue + work: when the prefill should end
+    pull_source: str = ""  # node the prefill pulls blocks from
+    pull_bytes: int = 0
     phase: str = "prefill"  # -> "decode" once prefilled
+    decode_started: float = 0.0
+
+    @property
+    def predicted_prefill_end(self) -> float:
+        return self.dispatched_at + self.predicted_ttft_s
 
 
 class InFlightTable:
@@ -30,10 +41,12 @@ class InFlightTable:
     def add(self, request: InFlight) -> None:
         self.requests[request.request_id] = request
 
-    def mark_prefilled(self, request_id: str) -> None:
+    def mark_prefilled(self, request_id: str, now: float) -> None:
         request = self.requests.get(request_id)
         if request is not None:
             request.phase = "decode"
+            request.decode_started = now
+            request.pull_bytes = 0
 
     def finish(self, request_id: str) -> InFlight | None:
         return self.requests.pop(request_id, None)
@@ -54,10 +67,35 @@ class InFlightTable:
             del self.requests[request.request_id]
         return old
 
-    def prefill_load(self, instance_id: str) -> tuple[int, float]:
-        """(requests, predicted seconds) queued or running in prefill on the instance."""
+    def prefill_queue_s(self, instance_id: str, now: float) -> float:
+        """Predicted seconds of prefill work still ahead of a new request at the instance."""
         mine = [r for r in self.requests.values() if r.phase == "prefill" and r.prefill_id == instance_id]
-        return len(mine), sum(r.predicted_prefill_s for r in mine)
+        if not mine:
+            return 0.0
+        # everything queued, less what the one running (the oldest) has already done
+        oldest = min(mine, key=lambda r: r.dispatched_at)
+        started = max(oldest.dispatched_at, oldest.predicted_prefill_end - oldest.predicted_prefill_s)
+        done = min(oldest.predicted_prefill_s, max(0.0, now - started))
+        return sum(r.predicted_prefill_s for r in mine) - done
 
-    def decode_load(self, instance_id: str) -> int:
-        return sum(1 for r in self.requests.values() if r.decode_id == instance_id)
+    def decode_batch(self, instance_id: str) -> tuple[int, int]:
+        """(requests, context tokens) decoding at the instance now."""
+        mine = [r for r in self.requests.values() if r.phase == "decode" and r.decode_id == instance_id]
+        return len(mine), sum(r.prompt_tokens for r in mine)
+
+    def decode_load(self, instance_id: str) -> DecodeLoad:
+        """What admission needs: who decodes there since when, who will join and when."""
+        decoding = sorted((r.decode_started, r.prompt_tokens) for r in self.requests.values()
+                          if r.phase == "decode" and r.decode_id == instance_id)
+        coming = sorted((r.predicted_prefill_end, r.prompt_tokens) for r in self.requests.values()
+                        if r.phase == "prefill" and r.decode_id == instance_id)
+        return DecodeLoad(instance_id, tuple(t for t, _ in decoding), tuple(c for _, c in decoding),
+                          tuple(t for t, _ in coming), tuple(c for _, c in coming))
+
+    def sender_queued_bytes(self) -> dict[str, int]:
+        """node -> bytes being pulled from it by requests still in prefill."""
+        out: dict[str, int] = {}
+        for r in self.requests.values():
+            if r.phase == "prefill" and r.pull_bytes:
+                out[r.pull_source] = out.get(r.pull_source, 0) + r.pull_bytes
+        return out

@@ -1,41 +1,55 @@
 """Conductor: the global scheduler. Routes each request to a (prefill, decode) pair.
 
-Inputs: heartbeats (who is alive, how loaded), route requests from gateways (request/reply),
-request events (prefilled, terminal) that move and end the load a request puts on instances.
-Outputs: a PrefillTask to the chosen prefill instance, a RouteReply to the gateway, a `routed`
-event with every candidate. When an instance's heartbeats stop, every request it held fails
-with a TokenChunk error to its gateway, so no client hangs.
+Per route request: the prompt's block keys -> the cache index (who holds how long a prefix) ->
+a snapshot of every instance (queued prefill seconds, decode batches, bytes being pulled from
+each node) -> the pure policy (services/conductor/policy.py) and admission
+(services/conductor/admission.py) -> a PrefillTask (with a pull plan when the chosen instance
+should fetch a remote prefix) and a `routed` event carrying every candidate and cost term.
+Heartbeats tell who is alive; request events move and end the load a request puts on
+instances. When an instance's heartbeats stop, every request it held fails with a TokenChunk
+error to its gateway, so no client hangs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
-from common import bus, runner
+from common import bus, models, profiles, runner
+from common.kv.blocks import block_keys
+from common.perf import Profile
 from schemas import subjects
 from schemas.events import TERMINAL_KINDS, Event
-from schemas.prefill import PrefillTask
+from schemas.index import IndexQuery, IndexReply
+from schemas.prefill import PrefillTask, PullSpec
 from schemas.route import RouteReply, RouteRequest
 from schemas.tokens import TokenChunk
 from schemas.workers import StatusReply, WorkerInfo
+from services.conductor import admission, policy
 from services.conductor.config import ConductorConfig
 from services.conductor.inflight import InFlight, InFlightTable
 from services.conductor.registry import Registry
 
 log = logging.getLogger(__name__)
+POLICY_VERSION = "moonbus-conductor/1"
 
 
 class ConductorService:
-    def __init__(self, cfg: ConductorConfig, nc) -> None:
+    def __init__(self, cfg: ConductorConfig, nc, perf: Profile, kv_bytes_per_token: int) -> None:
         self.cfg = cfg
         self.nc = nc
+        self.perf = perf
         self.events = bus.EventPublisher(nc, "conductor", cfg.instance_id)
         self.registry = Registry(cfg.heartbeat_timeout_s)
         self.inflight = InFlightTable(cfg.lease_s)
+        self.settings = policy.PolicySettings(cfg.policy, cfg.kvcache_balancing_threshold, cfg.link_bytes_s,
+                                              cfg.block_tokens, kv_bytes_per_token)
+        self.rng = random.Random()
 
     async def on_heartbeat(self, msg: Msg) -> None:
         info = WorkerInfo.from_bytes(msg.data)
@@ -53,38 +67,77 @@ class ConductorService:
         except ValueError as exc:
             await msg.respond(RouteReply(False, 400, f"malformed route request: {exc}").to_bytes())
             return
-        reply = await self.route(request)
+        try:
+            reply = await self.route(request)
+        except Exception as exc:  # answered, never a hang
+            log.exception("request %s: routing failed", request.request_id)
+            reply = RouteReply(False, 500, f"routing failed: {exc}")
         await msg.respond(reply.to_bytes())
 
     async def route(self, request: RouteRequest) -> RouteReply:
-        prefills = self.registry.of_role("prefill")
-        decodes = self.registry.of_role("decode")
-        if not prefills or not decodes:
-            missing = "prefill" if not prefills else "decode"
-            return RouteReply(False, 503, f"no {missing} instance is available", retry_after_s=1.0)
-        # NOTE: least loaded of each for now; the KVCache-centric policy replaces this choice.
-        prefill_loads = {p.instance_id: self.inflight.prefill_load(p.instance_id)[0] + p.num_queued for p in prefills}
-        decode_loads = {d.instance_id: self.inflight.decode_load(d.instance_id) for d in decodes}
-        prefill = min(prefills, key=lambda p: (prefill_loads[p.instance_id], p.instance_id))
-        decode = min(decodes, key=lambda d: (decode_loads[d.instance_id], d.instance_id))
-        rid = request.request_id
-        self.inflight.add(InFlight(rid, prefill.instance_id, decode.instance_id, request.reply_subject,
-                                   len(request.prompt_token_ids), time.monotonic()))
-        task = PrefillTask(rid, request.prompt_token_ids, request.sampling, request.reply_subject,
-                           decode.instance_id, decode.node, request.arrival_ts)
+        rid, ids = request.request_id, request.prompt_token_ids
+        # the blocks a prefill instance could reuse: all full blocks but the prompt's last token
+        keys = block_keys(ids[:-1], self.cfg.block_tokens)
+        holders = await self.prefix_holders(rid, keys)
+        now = time.monotonic()
+        snapshot = self.snapshot(now, holders)
+        info = policy.RequestInfo(rid, len(ids), len(keys))
+        decision = policy.decide(info, snapshot, self.settings, self.perf)
+        if isinstance(decision, policy.NoInstances):
+            await self.events.request("routed", rid, admitted=False, reason=decision.reason, policy=self.cfg.policy,
+                                      policy_version=POLICY_VERSION)
+            return RouteReply(False, 503, f"{decision.reason} is available", retry_after_s=1.0)
+        loads = admission.DecodeLoadSnapshot(now, tuple(self.inflight.decode_load(d.instance_id)
+                                                        for d in snapshot.decode))
+        verdict = admission.admit(decision.ttft_s, len(ids), loads, self.cfg.admission, self.perf)
+        terms = decision.to_event()
+        terms.pop("request_id")
         await self.events.request(
-            "routed", rid, policy="least-loaded", prefill=prefill.instance_id, decode=decode.instance_id,
-            candidates={"prefill": prefill_loads, "decode": decode_loads},
-            reason="least loaded prefill and decode instance",
+            "routed", rid, **terms, admitted=verdict.admit, admission=self.cfg.admission.mode,
+            verdict=verdict.reason, predicted_tbt_s=verdict.tbt_s, retry_after_s=verdict.retry_after_s,
+            policy_version=POLICY_VERSION, prompt_blocks=len(keys),
         )
-        await self.nc.publish(subjects.prefill_tasks(prefill.instance_id), task.to_bytes())
-        return RouteReply(True, 200, prefill_id=prefill.instance_id, decode_id=decode.instance_id)
+        if not verdict.admit:
+            return RouteReply(False, 429, f"rejected at arrival: {verdict.reason}", retry_after_s=verdict.retry_after_s)
+        pull = decision.pull
+        self.inflight.add(InFlight(
+            rid, decision.prefill_id, decision.decode_id, request.reply_subject, len(ids), now,
+            predicted_prefill_s=decision.prefill_s + decision.transfer_s, predicted_ttft_s=decision.ttft_s,
+            pull_source=pull.source_node if pull else "", pull_bytes=pull.nbytes if pull else 0,
+        ))
+        task = PrefillTask(rid, ids, request.sampling, request.reply_subject, decision.decode_id,
+                           decision.decode_node, request.arrival_ts,
+                           PullSpec(pull.source_node, pull.first_block, pull.num_blocks) if pull else None)
+        await self.nc.publish(subjects.prefill_tasks(decision.prefill_id), task.to_bytes())
+        return RouteReply(True, 200, prefill_id=decision.prefill_id, decode_id=decision.decode_id)
+
+    async def prefix_holders(self, request_id: str, keys: list[int]) -> dict[str, int]:
+        """node -> leading blocks of `keys` it holds; empty (recompute) if the index does not answer."""
+        if not keys:
+            return {}
+        try:
+            msg = await self.nc.request(subjects.INDEX_QUERY, IndexQuery(keys).to_bytes(), timeout=self.cfg.index_timeout_s)
+        except (NoRespondersError, NatsTimeout):
+            log.warning("request %s: no answer from the cache index; routing as if nothing were cached", request_id)
+            return {}
+        reply = IndexReply.from_bytes(msg.data)
+        return {node: prefix.prefix_len for node, prefix in reply.per_node.items() if prefix.prefix_len}
+
+    def snapshot(self, now: float, holders: dict[str, int]) -> policy.ClusterSnapshot:
+        prefills = tuple(policy.PrefillCandidate(p.instance_id, p.node, self.inflight.prefill_queue_s(p.instance_id, now))
+                         for p in self.registry.of_role("prefill"))
+        decodes = []
+        for d in self.registry.of_role("decode"):
+            batch, context = self.inflight.decode_batch(d.instance_id)
+            decodes.append(policy.DecodeCandidate(d.instance_id, d.node, batch, context))
+        return policy.ClusterSnapshot(now, prefills, tuple(decodes), holders, self.inflight.sender_queued_bytes(),
+                                      self.rng.random())
 
     async def on_request_event(self, msg: Msg) -> None:
         event = Event.from_bytes(msg.data)
         if event.kind == "prefilled":
-            self.inflight.mark_prefilled(event.request_id)
-        elif event.kind in TERMINAL_KINDS:
+            self.inflight.mark_prefilled(event.request_id, time.monotonic())
+        elif event.kind in TERMINAL_KINDS or event.kind == "rejected_late":
             self.inflight.finish(event.request_id)
 
     async def on_status(self, msg: Msg) -> None:
@@ -109,16 +162,19 @@ class ConductorService:
 
 
 async def serve(cfg: ConductorConfig, stop: asyncio.Event) -> None:
+    ref = models.prepare(cfg.model, cfg.home)
+    perf, source = profiles.load(cfg.home, cfg.model, cfg.profile)
     nc = await bus.connect(cfg.nats_url, cfg.instance_id)
     await bus.ensure_events_stream(nc)
-    service = ConductorService(cfg, nc)
+    service = ConductorService(cfg, nc, perf, models.read_shape(ref).kv_bytes_per_token)
     tasks = runner.TaskGroup(stop)
     await nc.subscribe(subjects.WORKER_HEARTBEAT, cb=service.on_heartbeat)
     await nc.subscribe(subjects.CONDUCTOR_ROUTE, queue=subjects.CONDUCTOR_QUEUE, cb=service.on_route)
     await nc.subscribe(subjects.CONDUCTOR_STATUS, cb=service.on_status)
     await nc.subscribe(subjects.request_event("*", "*"), cb=service.on_request_event)
     tasks.spawn(runner.every(cfg.sweep_interval_s, stop, service.sweep), "sweep")
-    log.info("conductor %s ready", cfg.instance_id)
+    log.info("conductor %s ready: policy %s, admission %s (ttft slo %gs, tbt slo %gs), profile %s",
+             cfg.instance_id, cfg.policy, cfg.admission.mode, cfg.admission.ttft_slo_s, cfg.admission.tbt_slo_s, source)
     await stop.wait()
     await tasks.cancel_all()
     await nc.drain()

@@ -36,8 +36,9 @@ from dataclasses import dataclass
 
 import torch
 
-from schemas.route import SamplingParams
+from common.perf import Profile
 from common.sampling import sample
+from schemas.route import SamplingParams
 from services.conductor.admission import decode_admits
 from services.conductor.policy import DecodeCandidate
 
@@ -97,8 +98,12 @@ class BatchEngine:
         return int(self.kv_lens.sum())
 
     def tokens_needed(self, kv_len: int, sampling: SamplingParams, num_generated: int) -> int:
-        """Tokens a request reserves: its KV now plus every token it may still generate."""
-        return min(kv_len + max(sampling.max_tokens - num_generated, 0) + 1, self.max_context)
+        """Tokens a request reserves: its KV now plus one per step it may still run.
+
+        Each step feeds one token (its K, V join the cache) and yields the next, so a request at
+        `num_generated` of `max_tokens` runs `max_tokens - num_generated` more steps.
+        """
+        return min(kv_len + max(sampling.max_tokens - num_generated, 0), self.max_context)
 
     def can_admit(self, num_tokens: int) -> bool:
         return len(self.rows) < self.max_batch and self.reserved_tokens + num_tokens <= self.kv_budget_tokens
@@ -108,7 +113,7 @@ class BatchEngine:
         return DecodeCandidate(instance_id, node, len(self.rows), self.context_tokens,
                                self.kv_budget_tokens - self.reserved_tokens)
 
-    def tbt_admits(self, context_tokens: int, perf, tbt_slo_s: float) -> bool:
+    def tbt_admits(self, context_tokens: int, perf: Profile, tbt_slo_s: float) -> bool:
         """The late TBT re-check when a request's KV arrives: predicted step time with it added <= SLO.
 
         `perf` is a common.perf.Profile (only `perf.decode.step_seconds(batch, context)` is used).

@@ -22,6 +22,9 @@ class DecodeConfig:
     threads: int
     heartbeat_interval_s: float
     max_batch: int
+    tbt_slo_s: float  # a request whose KV arrives when the batch could not meet this is rejected (late)
+    late_check: bool  # False with admission "none"
+    profile: str
 
     def __post_init__(self) -> None:
         common.check_subject_token("instance id", self.instance_id)
@@ -30,6 +33,8 @@ class DecodeConfig:
             raise ValueError("threads must be >= 0 (0 = torch default)")
         if self.heartbeat_interval_s <= 0:
             raise ValueError("heartbeat interval must be > 0")
+        if self.tbt_slo_s <= 0:
+            raise ValueError("tbt slo must be > 0")
         if self.max_batch < 1:
             raise ValueError("max batch must be >= 1")
 
@@ -42,6 +47,9 @@ def load(argv: list[str] | None = None) -> DecodeConfig:
     common.flag(parser, "--threads", "MOONBUS_THREADS", 0, int, help="torch intra-op threads (0 = default)")
     common.flag(parser, "--heartbeat-interval", "MOONBUS_HEARTBEAT_INTERVAL", 1.0, float, help="seconds")
     common.flag(parser, "--max-batch", "MOONBUS_MAX_BATCH", 64, int, help="most requests decoding at once")
+    common.flag(parser, "--tbt-slo", "MOONBUS_TBT_SLO", 1.0, float, help="seconds; checked when a request's KV arrives")
+    common.flag(parser, "--admission", "MOONBUS_ADMISSION", "predictive", help="none turns the arrival check off")
+    common.flag(parser, "--profile", "MOONBUS_PROFILE", "", help="performance profile file")
     args = parser.parse_args(argv)
     return DecodeConfig(
         nats_url=args.nats_url,
@@ -55,4 +63,7 @@ def load(argv: list[str] | None = None) -> DecodeConfig:
         threads=args.threads,
         heartbeat_interval_s=args.heartbeat_interval,
         max_batch=args.max_batch,
+        tbt_slo_s=args.tbt_slo,
+        late_check=args.admission != "none",
+        profile=args.profile,
     )

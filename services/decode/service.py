@@ -16,12 +16,14 @@ import torch
 from nats.aio.msg import Msg
 from transformers import DynamicCache
 
-from common import bus, engine, kvfiles, models, runner, sampling
+from common import bus, engine, kvfiles, models, profiles, runner, sampling
 from common.pool_client import PoolClient, PoolUnavailable
 from schemas import subjects
 from schemas.decode import DecodeTask
 from schemas.tokens import TokenChunk
 from schemas.workers import WorkerInfo
+from services.conductor.admission import decode_admits
+from services.conductor.policy import DecodeCandidate
 from services.decode.config import DecodeConfig
 
 log = logging.getLogger(__name__)
@@ -43,7 +45,7 @@ class Sequence:
 
 class DecodeService:
     def __init__(self, cfg: DecodeConfig, nc, model, eos_token_id: int | None, max_context: int,
-                 layout, tasks: runner.TaskGroup) -> None:
+                 layout, tasks: runner.TaskGroup, perf) -> None:
         self.cfg = cfg
         self.nc = nc
         self.model = model
@@ -52,6 +54,7 @@ class DecodeService:
         self.tasks = tasks
         self.events = bus.EventPublisher(nc, "decode", cfg.instance_id)
         self.pool = PoolClient(nc, cfg.node, layout, self.events)
+        self.perf = perf
         self.waiting: asyncio.Queue[DecodeTask] = asyncio.Queue()
         self.running: dict[str, Sequence] = {}  # request_id -> Sequence
         self.cancelled: set[str] = set()
@@ -83,6 +86,9 @@ class DecodeService:
         if rid in self.cancelled:
             kvfiles.remove(self.cfg.shm_dir, task.kv)
             return
+        if not self.tbt_allows(task):
+            await self.reject_late(task)
+            return
         try:
             kv = await asyncio.to_thread(kvfiles.read, self.cfg.shm_dir, task.kv, True)
         except (OSError, kvfiles.KvChecksumError) as exc:
@@ -91,6 +97,27 @@ class DecodeService:
                                                                  error_status=500, source=self.cfg.instance_id).to_bytes())
             return
         self.running[rid] = Sequence(task, engine.cache_from_kv(kv), task.first_token, generated=[task.first_token])
+
+    def tbt_allows(self, task: DecodeTask) -> bool:
+        """The late TBT re-check (services/conductor/admission.decode_admits) when the KV arrives."""
+        if not self.cfg.late_check:
+            return True
+        context = sum(len(s.task.prompt_token_ids) + s.num_generated for s in self.running.values())
+        state = DecodeCandidate(self.cfg.instance_id, self.cfg.node, len(self.running), context)
+        return decode_admits(state, len(task.prompt_token_ids), self.perf, self.cfg.tbt_slo_s)
+
+    async def reject_late(self, task: DecodeTask) -> None:
+        rid = task.request_id
+        kvfiles.remove(self.cfg.shm_dir, task.kv)
+        wasted = len(task.prompt_token_ids) - task.cached_tokens
+        log.warning("request %s: rejected late (TBT SLO %gs with %d running); %d prefill tokens wasted",
+                    rid, self.cfg.tbt_slo_s, len(self.running), wasted)
+        await self.events.request("rejected_late", rid, running=len(self.running), tbt_slo_s=self.cfg.tbt_slo_s,
+                                  wasted_prefill_tokens=wasted, wasted_prefill_s=round(task.prefill_s, 6))
+        chunk = TokenChunk(rid, 1, [], error=f"decode instance {self.cfg.instance_id} cannot meet the TBT SLO",
+                           error_status=429, retry_after_s=1.0, source=self.cfg.instance_id, stage="decode",
+                           wasted_prefill_tokens=wasted, wasted_prefill_s=task.prefill_s)
+        await self.nc.publish(task.reply_subject, chunk.to_bytes())
 
     async def iterate(self) -> None:
         batch = list(self.running.values())
@@ -152,7 +179,10 @@ async def serve(cfg: DecodeConfig, stop: asyncio.Event) -> None:
     shape = models.read_shape(ref)
     nc = await bus.connect(cfg.nats_url, cfg.instance_id)
     tasks = runner.TaskGroup(stop)
-    service = DecodeService(cfg, nc, model, eos, shape.max_context, shape.kv_layout(cfg.block_tokens), tasks)
+    perf, source = profiles.load(cfg.home, cfg.model, cfg.profile)
+    log.info("decode %s: late TBT check %s (slo %gs), profile %s", cfg.instance_id,
+             "on" if cfg.late_check else "off", cfg.tbt_slo_s, source)
+    service = DecodeService(cfg, nc, model, eos, shape.max_context, shape.kv_layout(cfg.block_tokens), tasks, perf)
     await nc.subscribe(subjects.decode_tasks(cfg.instance_id), cb=service.on_task)
     await nc.subscribe(subjects.REQUEST_CANCEL, cb=service.on_cancel)
     tasks.spawn(service.loop(), "decode-loop")

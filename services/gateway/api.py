@@ -98,8 +98,7 @@ class Api:
                 token_ids.extend(delta.token_ids)
                 gen.finish_reason = delta.finish_reason or gen.finish_reason
         except ApiError as err:
-            await self.gateway.end(gen, "failed", status=err.status, reason=err.message)
-            self.metrics.requests.labels(gen.request.kind, str(err.status)).inc()
+            await self.end_with_error(gen, err)
             raise
         except BaseException:
             await self.gateway.end(gen, "cancelled", reason="client went away")
@@ -128,9 +127,8 @@ class Api:
                 await send_event(response, protocol.usage_chunk(req, gen.request_id, gen.created, usage))
             await response.write(b"data: [DONE]\n\n")
         except ApiError as err:
-            await self.gateway.end(gen, "failed", status=err.status, reason=err.message)
-            self.metrics.requests.labels(req.kind, str(err.status)).inc()
-            await send_event(response, err.body())
+            await self.end_with_error(gen, err)
+            await send_event(response, err.body() | {"error": err.body()["error"] | {"code": err.status}})
             await response.write(b"data: [DONE]\n\n")
             return response
         except BaseException:
@@ -139,6 +137,11 @@ class Api:
         await self.finish_ok(gen)
         await response.write_eof()
         return response
+
+    async def end_with_error(self, gen: Generation, err: ApiError) -> None:
+        kind = "rejected" if err.status == 429 else "failed"
+        await self.gateway.end(gen, kind, status=err.status, reason=err.message, **err.detail)
+        self.metrics.requests.labels(gen.request.kind, str(err.status)).inc()
 
     async def finish_ok(self, gen: Generation) -> None:
         await self.gateway.end(gen, "completed", finish_reason=gen.finish_reason)

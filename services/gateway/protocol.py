@@ -19,8 +19,10 @@ class ApiError(Exception):
     """Raised for a request the API refuses; carries the HTTP status and OpenAI error fields."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, type_: str | None = None, retry_after_s: float = 0.0) -> None:
+                 code: str | None = None, type_: str | None = None, retry_after_s: float = 0.0,
+                 detail: dict[str, Any] | None = None) -> None:
         super().__init__(message)
+        self.detail = detail or {}  # for the request's terminal event, not the client
         self.status = status
         self.message = message
         self.param = param

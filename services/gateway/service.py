@@ -154,8 +154,13 @@ class Gateway:
             except asyncio.TimeoutError:
                 raise ApiError(504, f"no progress from the cluster for {self.cfg.stall_timeout_s:.0f} s", code="timeout")
             if chunk.error:
-                raise ApiError(chunk.error_status or 500, f"request failed: {chunk.error}",
-                               retry_after_s=chunk.retry_after_s, code="worker_failed")
+                detail = {"stage": chunk.stage or "worker", "source": chunk.source}
+                if chunk.stage == "decode":
+                    detail |= {"wasted_prefill_tokens": chunk.wasted_prefill_tokens,
+                               "wasted_prefill_s": chunk.wasted_prefill_s}
+                prefix = "rejected" if chunk.error_status == 429 else "request failed"
+                raise ApiError(chunk.error_status or 500, f"{prefix}: {chunk.error}", retry_after_s=chunk.retry_after_s,
+                               code="overloaded" if chunk.error_status == 429 else "worker_failed", detail=detail)
             pending[chunk.index] = chunk
             while expected in pending:
                 chunk = pending.pop(expected)

@@ -150,8 +150,14 @@ class FileSink:
     def finish(self) -> None:
         self.array.flush()
         self._checksum = checksum(self.array)
-        del self.array
+        self.array = None  # unmaps
         os.replace(self.tmp, self.path)
+
+    def discard(self) -> None:
+        """Drop a file that will not be finished (the prefill failed)."""
+        if self._checksum is None:
+            self.array = None
+            self.tmp.unlink(missing_ok=True)
 
     def handle(self, node: str) -> KvHandle:
         if self._checksum is None:
@@ -345,12 +351,14 @@ def pipelined_prefill(engine: LayerwisePrefill, token_ids: list[int], num_worker
         except BaseException as exc:  # noqa: BLE001 - re-raised below
             kv.fail(exc)
 
+    threads_before = torch.get_num_threads()  # NOTE: torch also records the last setting process-wide
     workers = [threading.Thread(target=work, args=(w,), name=f"prefill-stage-{w}", daemon=True)
                for w in range(min(num_workers, len(chunks)))]
     for t in workers:
         t.start()
     for t in workers:
         t.join()
+    torch.set_num_threads(threads_before)
     if streamer is not None:
         streamer.close()
     if kv.error is not None:

@@ -90,7 +90,7 @@ class PrefillService:
                                           source=self.cfg.instance_id))
         kv = engine.kv_from_cache(cache)
         if finish is None and rid not in self.cancelled:
-            await self.hand_off(task, first, kv)
+            await self.hand_off(task, first, kv, cached, prefill_s)
         await self.store_prompt(rid, ids, kv, prefix.num_blocks)
 
     async def reusable_prefix(self, task: PrefillTask) -> Prefix:
@@ -111,7 +111,7 @@ class PrefillService:
             log.warning("request %s: KV pool unavailable, recomputing the whole prompt: %s", rid, exc)
             return Prefix(None, 0)
 
-    async def hand_off(self, task: PrefillTask, first: int, kv: torch.Tensor) -> None:
+    async def hand_off(self, task: PrefillTask, first: int, kv: torch.Tensor, cached: int, prefill_s: float) -> None:
         rid = task.request_id
         handle = await asyncio.to_thread(kvfiles.write, self.cfg.shm_dir, self.cfg.node, f"{rid}.kv", kv)
         reply = await self.send_kv(SendKv(rid, handle, task.decode_node))
@@ -119,7 +119,8 @@ class PrefillService:
             "kv_transferred", rid, src_node=self.cfg.node, dest_node=task.decode_node,
             bytes=reply.nbytes, seconds=round(reply.seconds, 6),
         )
-        decode = DecodeTask(rid, task.prompt_token_ids, first, task.sampling, task.reply_subject, reply.dest, task.arrival_ts)
+        decode = DecodeTask(rid, task.prompt_token_ids, first, task.sampling, task.reply_subject, reply.dest,
+                            task.arrival_ts, cached, prefill_s)
         await self.nc.publish(subjects.decode_tasks(task.decode_id), decode.to_bytes())
 
     async def store_prompt(self, rid: str, ids: list[int], kv: torch.Tensor, num_cached: int) -> None:

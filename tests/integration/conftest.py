@@ -24,9 +24,9 @@ def start_cluster(home: Path, model: str = TINY, **kwargs) -> Cluster:
 
 
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, tiny_profile):
     """1 prefill + 1 decode instance of tiny-random, each on its own node."""
-    cluster = start_cluster(tmp_path_factory.mktemp("cluster"))
+    cluster = start_cluster(tmp_path_factory.mktemp("cluster"), profile=tiny_profile)
     yield cluster
     cluster.stop()
 
@@ -93,3 +93,16 @@ async def collect_request_events(nats_url: str, request_id: str, timeout_s: floa
                 return events
     finally:
         await nc.drain()
+
+
+@pytest.fixture(scope="session")
+def tiny_profile(tmp_path_factory) -> str:
+    """One measured profile of tiny-random, shared by every test cluster."""
+    import subprocess
+    import sys
+
+    home = tmp_path_factory.mktemp("profile")
+    out = home / "tiny-random.json"
+    subprocess.run([sys.executable, "-m", "tools.moonbus.cli", "profile", "--quick", "--model", TINY,
+                    "--home", str(home), "--out", str(out), "--repeats", "1"], check=True, capture_output=True)
+    return str(out)

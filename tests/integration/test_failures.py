@@ -18,8 +18,8 @@ BOUND_S = 60
 
 
 @pytest.fixture(scope="module")
-def two_decodes(tmp_path_factory):
-    cluster = start_cluster(tmp_path_factory.mktemp("failures"), decode=2)
+def two_decodes(tmp_path_factory, tiny_profile):
+    cluster = start_cluster(tmp_path_factory.mktemp("failures"), decode=2, profile=tiny_profile)
     yield cluster
     cluster.stop()
 
@@ -75,7 +75,7 @@ async def collect_routed(cluster, request_id: str) -> str:
         sub = await nc.jetstream().subscribe(subjects.request_event("routed", request_id), ordered_consumer=True,
                                              config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
         msg = await sub.next_msg(timeout=10)
-        return json.loads(msg.data)["data"]["decode"]
+        return json.loads(msg.data)["data"]["decode_id"]
     finally:
         await nc.drain()
 

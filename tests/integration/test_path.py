@@ -124,6 +124,10 @@ async def test_events_follow_the_path_and_end_once(cluster):
     assert order("prefilled") < order("kv_transferred") < order("decode_finished") < order("completed")
     services = {e["kind"]: e["service"] for e in events}
     assert services["routed"] == "conductor" and services["prefilled"] == "prefill"
+    routed = next(e for e in events if e["kind"] == "routed")["data"]
+    assert routed["admitted"] is True and routed["policy"] == "kvcache-centric"
+    assert {c["instance_id"] for c in routed["prefill_costs"]} == {"prefill-0"}
+    assert routed["prefill_id"] == "prefill-0" and routed["decode_id"] == "decode-0"
     assert services["decode_finished"] == "decode" and services["completed"] == "gateway"
     transfer = next(e for e in events if e["kind"] == "kv_transferred")
     assert transfer["data"]["src_node"] != transfer["data"]["dest_node"]  # KV crossed nodes

@@ -61,6 +61,11 @@ class ClusterSpec:
     dram_bytes: int = 512 << 20  # per node
     ssd_bytes: int = 2 << 30  # per node
     eviction: str = "lru"
+    policy: str = "kvcache-centric"
+    admission: str = "predictive"
+    ttft_slo_s: float = 30.0
+    tbt_slo_s: float = 1.0
+    profile: str = ""  # "" = $home/profiles/<model>.json if it exists, else an analytic guess
     log_level: str = "INFO"
     extra_env: dict[str, str] = field(default_factory=dict)
     service_args: dict[str, list[str]] = field(default_factory=dict)  # service kind -> extra flags
@@ -122,7 +127,8 @@ class Cluster:
     def start_services(self) -> None:
         spec = self.spec
         threads = str(spec.worker_threads())
-        self.service("conductor", "conductor")
+        self.service("conductor", "conductor", *self.model_args(), "--policy", spec.policy,
+                     "--ttft-slo", str(spec.ttft_slo_s), *self.slo_args())
         self.service("cache_index", "cache_index")
         for i in range(spec.prefill):
             node = f"node-p{i}"
@@ -131,7 +137,8 @@ class Cluster:
         for i in range(spec.decode):
             node = f"node-d{i}"
             self.messenger(f"messenger-d{i}", node)
-            self.service(f"decode-{i}", "decode", *self.node_args(node), "--threads", threads, *self.model_args())
+            self.service(f"decode-{i}", "decode", *self.node_args(node), "--threads", threads, *self.model_args(),
+                         *self.slo_args())
         self.service("gateway", "gateway", "--model", spec.model, "--host", spec.host, "--port", str(spec.port))
 
     def service(self, name: str, kind: str, *args: str) -> None:
@@ -142,6 +149,11 @@ class Cluster:
 
     def model_args(self) -> list[str]:
         return ["--model", self.spec.model, "--block-tokens", str(self.spec.block_tokens)]
+
+    def slo_args(self) -> list[str]:
+        spec = self.spec
+        args = ["--admission", spec.admission, "--tbt-slo", str(spec.tbt_slo_s)]
+        return args + (["--profile", spec.profile] if spec.profile else [])
 
     def messenger(self, name: str, node: str) -> None:
         spec = self.spec

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-from common import models
+from common import models, profiles
 from common.config import default_home
 from tools.moonbus.cluster import Cluster, ClusterError, ClusterSpec
 
@@ -22,6 +24,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nats-port", type=int, default=4333, help="port of the embedded nats-server")
     parser.add_argument("--home", type=Path, default=default_home(), help="state directory (logs, NATS store, model cache)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (0 = share the cores)")
+    parser.add_argument("--policy", default="kvcache-centric", help="random, load-balancing, cache-aware, kvcache-centric")
+    parser.add_argument("--admission", default="predictive", help="none, baseline, early, predictive")
+    parser.add_argument("--ttft-slo", type=float, default=30.0, help="seconds")
+    parser.add_argument("--tbt-slo", type=float, default=1.0, help="seconds")
+    parser.add_argument("--block-tokens", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--dram-bytes", type=int, default=512 << 20, help="DRAM KV pool per node")
+    parser.add_argument("--ssd-bytes", type=int, default=2 << 30, help="SSD (LMDB) KV pool per node")
+    parser.add_argument("--eviction", default="lru", help="lru, lfu, length-aware")
+    parser.add_argument("--profile", default="", help="performance profile (default: measured on first start)")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -36,8 +47,17 @@ def run(args: argparse.Namespace) -> int:
     except models.ModelNotFound as exc:
         print(f"moonbus up: {exc}", file=sys.stderr)
         return 2
+    if not args.profile and not profiles.profile_path(home, ref.name).exists():
+        print("measuring the model's prefill and decode times once (moonbus profile --quick) ...", flush=True)
+        code = subprocess.call([sys.executable, "-m", "tools.moonbus.cli", "profile", "--quick", "--model", args.model,
+                                "--home", str(home), "--threads", str(max(1, (os.cpu_count() or 2) // 2))])
+        if code != 0:
+            print("moonbus up: profiling failed; the conductor will use an analytic guess", file=sys.stderr)
     spec = ClusterSpec(home=home, model=args.model, prefill=args.prefill, decode=args.decode, host=args.host,
-                       port=args.port, nats_port=args.nats_port, threads=args.threads, log_level=args.log_level)
+                       port=args.port, nats_port=args.nats_port, threads=args.threads, log_level=args.log_level,
+                       policy=args.policy, admission=args.admission, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
+                       block_tokens=args.block_tokens, dram_bytes=args.dram_bytes, ssd_bytes=args.ssd_bytes,
+                       eviction=args.eviction, profile=args.profile)
     cluster = Cluster(spec)
     stopping = False
 
