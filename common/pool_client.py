@@ -97,17 +97,20 @@ class PoolClient:
     async def store(self, request_id: str, token_ids: list[int], kv: torch.Tensor) -> int:
         """Store the full blocks of `token_ids` (whose KV is `kv`) that the node lacks; returns how many."""
         keys = kvblocks.block_keys(token_ids, self.layout.block_tokens)
-        if not keys:
-            return 0
-        reply: ReserveReply = await self.call("reserve", ReserveRequest(request_id, keys, 0), ReserveReply)
-        try:
-            if not reply.slots:
-                return 0
-            written = await asyncio.to_thread(self._write, self.slab(reply.slab_path), reply.slots, keys, kv)
-            await self.call("commit", CommitRequest(request_id, written), PoolReply)
-            return len(written)
-        finally:
-            await self.call("release", ReleaseRequest(request_id, []), PoolReply)
+        stored = 0
+        # NOTE: reserved blocks stay pinned until written, so a prompt longer than the DRAM tier is
+        # stored in rounds: each round's blocks, once committed, may be demoted by the next round.
+        for _ in range(len(keys)):
+            reply: ReserveReply = await self.call("reserve", ReserveRequest(request_id, keys, 0), ReserveReply)
+            try:
+                if not reply.slots:
+                    return stored
+                written = await asyncio.to_thread(self._write, self.slab(reply.slab_path), reply.slots, keys, kv)
+                await self.call("commit", CommitRequest(request_id, written), PoolReply)
+                stored += len(written)
+            finally:
+                await self.call("release", ReleaseRequest(request_id, []), PoolReply)
+        return stored
 
     def _write(self, slab: DramSlab, slots: list[SlotRef], keys: list[int], kv: torch.Tensor) -> list[SlotRef]:
         position = {key: i for i, key in enumerate(keys)}

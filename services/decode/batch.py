@@ -141,6 +141,7 @@ class BatchEngine:
         row = len(self.rows)
         self._ensure(row + 1, kv_len + 1)
         self.kv[:, :, row, :, :kv_len] = prompt_kv.to(self.device, self.dtype)
+        self.kv[:, :, row, :, kv_len:] = 0  # keeps the invariant (see _ensure)
         self.rows.append(_Row(request_id, sampling, last_token, num_generated, reserved))
         self.index[request_id] = row
         self.kv_lens = torch.cat((self.kv_lens, torch.tensor([kv_len])))
@@ -219,10 +220,16 @@ class BatchEngine:
 
     def _alloc(self, rows: int, tokens: int) -> torch.Tensor:
         shape = (self.model.config.num_hidden_layers, 2, rows, self.num_kv_heads, tokens, self.head_dim)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
 
     def _ensure(self, rows: int, tokens: int) -> None:
-        """Grow the buffer to hold `rows` rows of `tokens` tokens (rows double, tokens grow in chunks)."""
+        """Grow the buffer to hold `rows` rows of `tokens` tokens (rows double, tokens grow in chunks).
+
+        NOTE: invariant: every position of a running row holds finite values. Padding is masked,
+        but a NaN or inf left there by uninitialised memory would still poison the attention
+        (NaN * 0). The buffer is allocated empty, so that rows nobody uses cost no page faults;
+        `add` zeroes a new row's tail, and growth zeroes the new tail of the running rows.
+        """
         _, _, rows_cap, _, tokens_cap, _ = self.kv.shape
         if rows <= rows_cap and tokens <= tokens_cap:
             return
@@ -230,8 +237,8 @@ class BatchEngine:
         new_tokens = max(tokens_cap, -(-tokens // self.grow_tokens) * self.grow_tokens)
         grown = self._alloc(new_rows, new_tokens)
         n = len(self.rows)
-        used = int(self.kv_lens.max()) if n else 0
-        grown[:, :, :n, :, :used] = self.kv[:, :, :n, :, :used]
+        grown[:, :, :n, :, :tokens_cap] = self.kv[:, :, :n]
+        grown[:, :, :n, :, tokens_cap:] = 0
         self.kv = grown
 
 

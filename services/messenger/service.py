@@ -127,16 +127,21 @@ class MessengerService:
         if addr is None:
             return PoolReply(False, f"no live messenger on node {req.source_node}")
         fetched, nbytes = await self.fetch(addr, FetchBlocks(req.request_id, req.keys))
-        slots, events = self.pool.reserve(req.request_id, [k for k, _, _ in fetched], req.first_depth)
-        self.publish(events)
         by_key = {k: (c, p) for k, c, p in fetched}
-        written = []
-        for ref in slots:
-            checksum, payload = by_key[ref.key]
-            self.pool.slab.write(ref.slot, payload)
-            written.append(SlotRef(ref.key, ref.slot, checksum))
-        self.publish(self.pool.commit(req.request_id, written))
-        self.publish(self.pool.release(req.request_id))
+        keys = [k for k, _, _ in fetched]
+        # in rounds, as a worker stores: reserved blocks stay pinned until written
+        for _ in range(len(keys)):
+            slots, events = self.pool.reserve(req.request_id, keys, req.first_depth)
+            self.publish(events)
+            if not slots:
+                break
+            written = []
+            for ref in slots:
+                checksum, payload = by_key[ref.key]
+                self.pool.slab.write(ref.slot, payload)
+                written.append(SlotRef(ref.key, ref.slot, checksum))
+            self.publish(self.pool.commit(req.request_id, written))
+            self.publish(self.pool.release(req.request_id))
         return PoolReply(True, num_blocks=len(fetched), nbytes=nbytes, seconds=time.perf_counter() - started)
 
     async def fetch(self, addr: str, request: FetchBlocks) -> tuple[list[tuple[int, int, bytes]], int]:

@@ -165,6 +165,14 @@ class Cluster:
         """Every process of a node shares its shared-memory directory (one per cluster and node)."""
         return ["--node", node, "--shm-dir", str(self.shm_root / node)]
 
+    def restart(self, name: str) -> None:
+        """Start a process again with the argv it had (after it died or was killed)."""
+        proc = self.procs[name]
+        if proc.popen.poll() is None:
+            proc.popen.terminate()
+            proc.popen.wait(30)
+        self.spawn(name, proc.popen.args)
+
     def spawn(self, name: str, argv: list[str]) -> None:
         log_path = self.log_dir / f"{name}.log"
         env = os.environ | {"PYTHONUNBUFFERED": "1"} | self.spec.extra_env
