@@ -1,0 +1,127 @@
+"""Continuous batching (services/decode/batch.py) against per-sequence decoding on tiny-random.
+
+The reference for every row is common.engine: prefill, then decode_step one token at a time,
+sampled with common.sampling.sample at the same step index the engine uses.
+"""
+
+import pytest
+import torch
+
+from common import engine, models, sampling
+from common.perf import DecodeModel, PrefillModel, Profile
+from schemas.route import SamplingParams
+from services.decode.batch import BatchEngine, BatchFull
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
+SEEDED = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=64, seed=7)
+HOT = SamplingParams(temperature=1.3, max_tokens=64, seed=123)
+STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return models.load_model(models.prepare("tiny-random", tmp_path_factory.mktemp("home")))
+
+
+def make_prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def make_start(model, prompt: list[int], params: SamplingParams) -> tuple[torch.Tensor, int]:
+    """What prefill hands decode: the prompt's KV and the first token."""
+    cache, logits = engine.prefill(model, prompt)
+    return engine.kv_from_cache(cache), sampling.sample(logits, params, step=0)
+
+
+def reference(model, prompt: list[int], params: SamplingParams, steps: int) -> list[int]:
+    """Tokens 1..steps of one sequence decoded alone."""
+    cache, logits = engine.prefill(model, prompt)
+    token, out = sampling.sample(logits, params, step=0), []
+    for step in range(1, steps + 1):
+        token = sampling.sample(engine.decode_step(model, token, cache), params, step=step)
+        out.append(token)
+    return out
+
+
+def run(batch: BatchEngine, steps: int, into: dict[str, list[int]]) -> None:
+    for _ in range(steps):
+        for rid, token in batch.step().items():
+            into.setdefault(rid, []).append(token)
+
+
+# ragged batch: (length, sampling) per request
+MIXED = [(3, GREEDY), (41, SEEDED), (17, GREEDY), (90, HOT), (1, GREEDY), (64, SEEDED)]
+
+
+def test_ragged_batch_equals_per_sequence_decoding(model):
+    batch = BatchEngine(model, max_batch=8, kv_budget_tokens=10_000, grow_tokens=16)  # grows mid-run
+    for i, (n, params) in enumerate(MIXED):
+        kv, first = make_start(model, make_prompt(n, i), params)
+        batch.add(f"r{i}", kv, first, params, num_generated=1)
+    got: dict[str, list[int]] = {}
+    run(batch, STEPS, got)
+    for i, (n, params) in enumerate(MIXED):
+        assert got[f"r{i}"] == reference(model, make_prompt(n, i), params, STEPS), f"row {i} (len {n}, {params})"
+
+
+def test_admitted_mid_batch_leaves_the_others_unchanged(model):
+    first_two = [(25, GREEDY), (8, SEEDED)]
+    alone: dict[str, list[int]] = {}
+    joined: dict[str, list[int]] = {}
+    for into, late in ((alone, False), (joined, True)):
+        batch = BatchEngine(model, max_batch=4, kv_budget_tokens=10_000, grow_tokens=8)
+        for i, (n, params) in enumerate(first_two):
+            kv, first = make_start(model, make_prompt(n, i), params)
+            batch.add(f"r{i}", kv, first, params)
+        run(batch, 4, into)
+        if late:
+            kv, first = make_start(model, make_prompt(70, 99), HOT)
+            batch.add("late", kv, first, HOT)
+        run(batch, 6, into)
+    assert joined["r0"] == alone["r0"] and joined["r1"] == alone["r1"]
+    assert joined["late"] == reference(model, make_prompt(70, 99), HOT, 6)
+
+
+def test_removing_a_row_leaves_the_others_unchanged(model):
+    batch = BatchEngine(model, max_batch=4, kv_budget_tokens=10_000)
+    for i, n in enumerate((12, 30, 5)):
+        kv, first = make_start(model, make_prompt(n, i), GREEDY)
+        batch.add(f"r{i}", kv, first, GREEDY)
+    got: dict[str, list[int]] = {}
+    run(batch, 3, got)
+    batch.remove("r0")  # the last row moves into slot 0
+    batch.remove("nobody")
+    run(batch, 5, got)
+    assert "r0" not in batch and batch.num_running == 2
+    assert got["r1"] == reference(model, make_prompt(30, 1), GREEDY, 8)
+    assert got["r2"] == reference(model, make_prompt(5, 2), GREEDY, 8)
+
+
+def test_capacity_counts_reserved_tokens_and_rows(model):
+    params = SamplingParams(temperature=0.0, max_tokens=10)
+    batch = BatchEngine(model, max_batch=2, kv_budget_tokens=50)
+    kv, first = make_start(model, make_prompt(20, 0), params)
+    need = batch.tokens_needed(20, params, num_generated=1)
+    assert need == 20 + 9  # the KV now and the 9 steps still to run (each adds the fed token's K, V)
+    assert batch.can_admit(need)
+    batch.add("a", kv, first, params)
+    assert batch.reserved_tokens == need and not batch.can_admit(need)
+    with pytest.raises(BatchFull):
+        batch.add("b", kv, first, params)
+    assert batch.admission_state().kv_free_tokens == 50 - need
+    batch.remove("a")
+    assert batch.reserved_tokens == 0 and batch.can_admit(need)
+
+
+def test_tbt_recheck_uses_predicted_step_time(model):
+    perf = Profile(PrefillModel((0.0, 0.001, 0.0, 0.0)), DecodeModel((0.01, 0.01, 0.0)))  # step = 0.01 + 0.01 * batch
+    batch = BatchEngine(model, max_batch=16, kv_budget_tokens=10_000)
+    for i in range(3):
+        kv, first = make_start(model, make_prompt(4, i), GREEDY)
+        batch.add(f"r{i}", kv, first, GREEDY)
+    assert batch.tbt_admits(10, perf, tbt_slo_s=0.05)  # batch 4: 0.05 s
+    assert not batch.tbt_admits(10, perf, tbt_slo_s=0.045)
+
+
+def test_step_on_empty_batch_returns_nothing(model):
+    assert BatchEngine(model, max_batch=2, kv_budget_tokens=100).step() == {}
