@@ -166,6 +166,11 @@ class BatchEngine:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.index
 
+    def kv_of(self, request_id: str) -> torch.Tensor:
+        """A copy of the request's KV so far, [L, 2, H, kv_len, D] (e.g. to store it in the pool)."""
+        row = self.index[request_id]
+        return self.kv[:, :, row, :, : int(self.kv_lens[row])].clone()
+
     def num_generated(self, request_id: str) -> int:
         return self.rows[self.index[request_id]].num_generated
 

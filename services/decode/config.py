@@ -22,6 +22,7 @@ class DecodeConfig:
     threads: int
     heartbeat_interval_s: float
     max_batch: int
+    kv_budget_tokens: int  # KV tokens the batch may reserve (prompt + tokens still to generate)
     tbt_slo_s: float  # a request whose KV arrives when the batch could not meet this is rejected (late)
     late_check: bool  # False with admission "none"
     profile: str
@@ -35,6 +36,8 @@ class DecodeConfig:
             raise ValueError("heartbeat interval must be > 0")
         if self.tbt_slo_s <= 0:
             raise ValueError("tbt slo must be > 0")
+        if self.kv_budget_tokens < 1:
+            raise ValueError("kv budget must be >= 1 token")
         if self.max_batch < 1:
             raise ValueError("max batch must be >= 1")
 
@@ -47,6 +50,8 @@ def load(argv: list[str] | None = None) -> DecodeConfig:
     common.flag(parser, "--threads", "MOONBUS_THREADS", 0, int, help="torch intra-op threads (0 = default)")
     common.flag(parser, "--heartbeat-interval", "MOONBUS_HEARTBEAT_INTERVAL", 1.0, float, help="seconds")
     common.flag(parser, "--max-batch", "MOONBUS_MAX_BATCH", 64, int, help="most requests decoding at once")
+    common.flag(parser, "--kv-budget-tokens", "MOONBUS_KV_BUDGET_TOKENS", 32768, int,
+                help="KV tokens the batch may hold, counting what each request may still generate")
     common.flag(parser, "--tbt-slo", "MOONBUS_TBT_SLO", 1.0, float, help="seconds; checked when a request's KV arrives")
     common.flag(parser, "--admission", "MOONBUS_ADMISSION", "predictive", help="none turns the arrival check off")
     common.flag(parser, "--profile", "MOONBUS_PROFILE", "", help="performance profile file")
@@ -63,6 +68,7 @@ def load(argv: list[str] | None = None) -> DecodeConfig:
         threads=args.threads,
         heartbeat_interval_s=args.heartbeat_interval,
         max_batch=args.max_batch,
+        kv_budget_tokens=args.kv_budget_tokens,
         tbt_slo_s=args.tbt_slo,
         late_check=args.admission != "none",
         profile=args.profile,

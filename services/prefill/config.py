@@ -20,6 +20,7 @@ class PrefillConfig:
     home: Path
     log_level: str
     threads: int
+    prefill_chunk: int  # prompts longer than this are computed in chunks of it (0 = never)
     heartbeat_interval_s: float
     transfer_timeout_s: float
 
@@ -37,6 +38,8 @@ def load(argv: list[str] | None = None) -> PrefillConfig:
     common.add_common_flags(parser, "prefill")
     common.add_node_flags(parser)
     common.add_model_flags(parser)
+    common.flag(parser, "--prefill-chunk", "MOONBUS_PREFILL_CHUNK", 2048, int,
+                help="compute prompts in chunks of this many tokens (0 = one pass)")
     common.flag(parser, "--threads", "MOONBUS_THREADS", 0, int, help="torch intra-op threads (0 = default)")
     common.flag(parser, "--heartbeat-interval", "MOONBUS_HEARTBEAT_INTERVAL", 1.0, float, help="seconds")
     common.flag(parser, "--transfer-timeout", "MOONBUS_TRANSFER_TIMEOUT", 60.0, float, help="seconds for one KV transfer")
@@ -51,6 +54,7 @@ def load(argv: list[str] | None = None) -> PrefillConfig:
         home=Path(args.home),
         log_level=args.log_level,
         threads=args.threads,
+        prefill_chunk=args.prefill_chunk,
         heartbeat_interval_s=args.heartbeat_interval,
         transfer_timeout_s=args.transfer_timeout,
     )

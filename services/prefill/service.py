@@ -14,7 +14,7 @@ import torch
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
-from common import bus, engine, kvfiles, models, runner, sampling
+from common import bus, models, runner, sampling
 from common.kv.blocks import block_keys
 from common.pool_client import PoolClient, PoolUnavailable, Prefix
 from schemas import subjects
@@ -24,6 +24,7 @@ from schemas.tokens import TokenChunk
 from schemas.transfer import SendKv, SendKvReply
 from schemas.workers import WorkerInfo
 from services.prefill.config import PrefillConfig
+from services.prefill.layerwise import FileSink, LayerwisePrefill
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,8 @@ class PrefillService:
         self.cfg = cfg
         self.nc = nc
         self.model = model
+        self.engine = LayerwisePrefill(model, cfg.prefill_chunk)
+        self.layout = layout
         self.eos_token_id = eos_token_id
         self.events = bus.EventPublisher(nc, "prefill", cfg.instance_id)
         self.pool = PoolClient(nc, cfg.node, layout, self.events)
@@ -77,8 +80,15 @@ class PrefillService:
         started = time.perf_counter()
         prefix = await self.reusable_prefix(task)
         cached = prefix.num_blocks * self.block_tokens
-        cache, logits = await asyncio.to_thread(engine.prefill, self.model, ids, prefix.kv)
-        first = sampling.sample(logits, task.sampling, step=0)
+        # layer-wise: each layer's KV goes into the handoff file while the next layer computes
+        shape = self.layout.request_shape(len(ids))
+        sink = FileSink(self.cfg.shm_dir / f"{rid}.kv", shape)
+        try:
+            result = await asyncio.to_thread(self.engine.run, ids, prefix.kv, sink)
+        except BaseException:
+            sink.discard()
+            raise
+        kv, first = result.kv, sampling.sample(result.logits, task.sampling, step=0)
         prefill_s = time.perf_counter() - started
         finish = self.finish_reason(first, task)
         # NOTE: the event goes first so that the audit log keeps causal order (first_token after it)
@@ -88,9 +98,10 @@ class PrefillService:
         )
         await self.reply(task, TokenChunk(rid, 0, [first], finish_reason=finish, cached_tokens=cached,
                                           source=self.cfg.instance_id))
-        kv = engine.kv_from_cache(cache)
         if finish is None and rid not in self.cancelled:
-            await self.hand_off(task, first, kv, cached, prefill_s)
+            await self.hand_off(task, first, sink.handle(self.cfg.node), cached, prefill_s)
+        else:
+            sink.discard()
         await self.store_prompt(rid, ids, kv, prefix.num_blocks)
 
     async def reusable_prefix(self, task: PrefillTask) -> Prefix:
@@ -111,9 +122,8 @@ class PrefillService:
             log.warning("request %s: KV pool unavailable, recomputing the whole prompt: %s", rid, exc)
             return Prefix(None, 0)
 
-    async def hand_off(self, task: PrefillTask, first: int, kv: torch.Tensor, cached: int, prefill_s: float) -> None:
+    async def hand_off(self, task: PrefillTask, first: int, handle, cached: int, prefill_s: float) -> None:
         rid = task.request_id
-        handle = await asyncio.to_thread(kvfiles.write, self.cfg.shm_dir, self.cfg.node, f"{rid}.kv", kv)
         reply = await self.send_kv(SendKv(rid, handle, task.decode_node))
         await self.events.request(
             "kv_transferred", rid, src_node=self.cfg.node, dest_node=task.decode_node,
@@ -140,7 +150,7 @@ class PrefillService:
         try:
             msg = await self.nc.request(subject, request.to_bytes(), timeout=self.cfg.transfer_timeout_s)
         except (NoRespondersError, NatsTimeout) as exc:
-            kvfiles.remove(self.cfg.shm_dir, request.src)
+            (self.cfg.shm_dir / request.src.name).unlink(missing_ok=True)
             raise TransferFailed(f"no answer from the messenger of node {self.cfg.node}: {exc!r}") from exc
         reply = SendKvReply.from_bytes(msg.data)
         if not reply.ok or reply.dest is None:
