@@ -1,4 +1,5 @@
-"""The model math both workers share: forward passes and KV conversion.
+"""The plain single-sequence forward (transformers' own cache): the reference that the batched
+decode engine and the layer-wise prefill are tested against, and the benchmarks' baseline.
 
 KV tensors travel as [num_layers, 2 (K, V), num_kv_heads, num_tokens, head_dim] (batch 1);
 inside a worker they live in a transformers DynamicCache.

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import xxhash
+
+from common.kv import blocks
 
 from schemas.transfer import KvHandle
 
@@ -22,7 +23,7 @@ class KvChecksumError(ValueError):
 
 
 def checksum(buf: bytes | memoryview | np.ndarray) -> int:
-    return xxhash.xxh3_64_intdigest(memoryview(buf).cast("B"))
+    return blocks.checksum(memoryview(buf).cast("B"))
 
 
 def write(shm_dir: Path, node: str, name: str, kv: torch.Tensor) -> KvHandle:

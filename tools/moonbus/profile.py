@@ -16,9 +16,12 @@ from pathlib import Path
 
 import torch
 
-from common import engine, models, profiles
+from common import models, profiles
 from common.config import default_home
 from common.perf import DecodeModel, DecodeSample, PrefillModel, PrefillSample, Profile
+from schemas.route import SamplingParams
+from services.decode.batch import BatchEngine
+from services.prefill.layerwise import LayerwisePrefill
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,36 +43,38 @@ def prefill_grid(max_input: int, quick: bool) -> list[tuple[int, int]]:
 
 
 def decode_grid(max_context: int, quick: bool) -> list[tuple[int, int]]:
-    batches = (1, 4, 8) if quick else (1, 2, 4, 8, 16)
-    contexts = [c for c in (64, 256, 1024) if c <= max_context]
+    batches = (1, 4, 8) if quick else (1, 2, 4, 8, 16, 32)
+    contexts = [c for c in ((64, 256) if quick else (64, 256, 1024)) if c <= max_context]
     return [(b, c) for b in batches for c in contexts]
 
 
-def time_prefill(model, n: int, p: int, repeats: int, vocab: int) -> float:
-    ids = torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-    prefix_kv = None
-    if p:
-        cache, _ = engine.prefill(model, ids[:p])
-        prefix_kv = engine.kv_from_cache(cache)
+def random_ids(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def time_prefill(prefill: LayerwisePrefill, n: int, p: int, repeats: int, vocab: int) -> float:
+    """The prefill instance's path: the prefix's KV loaded, the rest computed layer by layer."""
+    ids = random_ids(n, vocab, n)
+    prefix_kv = prefill.run(ids[: p + 1]).kv[:, :, :, :p] if p else None
     best = float("inf")
     for _ in range(repeats):
         started = time.perf_counter()
-        engine.prefill(model, ids, prefix_kv)
+        prefill.run(ids, prefix_kv)
         best = min(best, time.perf_counter() - started)
     return best
 
 
-def time_decode_step(model, batch: int, context: int, repeats: int, vocab: int) -> float:
-    """One decode iteration over `batch` sequences of `context` tokens each, as decode runs it."""
-    caches = []
+def time_decode_step(prefill: LayerwisePrefill, model, batch: int, context: int, repeats: int, vocab: int) -> float:
+    """One iteration of the decode instance's batch engine over `batch` requests of `context` tokens."""
+    engine = BatchEngine(model, batch, batch * (context + repeats + 1))
+    kv = prefill.run(random_ids(context, vocab, context)).kv
     for i in range(batch):
-        ids = torch.randint(3, vocab, (context,), generator=torch.Generator().manual_seed(i)).tolist()
-        caches.append(engine.prefill(model, ids)[0])
+        engine.add(f"r{i}", kv, 5, SamplingParams(temperature=0, max_tokens=repeats + 2))
+    engine.step()  # grows the buffer once, as a running instance already has
     best = float("inf")
     for _ in range(repeats):
         started = time.perf_counter()
-        for cache in caches:
-            engine.decode_step(model, 5, cache)
+        engine.step()
         best = min(best, time.perf_counter() - started)
     return best
 
@@ -80,13 +85,14 @@ def run(args: argparse.Namespace) -> int:
     ref = models.prepare(args.model, args.home.resolve())
     shape = models.read_shape(ref)
     model = models.load_model(ref)
+    prefill = LayerwisePrefill(model)
     max_input = min(args.max_input, shape.max_context - 1)
     prefill_samples, decode_samples = [], []
     for n, p in prefill_grid(max_input, args.quick):
-        prefill_samples.append(PrefillSample(n, p, time_prefill(model, n, p, args.repeats, shape.vocab_size)))
+        prefill_samples.append(PrefillSample(n, p, time_prefill(prefill, n, p, args.repeats, shape.vocab_size)))
         print(f"prefill n={n:5d} p={p:5d}  {prefill_samples[-1].seconds * 1000:9.2f} ms", file=sys.stderr, flush=True)
     for b, c in decode_grid(shape.max_context // 2, args.quick):
-        decode_samples.append(DecodeSample(b, b * c, time_decode_step(model, b, c, args.repeats, shape.vocab_size)))
+        decode_samples.append(DecodeSample(b, b * c, time_decode_step(prefill, model, b, c, args.repeats, shape.vocab_size)))
         print(f"decode  batch={b:3d} context={b * c:6d}  {decode_samples[-1].seconds * 1000:9.2f} ms", file=sys.stderr, flush=True)
     prefill_fit = PrefillModel.fit(s for i, s in enumerate(prefill_samples) if i % 3 != 2)
     decode_fit = DecodeModel.fit(s for i, s in enumerate(decode_samples) if i % 3 != 2)
