@@ -29,6 +29,7 @@ async def connect(url: str, name: str, first_connect_timeout_s: float = 60.0) ->
             return await nats.connect(
                 url, name=name, connect_timeout=2, max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5, allow_reconnect=True,
+                drain_timeout=5,  # shutdown must not hang on a broker that is already gone
             )
         except Exception as exc:  # NoServersError, OSError, timeouts
             if time.monotonic() > deadline:
@@ -75,3 +76,12 @@ class EventPublisher:
             await self._nc.publish(subject, event.to_bytes())
         except Exception:  # the audit log must never take a request down
             log.exception("could not publish event %s", subject)
+
+
+async def shutdown(nc: Client) -> None:
+    """Drain (deliver what is in flight, then close); if the broker is already gone, just close."""
+    try:
+        await nc.drain()
+    except Exception as exc:  # DrainTimeoutError, ConnectionClosedError, ...
+        log.info("could not drain the NATS connection (%r); closing it", exc)
+        await nc.close()

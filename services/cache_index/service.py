@@ -134,4 +134,4 @@ async def serve(cfg: CacheIndexConfig, stop: asyncio.Event) -> None:
     log.info("cache index %s ready", cfg.instance_id)
     await stop.wait()
     await tasks.cancel_all()
-    await nc.drain()
+    await bus.shutdown(nc)

@@ -22,6 +22,7 @@ class ConductorConfig:
     policy: str  # random | load-balancing | cache-aware | kvcache-centric
     kvcache_balancing_threshold: float
     link_bytes_s: float  # node-to-node KV bandwidth assumed by the transfer estimate
+    colocate: bool  # coupled instances: decode on the prefill instance's node (PolicySettings.colocate)
     admission: AdmissionSettings
     profile: str  # explicit profile file ("" = $MOONBUS_HOME/profiles/<model>.json, else a guess)
     heartbeat_timeout_s: float  # forget an instance after this long without heartbeats
@@ -45,6 +46,8 @@ def load(argv: list[str] | None = None) -> ConductorConfig:
     common.flag(parser, "--kvcache-balancing-threshold", "MOONBUS_KVCACHE_BALANCING_THRESHOLD", 1.25, float,
                 help="pull a remote prefix only if it is this many times longer than the local one")
     common.flag(parser, "--link-bandwidth", "MOONBUS_LINK_BANDWIDTH", 1.0e9, float, help="bytes/s between nodes")
+    common.flag(parser, "--colocate", "MOONBUS_COLOCATE", False, _boolean,
+                help="decode each request on its prefill instance's node (coupled instances)", nargs="?", const=True)
     common.flag(parser, "--admission", "MOONBUS_ADMISSION", "predictive", help=", ".join(MODES))
     common.flag(parser, "--ttft-slo", "MOONBUS_TTFT_SLO", 30.0, float, help="seconds")
     common.flag(parser, "--tbt-slo", "MOONBUS_TBT_SLO", 1.0, float, help="seconds")
@@ -66,6 +69,7 @@ def load(argv: list[str] | None = None) -> ConductorConfig:
         policy=args.policy,
         kvcache_balancing_threshold=args.kvcache_balancing_threshold,
         link_bytes_s=args.link_bandwidth,
+        colocate=args.colocate,
         admission=AdmissionSettings(mode=args.admission, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
                                     t_d_s=args.decode_time),
         profile=args.profile,
@@ -74,3 +78,13 @@ def load(argv: list[str] | None = None) -> ConductorConfig:
         sweep_interval_s=args.sweep_interval,
         index_timeout_s=args.index_timeout,
     )
+
+
+def _boolean(text: str) -> bool:
+    """1/true/yes/on or 0/false/no/off (the flag's value or $MOONBUS_COLOCATE)."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")

@@ -22,6 +22,10 @@ The other policies, kept for comparison, use the same decode choice (random: a r
     random          prefill and decode uniformly, from the snapshot's `random_draw`
     load-balancing  p* = least queue_s
     cache-aware     ttft = queue_s + t_prefill(input_tokens, local prefix); never transfers
+Coupled instances (`colocate`): a coupled instance prefills and decodes on one node, so a
+request must stay there; p* is chosen as above, but only among prefill instances whose node runs a
+decode instance with KV room, and d* is the lowest-TBT one of those on p*'s node (random: the
+draw's fraction picks among them).
 Every policy prices every candidate with the same terms, so a decision event can be audited and
 replayed. Admission (reject or not) is a separate step: services/conductor/admission.py.
 
@@ -39,6 +43,8 @@ Settings (PolicySettings):
                                  (`moonbus bench store` measures it); RDMA/NIC links are faster
     block_tokens                 tokens per KV block (must equal the cache index's); default 16
     kv_bytes_per_token           default 46080: SmolLM2-135M in float32 (30*2*3*64*4)
+    colocate                     default False. True for coupled instances (`moonbus up --coupled`):
+        decode on p*'s own node, so the KV never leaves the instance that computed it
 The SLOs live in AdmissionSettings: with one TBT SLO for all, ranking decode instances by TBT is
 ranking them by TBT / SLO, so the policy needs no SLO.
 
@@ -64,6 +70,7 @@ class PolicySettings:
     link_bytes_s: float = 1.0e9
     block_tokens: int = 16
     kv_bytes_per_token: int = 46080
+    colocate: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -216,18 +223,28 @@ def decide(request: RequestInfo, snapshot: ClusterSnapshot, settings: PolicySett
     best_len, best_holder = best_prefix(snapshot)
     pulls = settings.policy == "kvcache-centric"
     prefill_costs = price_prefill(request, snapshot, settings, perf, best_len, best_holder, pulls)
+    eligible = prefill_costs  # every candidate is priced (for the event); these may be chosen
+    if settings.colocate:
+        nodes = {c.node for c in fitting}
+        eligible = tuple(c for c in prefill_costs if c.node in nodes)
+        if not eligible:
+            return NoInstances(request.request_id, "no prefill instance shares a node with a decode instance with KV room")
 
     if settings.policy == "random":
-        p, d, reason = _random_pick(snapshot.random_draw, prefill_costs, fitting)
+        p, d, reason = _random_pick(snapshot.random_draw, eligible, fitting, settings.colocate)
     else:
-        d = min(fitting, key=_by_tbt)
         if settings.policy == "load-balancing":
-            p = min(prefill_costs, key=_by_queue)
+            p = min(eligible, key=_by_queue)
             reason = f"load-balancing: least queue {p.queue_s:.4f}s"
         else:
-            p = min(prefill_costs, key=_by_ttft)
+            p = min(eligible, key=_by_ttft)
             reason = _ttft_reason(settings, p, best_len, best_holder)
-        reason += f"; decode {d.instance_id}: lowest tbt {d.tbt_s:.4f}s"
+        if settings.colocate:
+            d = min((c for c in fitting if c.node == p.node), key=_by_tbt)
+            reason += f"; decode {d.instance_id}: colocated on {p.node}, tbt {d.tbt_s:.4f}s"
+        else:
+            d = min(fitting, key=_by_tbt)
+            reason += f"; decode {d.instance_id}: lowest tbt {d.tbt_s:.4f}s"
 
     pull = None
     if p.pull_blocks > 0:
@@ -296,13 +313,15 @@ _by_queue = itemgetter(PrefillCost._fields.index("queue_s"), 0)
 _by_tbt = itemgetter(DecodeCost._fields.index("tbt_s"), 0)
 
 
-def _random_pick(draw: float, prefill: tuple[PrefillCost, ...], decode: list[DecodeCost]) -> tuple[PrefillCost, DecodeCost, str]:
+def _random_pick(draw: float, prefill: tuple[PrefillCost, ...], decode: list[DecodeCost],
+                 colocate: bool = False) -> tuple[PrefillCost, DecodeCost, str]:
     """Both picks from one uniform draw: floor(draw*P) picks p; frac(draw*P) is again uniform and
-    picks d. Candidates are ordered by id first, so the snapshot's order does not matter."""
+    picks d (with `colocate`, among those on p's node). Candidates are ordered by id first, so the
+    snapshot's order does not matter."""
     ps = sorted(prefill, key=lambda c: c.instance_id)
-    ds = sorted(decode, key=lambda c: c.instance_id)
     scaled = draw * len(ps)
     i = min(int(scaled), len(ps) - 1)
+    ds = sorted((c for c in decode if not colocate or c.node == ps[i].node), key=lambda c: c.instance_id)
     j = min(int((scaled - i) * len(ds)), len(ds) - 1)
     return ps[i], ds[j], f"random: draw {draw:.4f} -> prefill {i + 1}/{len(ps)}, decode {j + 1}/{len(ds)}"
 

@@ -48,7 +48,7 @@ class ConductorService:
         self.registry = Registry(cfg.heartbeat_timeout_s)
         self.inflight = InFlightTable(cfg.lease_s)
         self.settings = policy.PolicySettings(cfg.policy, cfg.kvcache_balancing_threshold, cfg.link_bytes_s,
-                                              cfg.block_tokens, kv_bytes_per_token)
+                                              cfg.block_tokens, kv_bytes_per_token, cfg.colocate)
         self.rng = random.Random()
 
     async def on_heartbeat(self, msg: Msg) -> None:
@@ -173,8 +173,8 @@ async def serve(cfg: ConductorConfig, stop: asyncio.Event) -> None:
     await nc.subscribe(subjects.CONDUCTOR_STATUS, cb=service.on_status)
     await nc.subscribe(subjects.request_event("*", "*"), cb=service.on_request_event)
     tasks.spawn(runner.every(cfg.sweep_interval_s, stop, service.sweep), "sweep")
-    log.info("conductor %s ready: policy %s, admission %s (ttft slo %gs, tbt slo %gs), profile %s",
-             cfg.instance_id, cfg.policy, cfg.admission.mode, cfg.admission.ttft_slo_s, cfg.admission.tbt_slo_s, source)
+    log.info("conductor %s ready: policy %s%s, admission %s (ttft slo %gs, tbt slo %gs), profile %s",
+             cfg.instance_id, cfg.policy, " (colocated)" if cfg.colocate else "", cfg.admission.mode, cfg.admission.ttft_slo_s, cfg.admission.tbt_slo_s, source)
     await stop.wait()
     await tasks.cancel_all()
-    await nc.drain()
+    await bus.shutdown(nc)

@@ -45,6 +45,12 @@ class DecodeConfig:
 def load(argv: list[str] | None = None) -> DecodeConfig:
     parser = argparse.ArgumentParser(prog="python -m services.decode", description="moonbus decode instance")
     common.add_common_flags(parser, "decode")
+    add_flags(parser)
+    return from_args(parser.parse_args(argv))
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """Every flag but the common ones (services/coupled adds these and the prefill ones to one parser)."""
     common.add_node_flags(parser)
     common.add_model_flags(parser)
     common.flag(parser, "--threads", "MOONBUS_THREADS", 0, int, help="torch intra-op threads (0 = default)")
@@ -55,7 +61,9 @@ def load(argv: list[str] | None = None) -> DecodeConfig:
     common.flag(parser, "--tbt-slo", "MOONBUS_TBT_SLO", 1.0, float, help="seconds; checked when a request's KV arrives")
     common.flag(parser, "--admission", "MOONBUS_ADMISSION", "predictive", help="none turns the arrival check off")
     common.flag(parser, "--profile", "MOONBUS_PROFILE", "", help="performance profile file")
-    args = parser.parse_args(argv)
+
+
+def from_args(args: argparse.Namespace) -> DecodeConfig:
     return DecodeConfig(
         nats_url=args.nats_url,
         instance_id=args.instance_id,

@@ -5,12 +5,16 @@ for KV room -> load the KV from the node's shared memory into the batch -> every
 forward for the whole batch (services/decode/batch.py), each request sampled with its own
 settings, its token published to its gateway -> finished or cancelled requests leave, and the
 KV of finished ones is stored in the node's pool so that the next turn of a conversation hits.
+
+`compute_lock`: in a coupled instance (services/coupled) the PrefillService holds the same lock
+around its forward, so an iteration waits while a prefill runs (the prefill pauses the batch).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -43,7 +47,7 @@ class Running:
 
 class DecodeService:
     def __init__(self, cfg: DecodeConfig, nc, engine: BatchEngine, eos_token_id: int | None,
-                 layout, tasks: runner.TaskGroup, perf) -> None:
+                 layout, tasks: runner.TaskGroup, perf, compute_lock: asyncio.Lock | None = None) -> None:
         self.cfg = cfg
         self.nc = nc
         self.engine = engine
@@ -56,6 +60,7 @@ class DecodeService:
         self.waiting: collections.deque[DecodeTask] = collections.deque()  # passed the TBT check, no KV room yet
         self.running: dict[str, Running] = {}  # request_id -> Running
         self.cancelled: set[str] = set()
+        self.compute_lock = compute_lock or contextlib.nullcontext()
 
     async def on_task(self, msg: Msg) -> None:
         try:
@@ -119,7 +124,8 @@ class DecodeService:
             kvfiles.remove(self.cfg.shm_dir, task.kv)
 
     async def iterate(self) -> None:
-        tokens = await asyncio.to_thread(self.engine.step)
+        async with self.compute_lock:
+            tokens = await asyncio.to_thread(self.engine.step)
         for rid, token in tokens.items():
             seq = self.running[rid]
             index = len(seq.generated)
@@ -172,6 +178,22 @@ class DecodeService:
                           num_queued=self.arrived.qsize() + len(self.waiting), num_running=self.engine.num_running)
         await self.nc.publish(subjects.WORKER_HEARTBEAT, info.to_bytes())
 
+    async def start(self, stop: asyncio.Event, model_name: str, profile_source: str) -> None:
+        """Subscribe, start the batch loop and the heartbeats, announce the instance."""
+        cfg = self.cfg
+        await self.nc.subscribe(subjects.decode_tasks(cfg.instance_id), cb=self.on_task)
+        await self.nc.subscribe(subjects.REQUEST_CANCEL, cb=self.on_cancel)
+        self.tasks.spawn(self.loop(), f"decode-loop-{cfg.instance_id}")
+        self.tasks.spawn(runner.every(cfg.heartbeat_interval_s, stop, self.heartbeat), f"heartbeat-{cfg.instance_id}")
+        await self.events.instance("started", cfg.instance_id, role="decode", node=cfg.node, model=model_name)
+        log.info("decode %s ready on node %s (model %s): batch <= %d, KV budget %d tokens, late TBT check %s "
+                 "(slo %gs), profile %s", cfg.instance_id, cfg.node, model_name, cfg.max_batch, cfg.kv_budget_tokens,
+                 "on" if cfg.late_check else "off", cfg.tbt_slo_s, profile_source)
+
+    async def leave(self) -> None:
+        info = WorkerInfo(self.cfg.instance_id, "decode", self.cfg.node, leaving=True)
+        await self.nc.publish(subjects.WORKER_HEARTBEAT, info.to_bytes())
+
 
 async def serve(cfg: DecodeConfig, stop: asyncio.Event) -> None:
     if cfg.threads:
@@ -186,15 +208,8 @@ async def serve(cfg: DecodeConfig, stop: asyncio.Event) -> None:
     nc = await bus.connect(cfg.nats_url, cfg.instance_id)
     tasks = runner.TaskGroup(stop)
     service = DecodeService(cfg, nc, engine, eos, shape.kv_layout(cfg.block_tokens), tasks, perf)
-    await nc.subscribe(subjects.decode_tasks(cfg.instance_id), cb=service.on_task)
-    await nc.subscribe(subjects.REQUEST_CANCEL, cb=service.on_cancel)
-    tasks.spawn(service.loop(), "decode-loop")
-    tasks.spawn(runner.every(cfg.heartbeat_interval_s, stop, service.heartbeat), "heartbeat")
-    await service.events.instance("started", cfg.instance_id, role="decode", node=cfg.node, model=ref.name)
-    log.info("decode %s ready on node %s (model %s): batch <= %d, KV budget %d tokens, late TBT check %s "
-             "(slo %gs), profile %s", cfg.instance_id, cfg.node, ref.name, cfg.max_batch, cfg.kv_budget_tokens,
-             "on" if cfg.late_check else "off", cfg.tbt_slo_s, source)
+    await service.start(stop, ref.name, source)
     await stop.wait()
-    await nc.publish(subjects.WORKER_HEARTBEAT, WorkerInfo(cfg.instance_id, "decode", cfg.node, leaving=True).to_bytes())
+    await service.leave()
     await tasks.cancel_all()
-    await nc.drain()
+    await bus.shutdown(nc)

@@ -220,4 +220,4 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event) -> None:
     log.info("gateway %s serving %s on http://%s:%d", cfg.instance_id, ref.name, cfg.host, cfg.port)
     await stop.wait()
     await runner.cleanup()
-    await nc.drain()
+    await bus.shutdown(nc)

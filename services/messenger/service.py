@@ -292,5 +292,5 @@ async def serve(cfg: MessengerConfig, stop: asyncio.Event) -> None:
     await nc.publish(subjects.WORKER_HEARTBEAT, WorkerInfo(cfg.instance_id, "messenger", cfg.node, leaving=True).to_bytes())
     server.close()
     await tasks.cancel_all()
-    await nc.drain()
+    await bus.shutdown(nc)
     pool.close()

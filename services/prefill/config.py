@@ -36,6 +36,12 @@ class PrefillConfig:
 def load(argv: list[str] | None = None) -> PrefillConfig:
     parser = argparse.ArgumentParser(prog="python -m services.prefill", description="moonbus prefill instance")
     common.add_common_flags(parser, "prefill")
+    add_flags(parser)
+    return from_args(parser.parse_args(argv))
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """Every flag but the common ones (services/coupled adds these and the decode ones to one parser)."""
     common.add_node_flags(parser)
     common.add_model_flags(parser)
     common.flag(parser, "--prefill-chunk", "MOONBUS_PREFILL_CHUNK", 2048, int,
@@ -43,7 +49,9 @@ def load(argv: list[str] | None = None) -> PrefillConfig:
     common.flag(parser, "--threads", "MOONBUS_THREADS", 0, int, help="torch intra-op threads (0 = default)")
     common.flag(parser, "--heartbeat-interval", "MOONBUS_HEARTBEAT_INTERVAL", 1.0, float, help="seconds")
     common.flag(parser, "--transfer-timeout", "MOONBUS_TRANSFER_TIMEOUT", 60.0, float, help="seconds for one KV transfer")
-    args = parser.parse_args(argv)
+
+
+def from_args(args: argparse.Namespace) -> PrefillConfig:
     return PrefillConfig(
         nats_url=args.nats_url,
         instance_id=args.instance_id,

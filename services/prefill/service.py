@@ -2,11 +2,16 @@
 
 task (NATS) -> forward pass in a worker thread -> first token to the gateway -> KV file in the
 node's shared memory -> local messenger moves it to the decode node -> DecodeTask to decode.
+
+`compute_lock`: a coupled instance (services/coupled) shares one model between this service and a
+DecodeService and passes both the same lock, so a prefill forward and a decode iteration never
+run at once: a prefill pauses the decode batch, as in one vLLM instance. Alone, no lock.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -34,7 +39,8 @@ class TransferFailed(RuntimeError):
 
 
 class PrefillService:
-    def __init__(self, cfg: PrefillConfig, nc, model, eos_token_id: int | None, layout) -> None:
+    def __init__(self, cfg: PrefillConfig, nc, model, eos_token_id: int | None, layout,
+                 compute_lock: asyncio.Lock | None = None) -> None:
         self.cfg = cfg
         self.nc = nc
         self.model = model
@@ -47,6 +53,7 @@ class PrefillService:
         self.queue: asyncio.Queue[PrefillTask] = asyncio.Queue()
         self.cancelled: set[str] = set()
         self.running = 0
+        self.compute_lock = compute_lock or contextlib.nullcontext()
 
     async def on_task(self, msg: Msg) -> None:
         try:
@@ -84,7 +91,8 @@ class PrefillService:
         shape = self.layout.request_shape(len(ids))
         sink = FileSink(self.cfg.shm_dir / f"{rid}.kv", shape)
         try:
-            result = await asyncio.to_thread(self.engine.run, ids, prefix.kv, sink)
+            async with self.compute_lock:
+                result = await asyncio.to_thread(self.engine.run, ids, prefix.kv, sink)
         except BaseException:
             sink.discard()
             raise
@@ -172,6 +180,20 @@ class PrefillService:
                           num_queued=self.queue.qsize(), num_running=self.running)
         await self.nc.publish(subjects.WORKER_HEARTBEAT, info.to_bytes())
 
+    async def start(self, tasks: runner.TaskGroup, stop: asyncio.Event, model_name: str) -> None:
+        """Subscribe, start the work loop and the heartbeats, announce the instance."""
+        cfg = self.cfg
+        await self.nc.subscribe(subjects.prefill_tasks(cfg.instance_id), cb=self.on_task)
+        await self.nc.subscribe(subjects.REQUEST_CANCEL, cb=self.on_cancel)
+        tasks.spawn(self.work_loop(), f"prefill-work-{cfg.instance_id}")
+        tasks.spawn(runner.every(cfg.heartbeat_interval_s, stop, self.heartbeat), f"heartbeat-{cfg.instance_id}")
+        await self.events.instance("started", cfg.instance_id, role="prefill", node=cfg.node, model=model_name)
+        log.info("prefill %s ready on node %s (model %s)", cfg.instance_id, cfg.node, model_name)
+
+    async def leave(self) -> None:
+        info = WorkerInfo(self.cfg.instance_id, "prefill", self.cfg.node, leaving=True)
+        await self.nc.publish(subjects.WORKER_HEARTBEAT, info.to_bytes())
+
 
 async def serve(cfg: PrefillConfig, stop: asyncio.Event) -> None:
     if cfg.threads:
@@ -184,13 +206,8 @@ async def serve(cfg: PrefillConfig, stop: asyncio.Event) -> None:
     nc = await bus.connect(cfg.nats_url, cfg.instance_id)
     service = PrefillService(cfg, nc, model, eos, layout)
     tasks = runner.TaskGroup(stop)
-    await nc.subscribe(subjects.prefill_tasks(cfg.instance_id), cb=service.on_task)
-    await nc.subscribe(subjects.REQUEST_CANCEL, cb=service.on_cancel)
-    tasks.spawn(service.work_loop(), "prefill-work")
-    tasks.spawn(runner.every(cfg.heartbeat_interval_s, stop, service.heartbeat), "heartbeat")
-    await service.events.instance("started", cfg.instance_id, role="prefill", node=cfg.node, model=ref.name)
-    log.info("prefill %s ready on node %s (model %s)", cfg.instance_id, cfg.node, ref.name)
+    await service.start(tasks, stop, ref.name)
     await stop.wait()
-    await nc.publish(subjects.WORKER_HEARTBEAT, WorkerInfo(cfg.instance_id, "prefill", cfg.node, leaving=True).to_bytes())
+    await service.leave()
     await tasks.cancel_all()
-    await nc.drain()
+    await bus.shutdown(nc)

@@ -201,3 +201,63 @@ def test_settings_are_validated(kwargs):
 def test_random_draw_is_validated():
     with pytest.raises(ValueError):
         make_snapshot([], draw=1.0)
+
+
+# --- colocate (coupled instances): the decode instance is the one on the prefill instance's node
+
+
+def make_colocated():
+    """Two coupled instances c0 and c1: one prefill and one decode candidate on each node."""
+    prefill = [make_prefill("c0-prefill", "node-c0", queue_s=0.5), make_prefill("c1-prefill", "node-c1")]
+    decode = [DecodeCandidate("c0-decode", "node-c0", 0, 0), DecodeCandidate("c1-decode", "node-c1", 8, 8000)]
+    return prefill, decode
+
+
+def route_colocated(snapshot, policy="kvcache-centric") -> Decision:
+    settings = PolicySettings(policy, 1.25, link_bytes_s=1e6, block_tokens=10, kv_bytes_per_token=100, colocate=True)
+    decision = decide(make_request(), snapshot, settings, PERF)
+    assert isinstance(decision, Decision), decision
+    return decision
+
+
+def test_colocate_takes_the_decode_on_the_chosen_prefill_node_over_a_lower_tbt():
+    prefill, decode = make_colocated()
+    d = route_colocated(make_snapshot(prefill, decode))
+    # c1 has no queue (ttft 0.1 vs 0.6); its decode is busier (tbt 0.100 vs 0.012) but it is the one there
+    assert (d.prefill_id, d.decode_id) == ("c1-prefill", "c1-decode")
+    assert d.decode_node == d.prefill_node == "node-c1"
+    assert d.tbt_s == pytest.approx(0.01 + 0.001 * 9 + 1e-5 * 8100)
+    assert d.reason.endswith("decode c1-decode: colocated on node-c1, tbt 0.1000s")
+    assert route(make_snapshot(prefill, decode)).decode_id == "c0-decode"  # without colocate: lowest tbt
+
+
+def test_colocate_skips_a_node_whose_decode_has_no_kv_room():
+    prefill, _ = make_colocated()
+    decode = [DecodeCandidate("c0-decode", "node-c0", 0, 0), DecodeCandidate("c1-decode", "node-c1", 0, 0, 50)]
+    d = route_colocated(make_snapshot(prefill, decode))
+    assert (d.prefill_id, d.decode_id) == ("c0-prefill", "c0-decode")
+    assert [c.instance_id for c in d.prefill_costs] == ["c0-prefill", "c1-prefill"]  # every candidate still priced
+    assert d.ttft_s == pytest.approx(0.6)
+
+
+def test_colocate_pull_goes_to_the_colocated_pair():
+    prefill = [make_prefill("c0-prefill", "node-c0", queue_s=1.0, prefix=8), make_prefill("c1-prefill", "node-c1")]
+    _, decode = make_colocated()
+    d = route_colocated(make_snapshot(prefill, decode))
+    assert (d.prefill_id, d.decode_id) == ("c1-prefill", "c1-decode")
+    assert d.pull == PullPlan("node-c0", first_block=0, num_blocks=8, nbytes=8000)
+
+
+@pytest.mark.parametrize("draw, instance", [(0.2, "c0"), (0.7, "c1")])
+def test_colocate_random_keeps_the_pair_on_one_node(draw, instance):
+    prefill, decode = make_colocated()
+    d = route_colocated(make_snapshot(prefill, decode, draw=draw), "random")
+    assert (d.prefill_id, d.decode_id) == (f"{instance}-prefill", f"{instance}-decode")
+
+
+def test_colocate_without_a_shared_node_is_no_instances():
+    req = make_request()
+    settings = PolicySettings(block_tokens=10, kv_bytes_per_token=100, colocate=True)
+    snapshot = make_snapshot([make_prefill("p0", "node-p0")], [make_decode("d0")])
+    assert decide(req, snapshot, settings, PERF) == NoInstances(
+        "r1", "no prefill instance shares a node with a decode instance with KV room")

@@ -1,4 +1,6 @@
-"""Run one experiment (1-5) or all: each writes N_name.md (table + settings) and N_name.png.
+"""Run one experiment (1-6) or all: each writes N_name.md (table + settings) and N_name.png.
+
+1-5 simulate (tools/sim); 6 starts real clusters on this machine and replays a trace slice.
 
     python -m tools.experiments 1            # scheduling policies
     python -m tools.experiments all --out docs/experiments
@@ -11,7 +13,9 @@ import sys
 import time
 from pathlib import Path
 
-from tools.experiments.runs import EXPERIMENTS
+from tools.experiments import live, runs
+
+EXPERIMENTS = {**runs.EXPERIMENTS, "6": live.live}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("which", choices=[*EXPERIMENTS, "all"])
     parser.add_argument("--out", type=Path, default=Path("docs/experiments"))
     parser.add_argument("--traces", type=Path, default=Path(__file__).resolve().parents[3] / "shared/data/traces")
-    parser.add_argument("--limit", type=int, default=None, help="first N rows of each trace (smoke runs)")
+    parser.add_argument("--limit", type=int, default=None,
+                        help=f"first N rows of each trace (smoke runs; experiment 6: default {live.ROWS})")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     for key in (EXPERIMENTS if args.which == "all" else [args.which]):

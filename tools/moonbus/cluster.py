@@ -53,6 +53,7 @@ class ClusterSpec:
     model: str = "SmolLM2-135M-Instruct"
     prefill: int = 1
     decode: int = 1
+    coupled: int = 0  # > 0: this many coupled instances (prefill + decode in one process) replace both
     host: str = "127.0.0.1"
     port: int = 8000
     nats_port: int = 4333
@@ -79,7 +80,20 @@ class ClusterSpec:
         return f"http://{self.host}:{self.port}"
 
     def worker_threads(self) -> int:
-        return self.threads or max(1, (os.cpu_count() or 1) // max(1, self.prefill + self.decode))
+        return self.threads or max(1, (os.cpu_count() or 1) // max(1, self.num_workers))
+
+    @property
+    def num_workers(self) -> int:
+        """Model-running processes, each on its own node with a messenger."""
+        return self.coupled or self.prefill + self.decode
+
+    @property
+    def num_prefill(self) -> int:
+        return self.coupled or self.prefill
+
+    @property
+    def num_decode(self) -> int:
+        return self.coupled or self.decode
 
 
 @dataclass
@@ -128,8 +142,16 @@ class Cluster:
         spec = self.spec
         threads = str(spec.worker_threads())
         self.service("conductor", "conductor", *self.model_args(), "--policy", spec.policy,
-                     "--ttft-slo", str(spec.ttft_slo_s), *self.slo_args())
+                     "--ttft-slo", str(spec.ttft_slo_s), *self.slo_args(), *(["--colocate"] if spec.coupled else []))
         self.service("cache_index", "cache_index")
+        if spec.coupled:
+            self.start_coupled(threads)
+        else:
+            self.start_disaggregated(threads)
+        self.service("gateway", "gateway", "--model", spec.model, "--host", spec.host, "--port", str(spec.port))
+
+    def start_disaggregated(self, threads: str) -> None:
+        spec = self.spec
         for i in range(spec.prefill):
             node = f"node-p{i}"
             self.messenger(f"messenger-p{i}", node)
@@ -139,7 +161,14 @@ class Cluster:
             self.messenger(f"messenger-d{i}", node)
             self.service(f"decode-{i}", "decode", *self.node_args(node), "--threads", threads, *self.model_args(),
                          *self.slo_args())
-        self.service("gateway", "gateway", "--model", spec.model, "--host", spec.host, "--port", str(spec.port))
+
+    def start_coupled(self, threads: str) -> None:
+        """Each coupled instance announces `coupled-i-prefill` and `coupled-i-decode` on node-ci."""
+        for i in range(self.spec.coupled):
+            node = f"node-c{i}"
+            self.messenger(f"messenger-c{i}", node)
+            self.service(f"coupled-{i}", "coupled", *self.node_args(node), "--threads", threads, *self.model_args(),
+                         *self.slo_args())
 
     def service(self, name: str, kind: str, *args: str) -> None:
         argv = [sys.executable, "-m", f"services.{kind}", "--nats-url", self.spec.nats_url,
@@ -187,8 +216,8 @@ class Cluster:
             self.check_alive()
             health = self.health()
             instances = health.get("instances", {})
-            if instances.get("prefill", 0) >= self.spec.prefill and instances.get("decode", 0) >= self.spec.decode \
-                    and instances.get("messenger", 0) >= self.spec.prefill + self.spec.decode:
+            if instances.get("prefill", 0) >= self.spec.num_prefill and instances.get("decode", 0) >= self.spec.num_decode \
+                    and instances.get("messenger", 0) >= self.spec.num_workers:
                 return
             time.sleep(0.3)
         raise ClusterError(f"the cluster was not ready after {timeout_s:.0f} s; logs are in {self.log_dir}")

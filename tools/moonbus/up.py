@@ -19,6 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=models.SMOLLM2, help="SmolLM2-135M-Instruct (default), tiny-random, or a local checkpoint dir")
     parser.add_argument("--prefill", type=int, default=1, help="prefill instances, each on its own node with a messenger")
     parser.add_argument("--decode", type=int, default=1, help="decode instances, each on its own node with a messenger")
+    parser.add_argument("--coupled", type=int, default=0, metavar="N",
+                        help="run N coupled instances (prefill and decode in one process, vLLM-like) "
+                             "instead of --prefill/--decode, each on its own node with a messenger")
     parser.add_argument("--host", default="127.0.0.1", help="gateway bind address")
     parser.add_argument("--port", type=int, default=8000, help="gateway port")
     parser.add_argument("--nats-port", type=int, default=4333, help="port of the embedded nats-server")
@@ -37,8 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.prefill < 1 or args.decode < 1:
-        print("moonbus up: --prefill and --decode must be at least 1", file=sys.stderr)
+    if args.coupled < 0 or (not args.coupled and (args.prefill < 1 or args.decode < 1)):
+        print("moonbus up: --prefill and --decode (or --coupled) must be at least 1", file=sys.stderr)
         return 2
     home = args.home.resolve()
     print(f"preparing model {args.model} (converted once, cached under {home / 'models'}) ...", flush=True)
@@ -53,8 +56,9 @@ def run(args: argparse.Namespace) -> int:
                                 "--home", str(home), "--threads", str(max(1, (os.cpu_count() or 2) // 2))])
         if code != 0:
             print("moonbus up: profiling failed; the conductor will use an analytic guess", file=sys.stderr)
-    spec = ClusterSpec(home=home, model=args.model, prefill=args.prefill, decode=args.decode, host=args.host,
-                       port=args.port, nats_port=args.nats_port, threads=args.threads, log_level=args.log_level,
+    spec = ClusterSpec(home=home, model=args.model, prefill=args.prefill, decode=args.decode, coupled=args.coupled,
+                       host=args.host, port=args.port, nats_port=args.nats_port, threads=args.threads,
+                       log_level=args.log_level,
                        policy=args.policy, admission=args.admission, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
                        block_tokens=args.block_tokens, dram_bytes=args.dram_bytes, ssd_bytes=args.ssd_bytes,
                        eviction=args.eviction, profile=args.profile)
@@ -67,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    print(f"starting NATS on {spec.nats_url} and {args.prefill} prefill + {args.decode} decode instances ...", flush=True)
+    workers = f"{args.coupled} coupled" if args.coupled else f"{args.prefill} prefill + {args.decode} decode"
+    print(f"starting NATS on {spec.nats_url} and {workers} instances ...", flush=True)
     try:
         cluster.start()
     except ClusterError as exc:
@@ -83,10 +88,18 @@ def run(args: argparse.Namespace) -> int:
             code = 1
             break
         time.sleep(0.5)
-    print("stopping the cluster ...", flush=True)
+    say("stopping the cluster ...")
     cluster.stop()
-    print("stopped.")
+    say("stopped.")
     return code
+
+
+def say(line: str) -> None:
+    """Print, even when stdout is a pipe whose reader was also interrupted (e.g. `make run | tee`)."""
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        pass
 
 
 def print_ready(spec: ClusterSpec, model: str, cluster: Cluster) -> None:

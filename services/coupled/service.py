@@ -1,0 +1,55 @@
+"""Coupled instance: one process that prefills and decodes on ONE loaded model, like a vLLM instance.
+
+It runs the unchanged PrefillService and DecodeService side by side on one node (its own
+messenger), sharing the model and one asyncio.Lock held around every prefill forward and every
+decode iteration. asyncio.Lock is FIFO, so a prefill that arrives waits for at most the current
+decode step, then runs whole while the batch waits: a prefill pauses decode. Prefills queued at
+once alternate with single decode steps (vLLM would prefill them back to back); there is no
+chunked prefill unless --prefill-chunk splits the forward, and the lock is held for all chunks.
+
+The request still takes the disaggregated path: prefill writes the KV into the node's shared
+memory, the messenger's send to its own node returns the same file (no bytes move), and the
+decode side reads it from there. The conductor keeps both halves on this node (--colocate).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import torch
+
+from common import bus, models, profiles, runner
+from services.coupled.config import CoupledConfig
+from services.decode.batch import BatchEngine
+from services.decode.service import DecodeService
+from services.prefill.service import PrefillService
+
+log = logging.getLogger(__name__)
+
+
+async def serve(cfg: CoupledConfig, stop: asyncio.Event) -> None:
+    pcfg, dcfg = cfg.prefill, cfg.decode
+    if pcfg.threads:
+        torch.set_num_threads(pcfg.threads)
+    ref = models.prepare(pcfg.model, pcfg.home)
+    model = await asyncio.to_thread(models.load_model, ref)
+    eos = model.generation_config.eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+    layout = models.read_shape(ref).kv_layout(pcfg.block_tokens)
+    perf, source = profiles.load(dcfg.home, dcfg.model, dcfg.profile)
+    nc = await bus.connect(pcfg.nats_url, cfg.instance_id)
+    tasks = runner.TaskGroup(stop)
+    compute_lock = asyncio.Lock()  # a prefill forward and a decode iteration never overlap
+    prefill = PrefillService(pcfg, nc, model, eos, layout, compute_lock)
+    engine = BatchEngine(model, dcfg.max_batch, dcfg.kv_budget_tokens)
+    decode = DecodeService(dcfg, nc, engine, eos, layout, tasks, perf, compute_lock)
+    await prefill.start(tasks, stop, ref.name)
+    await decode.start(stop, ref.name, source)
+    log.info("coupled %s ready on node %s: %s and %s share the model", cfg.instance_id, pcfg.node,
+             pcfg.instance_id, dcfg.instance_id)
+    await stop.wait()
+    await prefill.leave()
+    await decode.leave()
+    await tasks.cancel_all()
+    await bus.shutdown(nc)
