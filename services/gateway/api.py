@@ -10,6 +10,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
+from schemas.events import Event
 from services.gateway import protocol
 from services.gateway.protocol import ApiError
 from services.gateway.service import Gateway, Generation
@@ -25,6 +26,11 @@ class Metrics:
         self.ttft = Histogram("moonbus_gateway_ttft_seconds", "time to first token",
                               buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60), registry=self.registry)
         self.tokens = Counter("moonbus_gateway_completion_tokens", "completion tokens sent", registry=self.registry)
+        self.prompt_tokens = Counter("moonbus_prompt_tokens", "prompt tokens of this gateway's requests, by how "
+                                     "prefill got their KV", ["source"], registry=self.registry)
+        self.blocks_pulled = Counter("moonbus_kv_blocks_replicated", "KV blocks pulled from another node and kept "
+                                     "(hot-block replication)", registry=self.registry)
+        self.rejections = Counter("moonbus_rejections", "requests rejected, by stage", ["stage"], registry=self.registry)
 
 
 def json_response(body: dict, status: int = 200, headers: dict | None = None) -> web.Response:
@@ -32,7 +38,9 @@ def json_response(body: dict, status: int = 200, headers: dict | None = None) ->
 
 
 def error_response(err: ApiError) -> web.Response:
-    headers = {"Retry-After": str(max(1, math.ceil(err.retry_after_s)))} if err.status in (429, 503) else None
+    headers = {"Retry-After": str(max(1, math.ceil(err.retry_after_s)))} if err.status in (429, 503) else {}
+    if err.request_id:
+        headers["X-Request-Id"] = err.request_id
     return json_response(err.body(), err.status, headers)
 
 
@@ -85,6 +93,8 @@ class Api:
             gen = await self.gateway.start(req)
         except ApiError as err:
             self.metrics.requests.labels(kind, str(err.status)).inc()
+            if err.status == 429:
+                self.metrics.rejections.labels("arrival").inc()
             raise
         if req.stream:
             return await self.stream(request, gen)
@@ -99,6 +109,7 @@ class Api:
                 gen.finish_reason = delta.finish_reason or gen.finish_reason
         except ApiError as err:
             await self.end_with_error(gen, err)
+            err.request_id = gen.request_id
             raise
         except BaseException:
             await self.gateway.end(gen, "cancelled", reason="client went away")
@@ -106,7 +117,7 @@ class Api:
         await self.finish_ok(gen)
         usage = protocol.usage(len(gen.prompt_ids), gen.completion_tokens, gen.cached_tokens)
         return json_response(protocol.full_response(gen.request, gen.request_id, gen.created, "".join(parts),
-                                                    gen.finish_reason, usage, token_ids))
+                                                    gen.finish_reason, usage, token_ids), headers={"X-Request-Id": gen.request_id})
 
     async def stream(self, request: web.Request, gen: Generation) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -138,8 +149,21 @@ class Api:
         await response.write_eof()
         return response
 
+    async def on_request_event(self, msg) -> None:
+        """Replication and reuse, as the workers report them, for this gateway's requests."""
+        event = Event.from_bytes(msg.data)
+        if event.request_id not in self.gateway.states:
+            return
+        if event.kind == "prefilled":
+            self.metrics.prompt_tokens.labels("cached").inc(event.data.get("cached_tokens", 0))
+            self.metrics.prompt_tokens.labels("computed").inc(event.data.get("computed_tokens", 0))
+        elif event.kind == "kv_pulled":
+            self.metrics.blocks_pulled.inc(event.data.get("blocks", 0))
+
     async def end_with_error(self, gen: Generation, err: ApiError) -> None:
         kind = "rejected" if err.status == 429 else "failed"
+        if kind == "rejected":
+            self.metrics.rejections.labels(err.detail.get("stage", "decode")).inc()
         await self.gateway.end(gen, kind, status=err.status, reason=err.message, **err.detail)
         self.metrics.requests.labels(gen.request.kind, str(err.status)).inc()
 

@@ -23,6 +23,7 @@ class ApiError(Exception):
                  detail: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.detail = detail or {}  # for the request's terminal event, not the client
+        self.request_id = ""  # set once the request has an id: answered as the X-Request-Id header
         self.status = status
         self.message = message
         self.param = param

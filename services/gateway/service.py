@@ -129,8 +129,10 @@ class Gateway:
             self.states.pop(rid, None)
             kind = "rejected" if reply.status == 429 else "failed"
             await self.events.request(kind, rid, status=reply.status, reason=reply.reason, stage="arrival")
-            raise ApiError(reply.status, reply.reason, retry_after_s=reply.retry_after_s,
+            err = ApiError(reply.status, reply.reason, retry_after_s=reply.retry_after_s,
                            code="overloaded" if reply.status == 429 else "unavailable")
+            err.request_id = rid
+            raise err
         return gen
 
     async def route(self, gen: Generation) -> RouteReply:
@@ -213,7 +215,10 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event) -> None:
     nc = await bus.connect(cfg.nats_url, cfg.instance_id)
     gateway = Gateway(cfg, nc, tokenizer, ref.name, shape.max_context)
     await nc.subscribe(gateway.reply_subject, cb=gateway.on_tokens)
-    runner = web.AppRunner(Api(gateway).app(), access_log=None)
+    api = Api(gateway)
+    for kind in ("prefilled", "kv_pulled"):
+        await nc.subscribe(subjects.request_event(kind, "*"), cb=api.on_request_event)
+    runner = web.AppRunner(api.app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()

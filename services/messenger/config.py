@@ -25,6 +25,8 @@ class MessengerConfig:
     advertise_host: str  # how other nodes reach this one
     dram_bytes: int  # DRAM tier (shared-memory slab) capacity
     ssd_bytes: int  # SSD tier (LMDB) capacity; 0 = no SSD tier
+    dram_blocks: int  # > 0: the DRAM capacity in blocks instead of bytes
+    ssd_blocks: int  # >= 0: the SSD capacity in blocks instead of bytes
     ssd_dir: Path
     eviction: str  # lru | lfu | length-aware
     heartbeat_interval_s: float
@@ -59,6 +61,8 @@ def load(argv: list[str] | None = None) -> MessengerConfig:
     common.flag(parser, "--advertise-host", "MOONBUS_ADVERTISE_HOST", "", help="host other nodes connect to")
     common.flag(parser, "--dram-bytes", "MOONBUS_DRAM_BYTES", 1 << 30, int, help="DRAM tier capacity in bytes")
     common.flag(parser, "--ssd-bytes", "MOONBUS_SSD_BYTES", 4 << 30, int, help="SSD tier capacity in bytes (0: none)")
+    common.flag(parser, "--dram-blocks", "MOONBUS_DRAM_BLOCKS", 0, int, help="DRAM tier capacity in blocks (overrides bytes)")
+    common.flag(parser, "--ssd-blocks", "MOONBUS_SSD_BLOCKS", -1, int, help="SSD tier capacity in blocks (overrides bytes)")
     common.flag(parser, "--ssd-dir", "MOONBUS_SSD_DIR", "", help="LMDB directory (default $MOONBUS_HOME/ssd/<node>)")
     common.flag(parser, "--eviction", "MOONBUS_EVICTION", "lru", help="lru, lfu or length-aware")
     common.flag(parser, "--heartbeat-interval", "MOONBUS_HEARTBEAT_INTERVAL", 1.0, float, help="seconds")
@@ -81,6 +85,8 @@ def load(argv: list[str] | None = None) -> MessengerConfig:
         advertise_host=args.advertise_host,
         dram_bytes=args.dram_bytes,
         ssd_bytes=args.ssd_bytes,
+        dram_blocks=args.dram_blocks,
+        ssd_blocks=args.ssd_blocks,
         ssd_dir=Path(args.ssd_dir) if args.ssd_dir else home / "ssd" / args.node,
         eviction=args.eviction,
         heartbeat_interval_s=args.heartbeat_interval,

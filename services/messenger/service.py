@@ -19,6 +19,7 @@ from nats.aio.msg import Msg
 
 from common import bus, kvfiles, models, runner
 from common.kv import blocks as kvblocks
+from common.kv.pool import capacity_in_blocks
 from schemas import subjects
 from schemas.codec import Wire
 from schemas.pool import (
@@ -268,8 +269,9 @@ async def serve(cfg: MessengerConfig, stop: asyncio.Event) -> None:
     cfg.shm_dir.mkdir(parents=True, exist_ok=True)
     ref = models.prepare(cfg.model, cfg.home)
     layout = models.read_shape(ref).kv_layout(cfg.block_tokens)
-    pool = NodePool(cfg.node, layout, cfg.shm_dir / "slab", max(1, cfg.dram_bytes // layout.block_nbytes),
-                    cfg.ssd_dir, cfg.ssd_bytes // layout.block_nbytes, cfg.eviction)
+    dram_blocks = cfg.dram_blocks if cfg.dram_blocks > 0 else max(1, capacity_in_blocks(cfg.dram_bytes, layout))
+    ssd_blocks = cfg.ssd_blocks if cfg.ssd_blocks >= 0 else capacity_in_blocks(cfg.ssd_bytes, layout)
+    pool = NodePool(cfg.node, layout, cfg.shm_dir / "slab", dram_blocks, cfg.ssd_dir, ssd_blocks, cfg.eviction)
     nc = await bus.connect(cfg.nats_url, cfg.instance_id)
     tasks = runner.TaskGroup(stop)
     service = MessengerService(cfg, nc, tasks, pool)

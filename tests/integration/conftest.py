@@ -8,6 +8,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from multidict import CIMultiDict
 import torch
 
 from common import models
@@ -46,11 +47,11 @@ def reference_greedy(model, prompt_ids: list[int], max_tokens: int) -> list[int]
 
 
 async def post(url: str, body: dict | bytes, timeout_s: float = 120) -> tuple[int, dict, dict]:
-    """POST JSON; returns (status, parsed body, headers)."""
+    """POST JSON; returns (status, parsed body, headers (case-insensitive))."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
         async with session.post(url, data=data, headers={"Content-Type": "application/json"}) as resp:
-            return resp.status, await resp.json(content_type=None), dict(resp.headers)
+            return resp.status, await resp.json(content_type=None), CIMultiDict(resp.headers)
 
 
 async def stream_events(url: str, body: dict, timeout_s: float = 120) -> list[dict]:

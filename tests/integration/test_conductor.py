@@ -88,6 +88,12 @@ async def test_hot_prefix_ends_up_on_both_prefill_nodes(two_prefills, tiny):
     assert await _holds(cluster, "node-p0", keys) and await _holds(cluster, "node-p1", keys)
     cached_on = {routes[r["id"]]["prefill_id"] for r in later if r["cached"] >= (shared_blocks - 1) * BLOCK}
     assert cached_on == {"prefill-0", "prefill-1"}, [(routes[r["id"]]["prefill_id"], r["cached"]) for r in later]
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{cluster.spec.url}/metrics") as resp:
+            metrics = {line.split()[0]: float(line.split()[1]) for line in (await resp.text()).splitlines()
+                       if line.startswith("moonbus_") and " " in line}
+    assert metrics["moonbus_kv_blocks_replicated_total"] >= sum(p["pull"]["num_blocks"] for p in pulls) > 0
+    assert metrics['moonbus_prompt_tokens_total{source="cached"}'] > 0
 
 
 FLOOD_CHARS = 2000  # tiny-random's tokenizer is byte-level: about one token per character
@@ -120,3 +126,35 @@ async def test_flood_beyond_capacity_gets_429_with_retry_after(tight_slo):
     # NOTE: measured TTFTs are reported, not asserted: this machine's timing is too noisy for that
     on_time = sum(r["ttft"] <= slo for r in admitted)
     print(f"flood: {len(admitted)} admitted ({on_time} within the {slo} s TTFT SLO as measured), {len(rejected)} rejected")
+
+
+@pytest.fixture(scope="module")
+def late_rejecting(tmp_path_factory, tiny_profile):
+    """Baseline admission and a TBT SLO no decode step can meet: decode rejects every request late."""
+    cluster = start_cluster(tmp_path_factory.mktemp("late"), admission="baseline", tbt_slo_s=1e-6, profile=tiny_profile)
+    yield cluster
+    cluster.stop()
+
+
+async def test_decode_rejects_late_and_reports_the_wasted_prefill(late_rejecting):
+    from tests.integration.conftest import collect_request_events, post
+
+    cluster = late_rejecting
+    prompt = text_of(300, seed=300)
+    status, body, headers = await post(f"{cluster.spec.url}/v1/completions",
+                                       {"model": "tiny-random", "prompt": prompt, "max_tokens": 8})
+    assert status == 429, body
+    assert int(headers["Retry-After"]) >= 1
+    assert "cannot meet the TBT SLO" in body["error"]["message"]
+    request_id = headers["X-Request-Id"]
+    events = await collect_request_events(cluster.spec.nats_url, request_id)
+    kinds = [e["kind"] for e in events]
+    assert kinds.index("prefilled") < kinds.index("rejected_late") < kinds.index("rejected")
+    terminal = events[-1]
+    assert terminal["kind"] == "rejected" and terminal["data"]["stage"] == "decode"
+    prefilled = next(e for e in events if e["kind"] == "prefilled")["data"]
+    assert terminal["data"]["wasted_prefill_tokens"] == prefilled["computed_tokens"] > 0
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{cluster.spec.url}/metrics") as resp:
+            metrics = await resp.text()
+    assert 'moonbus_rejections_total{stage="decode"} 1.0' in metrics
