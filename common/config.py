@@ -7,10 +7,13 @@ here. This is the only place that reads os.environ for configuration.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import socket
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
@@ -24,10 +27,23 @@ def flag(
     help: str = "",
     **kwargs: Any,
 ) -> None:
-    """Add --name whose default comes from $env, then from `default`."""
+    """Add --name whose default comes from $env, then from `default`.
+
+    Give `dest` the name of the config field it fills when the two differ (see `build`).
+    """
     raw = os.environ.get(env)
     value = type(raw) if raw not in (None, "") else default
     parser.add_argument(name, type=type, default=value, help=f"{help} (env {env}; default: %(default)s)", **kwargs)
+
+
+def build(cls: type[T], args: argparse.Namespace, **computed: Any) -> T:
+    """A service's config dataclass from parsed flags: each field takes the flag of the same
+    name (its dest), except those given in `computed`."""
+    values = dict(computed)
+    for field in dataclasses.fields(cls):
+        if field.name not in values:
+            values[field.name] = getattr(args, field.name)
+    return cls(**values)
 
 
 def add_common_flags(parser: argparse.ArgumentParser, role: str) -> None:

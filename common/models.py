@@ -116,6 +116,28 @@ def load_model(ref: ModelRef):
     return model
 
 
+@dataclass(frozen=True)
+class WorkerModel:
+    """What a prefill or decode worker runs: the loaded model and what it needs to know of it."""
+
+    ref: ModelRef
+    model: object  # a transformers causal LM, in eval mode, float32
+    eos_token_id: int | None
+    shape: ModelShape
+
+
+def load_for_worker(model: str, home: Path, threads: int = 0) -> WorkerModel:
+    """Prepare, load and describe the model; `threads` > 0 sets torch's intra-op threads first."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    ref = prepare(model, home)
+    loaded = load_model(ref)
+    eos = loaded.generation_config.eos_token_id
+    return WorkerModel(ref, loaded, eos[0] if isinstance(eos, list) else eos, read_shape(ref))
+
+
 def read_shape(ref: ModelRef) -> ModelShape:
     from transformers import AutoConfig
 

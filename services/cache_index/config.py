@@ -28,16 +28,8 @@ class CacheIndexConfig:
 def load(argv: list[str] | None = None) -> CacheIndexConfig:
     parser = argparse.ArgumentParser(prog="python -m services.cache_index", description="moonbus cache index")
     common.add_common_flags(parser, "cache_index")
-    common.flag(parser, "--heartbeat-interval", "MOONBUS_HEARTBEAT_INTERVAL", 1.0, float, help="seconds")
-    common.flag(parser, "--node-timeout", "MOONBUS_NODE_TIMEOUT", 5.0, float, help="seconds")
-    common.flag(parser, "--resync-timeout", "MOONBUS_RESYNC_TIMEOUT", 10.0, float, help="seconds")
+    common.flag(parser, "--heartbeat-interval", "MOONBUS_HEARTBEAT_INTERVAL", 1.0, float, help="seconds", dest="heartbeat_interval_s")
+    common.flag(parser, "--node-timeout", "MOONBUS_NODE_TIMEOUT", 5.0, float, help="seconds", dest="node_timeout_s")
+    common.flag(parser, "--resync-timeout", "MOONBUS_RESYNC_TIMEOUT", 10.0, float, help="seconds", dest="resync_timeout_s")
     args = parser.parse_args(argv)
-    return CacheIndexConfig(
-        nats_url=args.nats_url,
-        instance_id=args.instance_id.replace("_", "-"),
-        home=Path(args.home),
-        log_level=args.log_level,
-        heartbeat_interval_s=args.heartbeat_interval,
-        node_timeout_s=args.node_timeout,
-        resync_timeout_s=args.resync_timeout,
-    )
+    return common.build(CacheIndexConfig, args, instance_id=args.instance_id.replace("_", "-"), home=Path(args.home))

@@ -45,7 +45,7 @@ def load(argv: list[str] | None = None) -> ConductorConfig:
     common.flag(parser, "--policy", "MOONBUS_POLICY", "kvcache-centric", help=", ".join(POLICIES))
     common.flag(parser, "--kvcache-balancing-threshold", "MOONBUS_KVCACHE_BALANCING_THRESHOLD", 1.25, float,
                 help="pull a remote prefix only if it is this many times longer than the local one")
-    common.flag(parser, "--link-bandwidth", "MOONBUS_LINK_BANDWIDTH", 1.0e9, float, help="bytes/s between nodes")
+    common.flag(parser, "--link-bandwidth", "MOONBUS_LINK_BANDWIDTH", 1.0e9, float, help="bytes/s between nodes", dest="link_bytes_s")
     common.flag(parser, "--colocate", "MOONBUS_COLOCATE", False, _boolean,
                 help="decode each request on its prefill instance's node (coupled instances)", nargs="?", const=True)
     common.flag(parser, "--admission", "MOONBUS_ADMISSION", "predictive", help=", ".join(MODES))
@@ -54,30 +54,14 @@ def load(argv: list[str] | None = None) -> ConductorConfig:
     common.flag(parser, "--decode-time", "MOONBUS_DECODE_TIME", 10.0, float,
                 help="t_d: seconds every request is assumed to spend in decode (predictive admission)")
     common.flag(parser, "--profile", "MOONBUS_PROFILE", "", help="performance profile file")
-    common.flag(parser, "--heartbeat-timeout", "MOONBUS_HEARTBEAT_TIMEOUT", 3.0, float, help="seconds")
-    common.flag(parser, "--lease", "MOONBUS_LEASE", 900.0, float, help="seconds a dispatched request may stay without an end")
-    common.flag(parser, "--sweep-interval", "MOONBUS_SWEEP_INTERVAL", 0.5, float, help="seconds")
-    common.flag(parser, "--index-timeout", "MOONBUS_INDEX_TIMEOUT", 0.5, float, help="seconds")
+    common.flag(parser, "--heartbeat-timeout", "MOONBUS_HEARTBEAT_TIMEOUT", 3.0, float, help="seconds", dest="heartbeat_timeout_s")
+    common.flag(parser, "--lease", "MOONBUS_LEASE", 900.0, float, help="seconds a dispatched request may stay without an end", dest="lease_s")
+    common.flag(parser, "--sweep-interval", "MOONBUS_SWEEP_INTERVAL", 0.5, float, help="seconds", dest="sweep_interval_s")
+    common.flag(parser, "--index-timeout", "MOONBUS_INDEX_TIMEOUT", 0.5, float, help="seconds", dest="index_timeout_s")
     args = parser.parse_args(argv)
-    return ConductorConfig(
-        nats_url=args.nats_url,
-        instance_id=args.instance_id,
-        home=Path(args.home),
-        log_level=args.log_level,
-        model=args.model,
-        block_tokens=args.block_tokens,
-        policy=args.policy,
-        kvcache_balancing_threshold=args.kvcache_balancing_threshold,
-        link_bytes_s=args.link_bandwidth,
-        colocate=args.colocate,
-        admission=AdmissionSettings(mode=args.admission, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
-                                    t_d_s=args.decode_time),
-        profile=args.profile,
-        heartbeat_timeout_s=args.heartbeat_timeout,
-        lease_s=args.lease,
-        sweep_interval_s=args.sweep_interval,
-        index_timeout_s=args.index_timeout,
-    )
+    admission = AdmissionSettings(mode=args.admission, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
+                                  t_d_s=args.decode_time)
+    return common.build(ConductorConfig, args, home=Path(args.home), admission=admission)
 
 
 def _boolean(text: str) -> bool:

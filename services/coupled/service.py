@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import torch
 
 from common import bus, models, profiles, runner
 from services.coupled.config import CoupledConfig
@@ -30,13 +29,9 @@ log = logging.getLogger(__name__)
 
 async def serve(cfg: CoupledConfig, stop: asyncio.Event) -> None:
     pcfg, dcfg = cfg.prefill, cfg.decode
-    if pcfg.threads:
-        torch.set_num_threads(pcfg.threads)
-    ref = models.prepare(pcfg.model, pcfg.home)
-    model = await asyncio.to_thread(models.load_model, ref)
-    eos = model.generation_config.eos_token_id
-    eos = eos[0] if isinstance(eos, list) else eos
-    layout = models.read_shape(ref).kv_layout(pcfg.block_tokens)
+    worker = await asyncio.to_thread(models.load_for_worker, pcfg.model, pcfg.home, pcfg.threads)
+    model, eos, ref = worker.model, worker.eos_token_id, worker.ref
+    layout = worker.shape.kv_layout(pcfg.block_tokens)
     perf, source = profiles.load(dcfg.home, dcfg.model, dcfg.profile)
     nc = await bus.connect(pcfg.nats_url, cfg.instance_id)
     tasks = runner.TaskGroup(stop)

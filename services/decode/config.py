@@ -54,30 +54,15 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     common.add_node_flags(parser)
     common.add_model_flags(parser)
     common.flag(parser, "--threads", "MOONBUS_THREADS", 0, int, help="torch intra-op threads (0 = default)")
-    common.flag(parser, "--heartbeat-interval", "MOONBUS_HEARTBEAT_INTERVAL", 1.0, float, help="seconds")
+    common.flag(parser, "--heartbeat-interval", "MOONBUS_HEARTBEAT_INTERVAL", 1.0, float, help="seconds", dest="heartbeat_interval_s")
     common.flag(parser, "--max-batch", "MOONBUS_MAX_BATCH", 64, int, help="most requests decoding at once")
     common.flag(parser, "--kv-budget-tokens", "MOONBUS_KV_BUDGET_TOKENS", 32768, int,
                 help="KV tokens the batch may hold, counting what each request may still generate")
-    common.flag(parser, "--tbt-slo", "MOONBUS_TBT_SLO", 1.0, float, help="seconds; checked when a request's KV arrives")
+    common.flag(parser, "--tbt-slo", "MOONBUS_TBT_SLO", 1.0, float, help="seconds; checked when a request's KV arrives", dest="tbt_slo_s")
     common.flag(parser, "--admission", "MOONBUS_ADMISSION", "predictive", help="none turns the arrival check off")
     common.flag(parser, "--profile", "MOONBUS_PROFILE", "", help="performance profile file")
 
 
 def from_args(args: argparse.Namespace) -> DecodeConfig:
-    return DecodeConfig(
-        nats_url=args.nats_url,
-        instance_id=args.instance_id,
-        node=args.node,
-        shm_dir=common.shm_dir_for(args.node, args.shm_dir),
-        model=args.model,
-        block_tokens=args.block_tokens,
-        home=Path(args.home),
-        log_level=args.log_level,
-        threads=args.threads,
-        heartbeat_interval_s=args.heartbeat_interval,
-        max_batch=args.max_batch,
-        kv_budget_tokens=args.kv_budget_tokens,
-        tbt_slo_s=args.tbt_slo,
-        late_check=args.admission != "none",
-        profile=args.profile,
-    )
+    return common.build(DecodeConfig, args, shm_dir=common.shm_dir_for(args.node, args.shm_dir), home=Path(args.home),
+                        late_check=args.admission != "none")

@@ -196,19 +196,13 @@ class DecodeService:
 
 
 async def serve(cfg: DecodeConfig, stop: asyncio.Event) -> None:
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    ref = models.prepare(cfg.model, cfg.home)
-    model = await asyncio.to_thread(models.load_model, ref)
-    eos = model.generation_config.eos_token_id
-    eos = eos[0] if isinstance(eos, list) else eos
-    shape = models.read_shape(ref)
+    worker = await asyncio.to_thread(models.load_for_worker, cfg.model, cfg.home, cfg.threads)
     perf, source = profiles.load(cfg.home, cfg.model, cfg.profile)
-    engine = BatchEngine(model, cfg.max_batch, cfg.kv_budget_tokens)
+    engine = BatchEngine(worker.model, cfg.max_batch, cfg.kv_budget_tokens)
     nc = await bus.connect(cfg.nats_url, cfg.instance_id)
     tasks = runner.TaskGroup(stop)
-    service = DecodeService(cfg, nc, engine, eos, shape.kv_layout(cfg.block_tokens), tasks, perf)
-    await service.start(stop, ref.name, source)
+    service = DecodeService(cfg, nc, engine, worker.eos_token_id, worker.shape.kv_layout(cfg.block_tokens), tasks, perf)
+    await service.start(stop, worker.ref.name, source)
     await stop.wait()
     await service.leave()
     await tasks.cancel_all()

@@ -38,19 +38,8 @@ def load(argv: list[str] | None = None) -> GatewayConfig:
     common.add_model_flags(parser)
     common.flag(parser, "--host", "MOONBUS_HOST", "127.0.0.1", help="HTTP bind address")
     common.flag(parser, "--port", "MOONBUS_PORT", 8000, int, help="HTTP port")
-    common.flag(parser, "--route-timeout", "MOONBUS_ROUTE_TIMEOUT", 5.0, float, help="seconds to wait for a route")
-    common.flag(parser, "--stall-timeout", "MOONBUS_STALL_TIMEOUT", 120.0, float, help="seconds without progress before a request fails")
+    common.flag(parser, "--route-timeout", "MOONBUS_ROUTE_TIMEOUT", 5.0, float, help="seconds to wait for a route", dest="route_timeout_s")
+    common.flag(parser, "--stall-timeout", "MOONBUS_STALL_TIMEOUT", 120.0, float, help="seconds without progress before a request fails", dest="stall_timeout_s")
     common.flag(parser, "--default-chat-max-tokens", "MOONBUS_DEFAULT_CHAT_MAX_TOKENS", 512, int, help="max_tokens of a chat request that sets none")
     args = parser.parse_args(argv)
-    return GatewayConfig(
-        nats_url=args.nats_url,
-        instance_id=args.instance_id,
-        home=Path(args.home),
-        log_level=args.log_level,
-        host=args.host,
-        port=args.port,
-        model=args.model,
-        route_timeout_s=args.route_timeout,
-        stall_timeout_s=args.stall_timeout,
-        default_chat_max_tokens=args.default_chat_max_tokens,
-    )
+    return common.build(GatewayConfig, args, home=Path(args.home))

@@ -65,32 +65,11 @@ def load(argv: list[str] | None = None) -> MessengerConfig:
     common.flag(parser, "--ssd-blocks", "MOONBUS_SSD_BLOCKS", -1, int, help="SSD tier capacity in blocks (overrides bytes)")
     common.flag(parser, "--ssd-dir", "MOONBUS_SSD_DIR", "", help="LMDB directory (default $MOONBUS_HOME/ssd/<node>)")
     common.flag(parser, "--eviction", "MOONBUS_EVICTION", "lru", help="lru, lfu or length-aware")
-    common.flag(parser, "--heartbeat-interval", "MOONBUS_HEARTBEAT_INTERVAL", 1.0, float, help="seconds")
-    common.flag(parser, "--peer-timeout", "MOONBUS_PEER_TIMEOUT", 5.0, float, help="seconds")
-    common.flag(parser, "--connect-timeout", "MOONBUS_CONNECT_TIMEOUT", 5.0, float, help="seconds")
-    common.flag(parser, "--pin-lease", "MOONBUS_PIN_LEASE", 600.0, float, help="seconds")
+    common.flag(parser, "--heartbeat-interval", "MOONBUS_HEARTBEAT_INTERVAL", 1.0, float, help="seconds", dest="heartbeat_interval_s")
+    common.flag(parser, "--peer-timeout", "MOONBUS_PEER_TIMEOUT", 5.0, float, help="seconds", dest="peer_timeout_s")
+    common.flag(parser, "--connect-timeout", "MOONBUS_CONNECT_TIMEOUT", 5.0, float, help="seconds", dest="connect_timeout_s")
+    common.flag(parser, "--pin-lease", "MOONBUS_PIN_LEASE", 600.0, float, help="seconds", dest="pin_lease_s")
     args = parser.parse_args(argv)
     home = Path(args.home)
-    return MessengerConfig(
-        nats_url=args.nats_url,
-        instance_id=args.instance_id,
-        node=args.node,
-        shm_dir=common.shm_dir_for(args.node, args.shm_dir),
-        home=home,
-        log_level=args.log_level,
-        model=args.model,
-        block_tokens=args.block_tokens,
-        transfer_host=args.transfer_host,
-        transfer_port=args.transfer_port,
-        advertise_host=args.advertise_host,
-        dram_bytes=args.dram_bytes,
-        ssd_bytes=args.ssd_bytes,
-        dram_blocks=args.dram_blocks,
-        ssd_blocks=args.ssd_blocks,
-        ssd_dir=Path(args.ssd_dir) if args.ssd_dir else home / "ssd" / args.node,
-        eviction=args.eviction,
-        heartbeat_interval_s=args.heartbeat_interval,
-        peer_timeout_s=args.peer_timeout,
-        connect_timeout_s=args.connect_timeout,
-        pin_lease_s=args.pin_lease,
-    )
+    return common.build(MessengerConfig, args, shm_dir=common.shm_dir_for(args.node, args.shm_dir), home=home,
+                        ssd_dir=Path(args.ssd_dir) if args.ssd_dir else home / "ssd" / args.node)

@@ -47,22 +47,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     common.flag(parser, "--prefill-chunk", "MOONBUS_PREFILL_CHUNK", 2048, int,
                 help="compute prompts in chunks of this many tokens (0 = one pass)")
     common.flag(parser, "--threads", "MOONBUS_THREADS", 0, int, help="torch intra-op threads (0 = default)")
-    common.flag(parser, "--heartbeat-interval", "MOONBUS_HEARTBEAT_INTERVAL", 1.0, float, help="seconds")
-    common.flag(parser, "--transfer-timeout", "MOONBUS_TRANSFER_TIMEOUT", 60.0, float, help="seconds for one KV transfer")
+    common.flag(parser, "--heartbeat-interval", "MOONBUS_HEARTBEAT_INTERVAL", 1.0, float, help="seconds", dest="heartbeat_interval_s")
+    common.flag(parser, "--transfer-timeout", "MOONBUS_TRANSFER_TIMEOUT", 60.0, float, help="seconds for one KV transfer", dest="transfer_timeout_s")
 
 
 def from_args(args: argparse.Namespace) -> PrefillConfig:
-    return PrefillConfig(
-        nats_url=args.nats_url,
-        instance_id=args.instance_id,
-        node=args.node,
-        shm_dir=common.shm_dir_for(args.node, args.shm_dir),
-        model=args.model,
-        block_tokens=args.block_tokens,
-        home=Path(args.home),
-        log_level=args.log_level,
-        threads=args.threads,
-        prefill_chunk=args.prefill_chunk,
-        heartbeat_interval_s=args.heartbeat_interval,
-        transfer_timeout_s=args.transfer_timeout,
-    )
+    return common.build(PrefillConfig, args, shm_dir=common.shm_dir_for(args.node, args.shm_dir), home=Path(args.home))

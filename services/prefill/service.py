@@ -196,17 +196,11 @@ class PrefillService:
 
 
 async def serve(cfg: PrefillConfig, stop: asyncio.Event) -> None:
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    ref = models.prepare(cfg.model, cfg.home)
-    model = await asyncio.to_thread(models.load_model, ref)
-    eos = model.generation_config.eos_token_id
-    eos = eos[0] if isinstance(eos, list) else eos
-    layout = models.read_shape(ref).kv_layout(cfg.block_tokens)
+    worker = await asyncio.to_thread(models.load_for_worker, cfg.model, cfg.home, cfg.threads)
     nc = await bus.connect(cfg.nats_url, cfg.instance_id)
-    service = PrefillService(cfg, nc, model, eos, layout)
+    service = PrefillService(cfg, nc, worker.model, worker.eos_token_id, worker.shape.kv_layout(cfg.block_tokens))
     tasks = runner.TaskGroup(stop)
-    await service.start(tasks, stop, ref.name)
+    await service.start(tasks, stop, worker.ref.name)
     await stop.wait()
     await service.leave()
     await tasks.cancel_all()

@@ -110,13 +110,13 @@ def overload(args: argparse.Namespace) -> Path:
         s = out.summary
         table.append([mode, s["rejected_arrival"], s["rejected_late"], s["goodput_rps"], s["effective_capacity"]])
         runs[f"admission {mode}"] = out.results
-    path = plot_load(runs, args.out / "3_overload.png", step_s=5.0)
+    plot_load(runs, args.out / "3_overload.png", step_s=5.0)
     settings = [*_limit_note(args), "speed 2 (timestamps / 2), 8 prefill + 8 decode, kvcache-centric, LLaMA3-70B on 8xA800",
                 "SLOs: TTFT 30 s, TBT 12.5 ms (the decode step floor is 11.0 ms, reading the weights: this SLO makes "
                 "decode the binding stage at 2x; with 100 ms nothing is rejected late)",
                 "predictive admission: t_d = mean output x predicted step at batch 8 (4.6 s)",
                 "command: moonbus sim --trace conversation_trace.jsonl --speed 2 --tbt-slo 0.0125 --admission MODE --plot"]
-    lines = [f"# Overload admission", "", *[f"- {s}" for s in settings], "",
+    lines = ["# Overload admission", "", *[f"- {s}" for s in settings], "",
              "| admission | rejected at arrival | rejected late | goodput (req/s) | effective capacity |", "|---|---|---|---|---|"]
     lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in table]
     lines += ["", "![Prefill and decode load over time](3_overload.png)", ""]

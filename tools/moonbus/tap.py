@@ -14,7 +14,6 @@ import datetime
 import json
 import os
 import signal
-from pathlib import Path
 
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
