@@ -18,6 +18,20 @@ class PullSpec(Wire):
 
 
 @dataclass(frozen=True)
+class PipelineSpec(Wire):
+    """Chunked pipeline parallelism: chunk i of the prompt is computed by stages[i % len(stages)].
+
+    Every stage streams each layer of each chunk it computes to every other stage (addrs: their
+    KV stream listeners); the stage that computes the last chunk produces the first token and
+    hands the whole KV to decode.
+    """
+
+    stages: list[str]  # prefill instance ids, in stage order
+    addrs: list[str]  # host:port of each stage's KV stream listener
+    chunk_tokens: int
+
+
+@dataclass(frozen=True)
 class PrefillTask(Wire):
     request_id: str
     prompt_token_ids: list[int]
@@ -27,3 +41,5 @@ class PrefillTask(Wire):
     decode_node: str
     arrival_ts: float
     pull: PullSpec | None = None
+    pipeline: PipelineSpec | None = None
+    stage: int = 0  # this instance's index in pipeline.stages

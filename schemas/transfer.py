@@ -55,6 +55,20 @@ class TransferHeader(Wire):
 
 
 @dataclass(frozen=True)
+class KvSlice(Wire):
+    """Between pipeline stages: one layer's K and V for tokens [start, start + num_tokens).
+
+    Followed by the float32 payload [2, num_kv_heads, num_tokens, head_dim] (C order).
+    """
+
+    request_id: str
+    layer: int
+    start: int
+    num_tokens: int
+    total_tokens: int  # the prompt's length: the receiver sizes its assembly from it
+
+
+@dataclass(frozen=True)
 class TransferAck(Wire):
     ok: bool
     dest: KvHandle | None = None

@@ -29,6 +29,8 @@ class ConductorConfig:
     lease_s: float  # forget a dispatched request after this long without an end
     sweep_interval_s: float
     index_timeout_s: float  # no answer from the cache index in time: route as if nothing is cached
+    pipeline_group: int  # >= 2: long prompts with no reuse are prefilled by this many instances in a pipeline
+    prefill_chunk: int  # the prefill instances' chunk size (a pipeline stage computes whole chunks)
 
     def __post_init__(self) -> None:
         common.check_subject_token("instance id", self.instance_id)
@@ -54,6 +56,9 @@ def load(argv: list[str] | None = None) -> ConductorConfig:
     common.flag(parser, "--decode-time", "MOONBUS_DECODE_TIME", 10.0, float,
                 help="t_d: seconds every request is assumed to spend in decode (predictive admission)")
     common.flag(parser, "--profile", "MOONBUS_PROFILE", "", help="performance profile file")
+    common.flag(parser, "--pipeline-group", "MOONBUS_PIPELINE_GROUP", 1, int,
+                help="prefill instances sharing one long prompt (chunked pipeline parallelism; 1 = off)")
+    common.flag(parser, "--prefill-chunk", "MOONBUS_PREFILL_CHUNK", 2048, int, help="must equal the prefill instances'")
     common.flag(parser, "--heartbeat-timeout", "MOONBUS_HEARTBEAT_TIMEOUT", 3.0, float, help="seconds", dest="heartbeat_timeout_s")
     common.flag(parser, "--lease", "MOONBUS_LEASE", 900.0, float, help="seconds a dispatched request may stay without an end", dest="lease_s")
     common.flag(parser, "--sweep-interval", "MOONBUS_SWEEP_INTERVAL", 0.5, float, help="seconds", dest="sweep_interval_s")

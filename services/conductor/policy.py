@@ -336,3 +336,21 @@ def _ttft_reason(settings: PolicySettings, p: PrefillCost, best_len: int, best_h
         return (f"{head}; recomputes {best_len - p.local_blocks} blocks"
                 f" (best_len {best_len} <= local {p.local_blocks} * {settings.kvcache_balancing_threshold:g})")
     return f"{head}; local prefix {p.local_blocks} blocks"
+
+
+def pipeline_stages(decision: Decision, snapshot: ClusterSnapshot, group: int, input_tokens: int,
+                    chunk_tokens: int) -> tuple[str, ...] | None:
+    """Chunked pipeline parallelism: the prefill instances that share a long prompt, or None.
+
+    A prompt longer than one chunk, with nothing reused or pulled, runs on `group` instances: the
+    chosen one and the least loaded others; chunk i on stage i mod group. NOTE: stages are in
+    instance-id order so that every pipelined request visits shared instances in the same order
+    (two requests waiting on each other's stages in opposite orders would deadlock).
+    """
+    if group < 2 or chunk_tokens <= 0 or input_tokens <= chunk_tokens or len(snapshot.prefill) < group:
+        return None
+    if decision.prefix_blocks or decision.pull is not None:
+        return None
+    others = sorted((p for p in snapshot.prefill if p.instance_id != decision.prefill_id),
+                    key=lambda p: (p.queue_s, p.instance_id))[: group - 1]
+    return tuple(sorted([decision.prefill_id, *(p.instance_id for p in others)]))

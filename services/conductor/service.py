@@ -13,6 +13,7 @@ error to its gateway, so no client hangs.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import time
@@ -26,7 +27,7 @@ from common.perf import Profile
 from schemas import subjects
 from schemas.events import TERMINAL_KINDS, Event
 from schemas.index import IndexQuery, IndexReply
-from schemas.prefill import PrefillTask, PullSpec
+from schemas.prefill import PipelineSpec, PrefillTask, PullSpec
 from schemas.route import RouteReply, RouteRequest
 from schemas.tokens import TokenChunk
 from schemas.workers import StatusReply, WorkerInfo
@@ -108,8 +109,25 @@ class ConductorService:
         task = PrefillTask(rid, ids, request.sampling, request.reply_subject, decision.decode_id,
                            decision.decode_node, request.arrival_ts,
                            PullSpec(pull.source_node, pull.first_block, pull.num_blocks) if pull else None)
-        await self.nc.publish(subjects.prefill_tasks(decision.prefill_id), task.to_bytes())
+        spec = self.pipeline_spec(decision, snapshot, len(ids))
+        if spec is None:
+            await self.nc.publish(subjects.prefill_tasks(decision.prefill_id), task.to_bytes())
+        else:
+            await self.events.request("pipelined", rid, stages=spec.stages, chunk_tokens=spec.chunk_tokens)
+            for stage, instance_id in enumerate(spec.stages):
+                staged = dataclasses.replace(task, pipeline=spec, stage=stage)
+                await self.nc.publish(subjects.prefill_tasks(instance_id), staged.to_bytes())
         return RouteReply(True, 200, prefill_id=decision.prefill_id, decode_id=decision.decode_id)
+
+    def pipeline_spec(self, decision: policy.Decision, snapshot: policy.ClusterSnapshot,
+                      input_tokens: int) -> PipelineSpec | None:
+        stages = policy.pipeline_stages(decision, snapshot, self.cfg.pipeline_group, input_tokens, self.cfg.prefill_chunk)
+        if stages is None:
+            return None
+        addrs = [getattr(self.registry.get(s), "transfer_addr", "") for s in stages]
+        if not all(addrs):  # an instance that does not listen for pipeline streams: run alone
+            return None
+        return PipelineSpec(list(stages), addrs, self.cfg.prefill_chunk)
 
     async def prefix_holders(self, request_id: str, keys: list[int]) -> dict[str, int]:
         """node -> leading blocks of `keys` it holds; empty (recompute) if the index does not answer."""

@@ -23,6 +23,8 @@ class PrefillConfig:
     prefill_chunk: int  # prompts longer than this are computed in chunks of it (0 = never)
     heartbeat_interval_s: float
     transfer_timeout_s: float
+    stream_host: str  # where this instance listens for pipeline stages' KV slices
+    advertise_host: str  # how other instances reach that listener ("" = stream_host)
 
     def __post_init__(self) -> None:
         common.check_subject_token("instance id", self.instance_id)
@@ -49,6 +51,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     common.flag(parser, "--threads", "MOONBUS_THREADS", 0, int, help="torch intra-op threads (0 = default)")
     common.flag(parser, "--heartbeat-interval", "MOONBUS_HEARTBEAT_INTERVAL", 1.0, float, help="seconds", dest="heartbeat_interval_s")
     common.flag(parser, "--transfer-timeout", "MOONBUS_TRANSFER_TIMEOUT", 60.0, float, help="seconds for one KV transfer", dest="transfer_timeout_s")
+    common.flag(parser, "--stream-host", "MOONBUS_STREAM_HOST", "127.0.0.1", help="bind address for pipeline KV streams")
+    common.flag(parser, "--advertise-host", "MOONBUS_ADVERTISE_HOST", "", help="host other instances connect to")
 
 
 def from_args(args: argparse.Namespace) -> PrefillConfig:

@@ -19,7 +19,7 @@ import torch
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
-from common import bus, models, runner, sampling
+from common import bus, kvfiles, models, runner, sampling
 from common.kv.blocks import block_keys
 from common.pool_client import PoolClient, PoolUnavailable, Prefix
 from schemas import subjects
@@ -29,7 +29,8 @@ from schemas.tokens import TokenChunk
 from schemas.transfer import SendKv, SendKvReply
 from schemas.workers import WorkerInfo
 from services.prefill.config import PrefillConfig
-from services.prefill.layerwise import FileSink, LayerwisePrefill
+from services.prefill import pipeline
+from services.prefill.layerwise import FileSink, LayerwisePrefill, LayerStreamer
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ class PrefillService:
         self.cancelled: set[str] = set()
         self.running = 0
         self.compute_lock = compute_lock or contextlib.nullcontext()
+        self.receiver = pipeline.SliceReceiver(self.engine.new_assembly)
+        self.stream_addr = ""  # host:port of the pipeline KV listener, announced in heartbeats
 
     async def on_task(self, msg: Msg) -> None:
         try:
@@ -72,15 +75,20 @@ class PrefillService:
         while True:
             task = await self.queue.get()
             if task.request_id in self.cancelled:
+                self.receiver.drop(task.request_id)
                 continue
             self.running = 1
             try:
-                await self.run_task(task)
+                if task.pipeline is not None:
+                    await self.run_stage(task)
+                else:
+                    await self.run_task(task)
             except Exception as exc:
                 log.exception("request %s: prefill failed", task.request_id)
                 await self.reply(task, TokenChunk(task.request_id, 0, [], error=f"prefill failed: {exc}", error_status=500))
             finally:
                 self.running = 0
+                self.receiver.drop(task.request_id)
 
     async def run_task(self, task: PrefillTask) -> None:
         rid, ids = task.request_id, task.prompt_token_ids
@@ -111,6 +119,48 @@ class PrefillService:
         else:
             sink.discard()
         await self.store_prompt(rid, ids, kv, prefix.num_blocks)
+
+    async def run_stage(self, task: PrefillTask) -> None:
+        """One stage of a pipelined prefill (services/prefill/pipeline.py); no cached prefix is used."""
+        rid, ids, spec = task.request_id, task.prompt_token_ids, task.pipeline
+        started = time.perf_counter()
+        kv = self.receiver.assembly(rid, len(ids))
+        chunks = pipeline.my_chunks(len(ids), spec.chunk_tokens, task.stage, len(spec.stages))
+        sink = await asyncio.to_thread(pipeline.PeerSink, rid, len(ids), spec, task.stage, self.cfg.transfer_timeout_s)
+        streamer = LayerStreamer(sink)
+        work = asyncio.ensure_future(asyncio.to_thread(self.compute_stage, ids, chunks, kv, streamer))
+        try:
+            logits = await asyncio.wait_for(asyncio.shield(work), self.cfg.transfer_timeout_s)
+        except asyncio.TimeoutError:
+            kv.fail(TimeoutError(f"pipeline stage {task.stage}: no KV from the other stages in time"))
+            await work  # raises PrefillAborted from the waiting layer
+        await self.events.request("prefill_stage", rid, stage=task.stage, stages=spec.stages,
+                                  chunks=[list(c) for c in chunks], seconds=round(time.perf_counter() - started, 6))
+        if task.stage != pipeline.last_stage(len(ids), spec.chunk_tokens, len(spec.stages)):
+            return
+        full = await asyncio.to_thread(kv.wait_all, self.cfg.transfer_timeout_s)
+        first = sampling.sample(logits, task.sampling, step=0)
+        prefill_s = time.perf_counter() - started
+        finish = self.finish_reason(first, task)
+        await self.events.request("prefilled", rid, prompt_tokens=len(ids), cached_tokens=0, computed_tokens=len(ids),
+                                  seconds=round(prefill_s, 6), decode_id=task.decode_id, finished=finish is not None,
+                                  pipeline=spec.stages)
+        await self.reply(task, TokenChunk(rid, 0, [first], finish_reason=finish, source=self.cfg.instance_id))
+        if finish is None and rid not in self.cancelled:
+            handle = await asyncio.to_thread(kvfiles.write, self.cfg.shm_dir, self.cfg.node, f"{rid}.kv", full)
+            await self.hand_off(task, first, handle, 0, prefill_s)
+        await self.store_prompt(rid, ids, full, 0)
+
+    def compute_stage(self, ids: list[int], chunks: list[tuple[int, int]], kv, streamer) -> torch.Tensor:
+        """This stage's chunks, in order, each layer waiting for the chunks before it (worker thread)."""
+        logits = None
+        try:
+            with torch.inference_mode():
+                for start, end in chunks:
+                    logits = self.engine.compute_chunk(ids, start, end, kv, streamer)
+        finally:
+            streamer.close()
+        return logits
 
     async def reusable_prefix(self, task: PrefillTask) -> Prefix:
         """Pull what the conductor asked for, then load the longest prefix held on this node."""
@@ -176,13 +226,15 @@ class PrefillService:
         await self.nc.publish(task.reply_subject, chunk.to_bytes())
 
     async def heartbeat(self) -> None:
-        info = WorkerInfo(self.cfg.instance_id, "prefill", self.cfg.node, self.cfg.model,
+        info = WorkerInfo(self.cfg.instance_id, "prefill", self.cfg.node, self.cfg.model, transfer_addr=self.stream_addr,
                           num_queued=self.queue.qsize(), num_running=self.running)
         await self.nc.publish(subjects.WORKER_HEARTBEAT, info.to_bytes())
 
     async def start(self, tasks: runner.TaskGroup, stop: asyncio.Event, model_name: str) -> None:
         """Subscribe, start the work loop and the heartbeats, announce the instance."""
         cfg = self.cfg
+        server = await asyncio.start_server(self.receiver.on_connection, cfg.stream_host, 0, limit=1 << 20)
+        self.stream_addr = f"{cfg.advertise_host or cfg.stream_host}:{server.sockets[0].getsockname()[1]}"
         await self.nc.subscribe(subjects.prefill_tasks(cfg.instance_id), cb=self.on_task)
         await self.nc.subscribe(subjects.REQUEST_CANCEL, cb=self.on_cancel)
         tasks.spawn(self.work_loop(), f"prefill-work-{cfg.instance_id}")

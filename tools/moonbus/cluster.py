@@ -66,6 +66,8 @@ class ClusterSpec:
     admission: str = "predictive"
     ttft_slo_s: float = 30.0
     tbt_slo_s: float = 1.0
+    pipeline_group: int = 1  # >= 2: chunked pipeline parallelism over that many prefill instances
+    prefill_chunk: int = 2048
     profile: str = ""  # "" = $home/profiles/<model>.json if it exists, else an analytic guess
     log_level: str = "INFO"
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -142,7 +144,8 @@ class Cluster:
         spec = self.spec
         threads = str(spec.worker_threads())
         self.service("conductor", "conductor", *self.model_args(), "--policy", spec.policy,
-                     "--ttft-slo", str(spec.ttft_slo_s), *self.slo_args(), *(["--colocate"] if spec.coupled else []))
+                     "--ttft-slo", str(spec.ttft_slo_s), *self.slo_args(), *(["--colocate"] if spec.coupled else []),
+                     "--pipeline-group", str(spec.pipeline_group), "--prefill-chunk", str(spec.prefill_chunk))
         self.service("cache_index", "cache_index")
         if spec.coupled:
             self.start_coupled(threads)
@@ -155,7 +158,8 @@ class Cluster:
         for i in range(spec.prefill):
             node = f"node-p{i}"
             self.messenger(f"messenger-p{i}", node)
-            self.service(f"prefill-{i}", "prefill", *self.node_args(node), "--threads", threads, *self.model_args())
+            self.service(f"prefill-{i}", "prefill", *self.node_args(node), "--threads", threads, *self.model_args(),
+                         "--prefill-chunk", str(spec.prefill_chunk))
         for i in range(spec.decode):
             node = f"node-d{i}"
             self.messenger(f"messenger-d{i}", node)

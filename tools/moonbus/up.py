@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dram-bytes", type=int, default=512 << 20, help="DRAM KV pool per node")
     parser.add_argument("--ssd-bytes", type=int, default=2 << 30, help="SSD (LMDB) KV pool per node")
     parser.add_argument("--eviction", default="lru", help="lru, lfu, length-aware")
+    parser.add_argument("--pipeline-group", type=int, default=1,
+                        help="prefill instances that share one long prompt, chunk by chunk (1 = off)")
+    parser.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per prefill chunk")
     parser.add_argument("--profile", default="", help="performance profile (default: measured on first start)")
     parser.add_argument("--log-level", default="INFO")
 
@@ -61,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
                        log_level=args.log_level,
                        policy=args.policy, admission=args.admission, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
                        block_tokens=args.block_tokens, dram_bytes=args.dram_bytes, ssd_bytes=args.ssd_bytes,
-                       eviction=args.eviction, profile=args.profile)
+                       eviction=args.eviction, profile=args.profile, pipeline_group=args.pipeline_group,
+                       prefill_chunk=args.prefill_chunk)
     cluster = Cluster(spec)
     stopping = False
 
