@@ -132,3 +132,38 @@ async def test_events_follow_the_path_and_end_once(cluster):
     transfer = next(e for e in events if e["kind"] == "kv_transferred")
     assert transfer["data"]["src_node"] != transfer["data"]["dest_node"]  # KV crossed nodes
     assert transfer["data"]["bytes"] > 0
+
+
+async def test_client_going_away_cancels_the_request(cluster):
+    import aiohttp
+
+    body = {"model": "tiny-random", "prompt": "cancel me", "max_tokens": 4000, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{cluster.spec.url}/v1/completions", json=body) as resp:
+            request_id = resp.headers["X-Request-Id"]
+            seen = 0
+            async for line in resp.content:
+                seen += line.startswith(b"data: ")
+                if seen >= 3:
+                    break  # leave without reading the rest: the connection closes
+    events = await collect_request_events(cluster.spec.nats_url, request_id)
+    kinds = [e["kind"] for e in events]
+    assert kinds[-1] == "cancelled" and kinds.count("cancelled") == 1
+    assert "completed" not in kinds
+    # the decode instance drops the request (4,000 tokens would keep it busy for over 10 s)
+    from common import bus
+    from schemas import subjects
+    from schemas.workers import StatusReply
+
+    nc = await bus.connect(cluster.spec.nats_url, "test-status")
+    try:
+        for _ in range(25):  # 5 s: heartbeats come every second
+            status = StatusReply.from_bytes((await nc.request(subjects.CONDUCTOR_STATUS, b"", timeout=5)).data)
+            if all(w.num_running == 0 for w in status.workers if w.role == "decode"):
+                break
+            await asyncio.sleep(0.2)
+        else:
+            raise AssertionError("the decode instance kept generating for the cancelled request")
+    finally:
+        await nc.drain()
