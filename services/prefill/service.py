@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 
 import torch
@@ -234,13 +235,21 @@ class PrefillService:
         """Subscribe, start the work loop and the heartbeats, announce the instance."""
         cfg = self.cfg
         server = await asyncio.start_server(self.receiver.on_connection, cfg.stream_host, 0, limit=1 << 20)
-        self.stream_addr = f"{cfg.advertise_host or cfg.stream_host}:{server.sockets[0].getsockname()[1]}"
+        self.stream_addr = f"{self.advertised_host()}:{server.sockets[0].getsockname()[1]}"
         await self.nc.subscribe(subjects.prefill_tasks(cfg.instance_id), cb=self.on_task)
         await self.nc.subscribe(subjects.REQUEST_CANCEL, cb=self.on_cancel)
         tasks.spawn(self.work_loop(), f"prefill-work-{cfg.instance_id}")
         tasks.spawn(runner.every(cfg.heartbeat_interval_s, stop, self.heartbeat), f"heartbeat-{cfg.instance_id}")
         await self.events.instance("started", cfg.instance_id, role="prefill", node=cfg.node, model=model_name)
         log.info("prefill %s ready on node %s (model %s)", cfg.instance_id, cfg.node, model_name)
+
+    def advertised_host(self) -> str:
+        """How other prefill instances reach this one's pipeline listener."""
+        if self.cfg.advertise_host:
+            return self.cfg.advertise_host
+        if self.cfg.stream_host in ("0.0.0.0", "::"):  # e.g. a scaled container: its own address
+            return socket.gethostbyname(socket.gethostname())
+        return self.cfg.stream_host
 
     async def leave(self) -> None:
         info = WorkerInfo(self.cfg.instance_id, "prefill", self.cfg.node, leaving=True)

@@ -36,7 +36,7 @@ ROLE_ENV = {  # module -> names only that role reads
     "services.gateway": {"MOONBUS_HOST", "MOONBUS_PORT", "MOONBUS_MODEL"},
     "services.conductor": {"MOONBUS_POLICY", "MOONBUS_ADMISSION"},
     "services.cache_index": set(),
-    "services.prefill": {"MOONBUS_NODE", "MOONBUS_MODEL", "MOONBUS_SHM_DIR"},
+    "services.prefill": {"MOONBUS_NODE", "MOONBUS_MODEL", "MOONBUS_SHM_DIR", "MOONBUS_STREAM_HOST"},
     "services.decode": {"MOONBUS_NODE", "MOONBUS_MODEL", "MOONBUS_SHM_DIR"},
     "services.messenger": {
         "MOONBUS_NODE", "MOONBUS_SHM_DIR", "MOONBUS_SSD_DIR", "MOONBUS_TRANSFER_HOST",
