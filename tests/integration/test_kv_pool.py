@@ -75,7 +75,9 @@ async def test_next_turn_reuses_the_kv_of_the_generated_tokens(cluster, tiny):
     prompt = text_of(200, seed=2)
     turn1 = await complete(cluster, prompt, max_tokens=80, ignore_eos=True)
     history = tokenizer(prompt)["input_ids"] + turn1["choices"][0]["token_ids"]
-    await asyncio.sleep(1.0)  # decode stores the KV after the last token is sent
+    # decode stores the KV (all but the last token) after the last token is sent: wait for the index to know
+    stored = block_keys(history[:-1], BLOCK)
+    await wait_until(lambda: _holds(cluster, "node-d0", stored), what="the decode node's stored blocks in the index")
     turn2 = await complete(cluster, history + tokenizer(" and more")["input_ids"])
     cached = turn2["usage"]["prompt_tokens_details"]["cached_tokens"]
     # more than the first prompt: blocks holding generated tokens came from the decode node's pool
