@@ -143,9 +143,19 @@ def admit(ttft_s: float, context_tokens: int, load: DecodeLoadSnapshot, settings
     at = load.now + ttft_s if predictive else load.now
     step, t_d = perf.decode.step_seconds, settings.t_d_s
     judged = []  # (tbt with this request, decode_id, batch, context, instance)
-    for d in load.decode:
-        batch, context = d.at(at, t_d, predictive)
-        judged.append((step(batch + 1, context + context_tokens), d.decode_id, batch, context, d))
+    if predictive:
+        # DecodeLoad.at(at, t_d, True), inlined: this loop runs once per decode instance per request
+        gone = at - t_d
+        for d in load.decode:
+            starts, finishes, dcum, pcum = d.decoding_starts, d.prefill_finishes, d._decoding_cum, d._prefill_cum
+            k = bisect_right(starts, gone)
+            lo, hi = bisect_right(finishes, gone), bisect_right(finishes, at)
+            batch, context = len(starts) - k + hi - lo, dcum[-1] - dcum[k] + pcum[hi] - pcum[lo]
+            judged.append((step(batch + 1, context + context_tokens), d.decode_id, batch, context, d))
+    else:
+        for d in load.decode:
+            batch, context = d.at(at, t_d, False)
+            judged.append((step(batch + 1, context + context_tokens), d.decode_id, batch, context, d))
     best_tbt, best_id = min(judged, key=_by_tbt_then_id)[:2]
     when = f"at prefill end (+{ttft_s:.3f}s)" if predictive else "now"
     if best_tbt <= settings.tbt_slo_s:

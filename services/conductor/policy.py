@@ -260,8 +260,15 @@ def best_prefix(snapshot: ClusterSnapshot) -> tuple[int, str | None]:
     best_len = max(held.values(), default=0)
     if best_len <= 0:
         return 0, None
-    queued = snapshot.sender_queued_bytes
-    holder = min((n for n, b in held.items() if b == best_len), key=lambda n: (queued.get(n, 0), n))
+    queued = snapshot.sender_queued_bytes.get
+    # = min(nodes holding best_len, key=(queued bytes, name)), as a plain loop: no key call per node
+    holder = None
+    holder_q = 0
+    for n, b in held.items():
+        if b == best_len:
+            q = queued(n, 0)
+            if holder is None or q < holder_q or (q == holder_q and n < holder):
+                holder, holder_q = n, q
     return best_len, holder
 
 
@@ -280,8 +287,10 @@ def price_prefill(request: RequestInfo, snapshot: ClusterSnapshot, settings: Pol
     held = snapshot.holders.get
     by_prefix: dict[int, float] = {}  # prefix blocks -> prefill seconds (candidates share prefixes)
     costs = []
+    append = costs.append
     for c in snapshot.prefill:
-        local = held(c.node, 0)
+        node, queue_s = c.node, c.queue_s
+        local = held(node, 0)
         if pulls and best_len > local * threshold:
             prefix, transfer_s = best_len, (queued + (best_len - local) * block_nbytes) / link
         else:
@@ -290,8 +299,8 @@ def price_prefill(request: RequestInfo, snapshot: ClusterSnapshot, settings: Pol
         if prefill_s is None:
             prefill_s = by_prefix[prefix] = prefill_seconds(n, min(prefix * bt, max_prefix))
         # NOTE: tuple.__new__ skips NamedTuple's Python-level __new__: half the cost on this hot path.
-        costs.append(_new_row(PrefillCost, (c.instance_id, c.node, c.queue_s, local, prefix, prefix - local,
-                                            prefill_s, transfer_s, c.queue_s + prefill_s + transfer_s)))
+        append(_new_row(PrefillCost, (c.instance_id, node, queue_s, local, prefix, prefix - local,
+                                      prefill_s, transfer_s, queue_s + prefill_s + transfer_s)))
     return tuple(costs)
 
 
@@ -299,12 +308,13 @@ def price_decode(request: RequestInfo, decode: tuple[DecodeCandidate, ...], perf
     """Predicted TBT of every decode instance once this request joins its batch."""
     step = perf.decode.step_seconds
     n = request.input_tokens
-    return tuple(
-        _new_row(DecodeCost, (d.instance_id, d.node, d.num_running, d.context_tokens,
-                              step(d.num_running + 1, d.context_tokens + n),
-                              d.kv_free_tokens is None or d.kv_free_tokens >= n))
-        for d in decode
-    )
+    costs = []
+    append = costs.append
+    for d in decode:
+        running, context, free = d.num_running, d.context_tokens, d.kv_free_tokens
+        append(_new_row(DecodeCost, (d.instance_id, d.node, running, context, step(running + 1, context + n),
+                                     free is None or free >= n)))
+    return tuple(costs)
 
 
 # Sort keys, ties broken by instance id (C-level itemgetter: no Python call per candidate).

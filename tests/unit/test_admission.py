@@ -120,3 +120,30 @@ def test_decode_admits_late_check():
 def test_settings_are_validated(kwargs):
     with pytest.raises(ValueError):
         AdmissionSettings(**kwargs)
+
+
+def test_predictive_verdict_matches_decode_load_at_exactly():
+    """admit's predictive loop gives, to the bit, min over instances of step(DecodeLoad.at(T) + this)."""
+    import random
+
+    from common.perf import analytic_profile
+
+    rng = random.Random(3)
+    perf = analytic_profile()
+    for _ in range(300):
+        now = 1000.0 + rng.random()
+        loads = []
+        for i in range(rng.randrange(1, 6)):
+            starts = sorted(now - rng.uniform(0, 30) for _ in range(rng.randrange(0, 12)))
+            finishes = sorted(now + rng.uniform(-3, 6) for _ in range(rng.randrange(0, 5)))
+            loads.append(DecodeLoad(f"d{rng.randrange(9)}", tuple(starts), tuple(rng.randrange(1, 9000) for _ in starts),
+                                    tuple(finishes), tuple(rng.randrange(1, 9000) for _ in finishes)))
+        ttft, ctx = rng.uniform(0, 4), rng.randrange(1, 9000)
+        settings = AdmissionSettings("predictive", ttft_slo_s=5.0, tbt_slo_s=rng.choice([0.01, 0.0105, 0.011, 1.0]), t_d_s=20.0)
+        v = admit(ttft, ctx, DecodeLoadSnapshot(now, tuple(loads)), settings, perf)
+        judged = []
+        for d in loads:
+            batch, context = d.at(now + ttft, 20.0, True)
+            judged.append((perf.decode.step_seconds(batch + 1, context + ctx), d.decode_id))
+        best_tbt, best_id = min(judged)
+        assert (v.tbt_s, v.decode_id, v.admit) == (best_tbt, best_id, best_tbt <= settings.tbt_slo_s)

@@ -145,3 +145,44 @@ def test_match_at_benchmark_scale_16_nodes_200k_blocks():
         m = index.match(keys)
         assert m.best_len == 256 and len(m.best_nodes) == 3
         assert sum(1 for x in m.per_node.values() if x.num_ssd == 256) == 1
+
+
+def test_match_exact_after_resyncs_drops_and_shared_prefixes():
+    """Brute force over node_entries, with slot reuse, snapshots and prefixes every node holds;
+    a repeated query gives an equal answer (NodeMatch values may be shared between answers)."""
+    rng = random.Random(11)
+    index = PrefixIndex()
+    feed = Feeder(index)
+    nodes = [f"n{i}" for i in range(10)]
+    for step in range(300):
+        node = rng.choice(nodes)
+        r = rng.random()
+        if r < 0.04:
+            index.drop_node(node)
+            feed.seq.pop(node, None)
+        elif r < 0.08:
+            entries = {rng.randrange(40): rng.choice(["dram", "ssd"]) for _ in range(rng.randrange(12))}
+            index.load_snapshot(node, 5, entries)
+            feed.seq[node] = 5
+        else:
+            keys = list(dict.fromkeys(rng.randrange(40) for _ in range(rng.randrange(1, 6))))
+            feed.send(node, rng.choice(["stored", "stored", "evicted", "promoted", "demoted"]), keys, rng.choice(["dram", "ssd"]))
+        if step % 50 == 0:  # a prefix on every known node: every node still matching at the end
+            for n in index.nodes:
+                feed.send(n, "stored", [100, 101], tier=rng.choice(["dram", "ssd"]))
+        held = {n: index.node_entries(n) for n in index.nodes}
+        for _ in range(4):
+            query = [100, 101][: rng.randrange(3)] + [rng.randrange(40) for _ in range(rng.randrange(0, 6))]
+            m = index.match(query)
+            expected = {}
+            for n, entries in held.items():
+                k = 0
+                while k < len(query) and query[k] in entries:
+                    k += 1
+                ssd = sum(1 for key in query[:k] if entries[key] == "ssd")
+                expected[n] = NodeMatch(k, k - ssd, ssd)
+            best = max((x.prefix_len for x in expected.values()), default=0)
+            assert m.per_node == expected and list(m.per_node) == list(held)
+            assert m.best_len == best
+            assert m.best_nodes == [n for n in held if best > 0 and expected[n].prefix_len == best]
+            assert index.match(query) == m

@@ -261,3 +261,19 @@ def test_colocate_without_a_shared_node_is_no_instances():
     snapshot = make_snapshot([make_prefill("p0", "node-p0")], [make_decode("d0")])
     assert decide(req, snapshot, settings, PERF) == NoInstances(
         "r1", "no prefill instance shares a node with a decode instance with KV room")
+
+
+def test_best_holder_is_least_queued_then_name_among_longest():
+    import random
+
+    from services.conductor.policy import best_prefix
+
+    rng = random.Random(5)
+    for _ in range(500):
+        nodes = [f"n{i}" for i in rng.sample(range(20), rng.randrange(0, 8))]
+        held = {n: rng.randrange(0, 4) for n in nodes}
+        queued = {n: rng.choice([0, 0, 5, 7]) for n in nodes if rng.random() < 0.7}
+        snap = ClusterSnapshot(0.0, (), (), held, queued)
+        best = max(held.values(), default=0)
+        expected = (0, None) if best <= 0 else (best, min((n for n in held if held[n] == best), key=lambda n: (queued.get(n, 0), n)))
+        assert best_prefix(snap) == expected
