@@ -1,7 +1,8 @@
 """The pure core of the KV pool: block keys and payload layout, eviction policies, tier accounting.
 
 Nothing here does I/O or reads a clock; the messenger, the cache index service and the simulator
-all import it. Storage backends live in services/messenger/ (slab.py, ssd.py).
+all import it. The DRAM slab (slab.py, mapped by every process of a node) lives here too; the SSD store is the
+messenger's (services/messenger/ssd.py).
 """
 
 from common.kv.blocks import (

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any, Mapping, NamedTuple
 
-from common.perf import Profile
+from common.perf import Profile, transfer_seconds
 
 _new_row = tuple.__new__
 POLICIES = ("random", "load-balancing", "cache-aware", "kvcache-centric")
@@ -282,6 +282,7 @@ def price_prefill(request: RequestInfo, snapshot: ClusterSnapshot, settings: Pol
     queued = snapshot.sender_queued_bytes.get(best_holder, 0) if best_holder is not None else 0
     block_nbytes = settings.block_nbytes
     link = settings.link_bytes_s
+    to_move = transfer_seconds
     # NOTE: at least the last prompt token is always computed (it yields the first token).
     max_prefix = max(n - 1, 0)
     held = snapshot.holders.get
@@ -292,7 +293,7 @@ def price_prefill(request: RequestInfo, snapshot: ClusterSnapshot, settings: Pol
         node, queue_s = c.node, c.queue_s
         local = held(node, 0)
         if pulls and best_len > local * threshold:
-            prefix, transfer_s = best_len, (queued + (best_len - local) * block_nbytes) / link
+            prefix, transfer_s = best_len, to_move((best_len - local) * block_nbytes, link, queued)
         else:
             prefix, transfer_s = local, 0.0
         prefill_s = by_prefix.get(prefix)

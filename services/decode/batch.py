@@ -32,7 +32,7 @@ to ~1e-6; greedy tokens are equal unless two logits tie to that precision (tests
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -119,8 +119,7 @@ class BatchEngine:
         `perf` is a common.perf.Profile (only `perf.decode.step_seconds(batch, context)` is used).
         KV room is `can_admit`'s job (it counts reservations), so it is not re-checked here.
         """
-        state = DecodeCandidate("", "", len(self.rows), self.context_tokens, None)
-        return decode_admits(state, context_tokens, perf, tbt_slo_s)
+        return decode_admits(replace(self.admission_state(), kv_free_tokens=None), context_tokens, perf, tbt_slo_s)
 
     # ------------------------------------------------------------------ membership
 
