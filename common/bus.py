@@ -1,14 +1,24 @@
-"""NATS helpers shared by every service: connect, the event publisher, the events stream."""
+"""NATS helpers shared by every service: connect, guarded subscribe/publish/request, the event
+publisher, the events stream.
+
+A broker blip must fail nothing: the client reconnects forever and buffers what is published
+meanwhile (`PENDING_BYTES`); `request` waits out an outage and asks again; `publish` and the
+handlers behind `subscribe` never raise into a service's loop. Only a bad message is lost, and
+it is logged.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import Any
+import weakref
+from typing import Any, Awaitable, Callable
 
 import nats
 from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 from nats.js.api import StorageType, StreamConfig
 from nats.js.errors import BadRequestError
 
@@ -17,6 +27,11 @@ from schemas.events import Event
 
 log = logging.getLogger(__name__)
 
+PENDING_BYTES = 64 << 20  # published while the broker is away, sent once it is back
+OUTAGE_S = 15.0  # how long `request` waits out a broker outage (NATS restarts in a few seconds)
+# client -> monotonic time of its last reconnection (a responder may not have resubscribed yet)
+_reconnected_at: "weakref.WeakKeyDictionary[Client, float]" = weakref.WeakKeyDictionary()
+
 
 async def connect(url: str, name: str, first_connect_timeout_s: float = 60.0) -> Client:
     """Connect, retrying for a while: services may start before the server is up.
@@ -24,17 +39,87 @@ async def connect(url: str, name: str, first_connect_timeout_s: float = 60.0) ->
     Once connected, the client reconnects forever (a broker restart must not kill workers).
     """
     deadline = time.monotonic() + first_connect_timeout_s
+    holder: list[Client] = []
+
+    async def disconnected() -> None:
+        log.warning("NATS connection lost; reconnecting (publishes are buffered)")
+
+    async def reconnected() -> None:
+        if holder:
+            _reconnected_at[holder[0]] = time.monotonic()
+        log.info("NATS connection back")
+
+    async def error(exc: Exception) -> None:
+        log.warning("NATS: %r", exc)
+
     while True:
         try:
-            return await nats.connect(
+            nc = await nats.connect(
                 url, name=name, connect_timeout=2, max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5, allow_reconnect=True,
+                reconnect_time_wait=0.5, allow_reconnect=True, pending_size=PENDING_BYTES,
+                disconnected_cb=disconnected, reconnected_cb=reconnected, error_cb=error,
                 drain_timeout=5,  # shutdown must not hang on a broker that is already gone
             )
+            holder.append(nc)
+            return nc
         except Exception as exc:  # NoServersError, OSError, timeouts
             if time.monotonic() > deadline:
                 raise ConnectionError(f"cannot reach NATS at {url}: {exc!r}") from exc
             await asyncio.sleep(0.5)
+
+
+def recently_reconnected(nc: Client, within_s: float = OUTAGE_S) -> bool:
+    at = _reconnected_at.get(nc)
+    return at is not None and time.monotonic() - at < within_s
+
+
+async def subscribe(nc: Client, subject: str, handler: Callable[[Msg], Awaitable[None]], queue: str = ""):
+    """Subscribe with a handler that can never take the subscription down: an exception (a
+    malformed message, a bug on one message) is logged with the subject and the message dropped."""
+
+    async def guarded(msg: Msg) -> None:
+        try:
+            await handler(msg)
+        except Exception:
+            log.exception("dropped a message on %s (%d bytes)", msg.subject, len(msg.data))
+
+    return await nc.subscribe(subject, queue=queue, cb=guarded)
+
+
+async def publish(nc: Client, subject: str, data: bytes) -> bool:
+    """Publish, never raising: False (logged) if it could not be sent or buffered."""
+    try:
+        await nc.publish(subject, data)
+        return True
+    except Exception as exc:  # closed connection, full reconnect buffer, bad subject
+        log.error("could not publish to %s: %r", subject, exc)
+        return False
+
+
+async def request(nc: Client, subject: str, data: bytes, timeout: float, outage_s: float = OUTAGE_S) -> Msg:
+    """Request/reply that survives a broker blip: if the connection was down (or just came back,
+    so the responder may not have resubscribed) when an attempt timed out or found no responder,
+    wait for the connection and ask again, for up to `outage_s` more. Raises NoRespondersError or
+    nats.errors.TimeoutError otherwise, like nc.request."""
+    give_up = time.monotonic() + timeout + outage_s
+    while True:
+        reconnects = nc.stats["reconnects"]
+        try:
+            if not nc.is_connected:
+                await _wait_connected(nc, give_up)
+            return await nc.request(subject, data, timeout=timeout)
+        except (NoRespondersError, NatsTimeout, nats.errors.OutboundBufferLimitError):
+            blinked = not nc.is_connected or nc.stats["reconnects"] != reconnects or recently_reconnected(nc)
+            if not blinked or time.monotonic() + 0.2 > give_up:
+                raise
+            await asyncio.sleep(0.2)
+
+
+async def _wait_connected(nc: Client, give_up: float) -> None:
+    while not nc.is_connected:
+        if nc.is_closed or time.monotonic() > give_up:
+            raise NatsTimeout
+        await asyncio.sleep(0.05)
 
 
 async def ensure_events_stream(nc: Client, max_age_s: float = 24 * 3600) -> None:

@@ -2,8 +2,8 @@
 
 Payloads never cross NATS: the messenger answers with slot numbers of the node's shared-memory
 slab, and the worker reads or writes those slots in place. Every read is checked against the
-block's checksum; a mismatch ends the usable prefix there (the rest is recomputed) and is
-reported as an event.
+block's checksum; a mismatch ends the usable prefix there (the rest is recomputed) and the
+block is handed back as corrupt: the messenger drops it from the pool and the index, and reports it.
 """
 
 from __future__ import annotations
@@ -41,58 +41,69 @@ class Prefix:
 
 
 class PoolClient:
-    def __init__(self, nc, node: str, layout: KvLayout, events: bus.EventPublisher, timeout_s: float = 30.0) -> None:
+    def __init__(self, nc, node: str, layout: KvLayout, holder: str, timeout_s: float = 30.0) -> None:
         self.nc = nc
         self.node = node
         self.layout = layout
-        self.events = events
         self.timeout_s = timeout_s
+        self.holder = holder  # "<instance>:<incarnation>": whose pins these are (schemas.pool)
         self._slab: DramSlab | None = None
 
     async def call(self, op: str, request: Wire, reply_type: type[Wire]) -> Wire:
         try:
-            msg = await self.nc.request(subjects.messenger_control(self.node, op), request.to_bytes(), timeout=self.timeout_s)
+            msg = await bus.request(self.nc, subjects.messenger_control(self.node, op), request.to_bytes(),
+                                    timeout=self.timeout_s)
         except (NoRespondersError, NatsTimeout) as exc:
             raise PoolUnavailable(f"the messenger of node {self.node} did not answer {op!r}: {exc!r}") from exc
-        reply = reply_type.from_bytes(msg.data)
+        try:
+            reply = reply_type.from_bytes(msg.data)
+        except ValueError as exc:
+            raise PoolUnavailable(f"messenger {op!r} answered something else: {exc}") from exc
         if getattr(reply, "error", ""):
             raise PoolUnavailable(f"messenger {op!r} failed: {reply.error}")
         return reply
 
     def slab(self, path: str) -> DramSlab:
+        """The node's slab, attached once; a restarted messenger makes a new one (its name carries the
+        messenger's epoch): then the old mapping is dropped, so the deleted file's memory is freed."""
         if self._slab is None or self._slab.path != path:
-            self._slab = DramSlab.attach(path)
+            old, self._slab = self._slab, DramSlab.attach(path)
+            if old is not None:
+                try:
+                    old.close()
+                except BufferError:  # a view is still alive somewhere: the GC unmaps it later
+                    log.debug("old slab %s still has views; left to the GC", old.path)
         return self._slab
 
     async def load_prefix(self, request_id: str, keys: list[int]) -> Prefix:
         """Pin, copy out and unpin the longest prefix of `keys` this node holds."""
         if not keys:
             return Prefix(None, 0)
-        reply: LookupReply = await self.call("lookup", LookupRequest(request_id, keys), LookupReply)
+        reply: LookupReply = await self.call("lookup", LookupRequest(request_id, keys, self.holder), LookupReply)
+        parts, corrupt = [], []
         try:
             if not reply.blocks:
                 return Prefix(None, 0)
             slab = self.slab(reply.slab_path)
             parts, corrupt = await asyncio.to_thread(self._read, slab, reply.blocks)
         finally:
-            if reply.blocks:
-                await self.call("release", ReleaseRequest(request_id, []), PoolReply)
+            if reply.blocks:  # unpin; a block that failed its checksum is dropped from the pool and the index
+                await self.call("release", ReleaseRequest(request_id, [], self.holder, corrupt), PoolReply)
         if corrupt:
-            bad = reply.blocks[len(parts)]
-            log.error("request %s: block %016x failed its checksum on read; recomputing from there", request_id, bad.key)
-            await self.events.kv("corrupt", self.node, {"request_id": request_id, "node": self.node, "keys": [bad.key],
-                                                       "reader": "worker"})
+            log.error("request %s: block %016x failed its checksum on read; dropped, recomputing from there",
+                      request_id, corrupt[0])
         kv = torch.cat(parts, dim=kvblocks.SEQ_AXIS) if parts else None
-        return Prefix(kv, len(parts), corrupt)
+        return Prefix(kv, len(parts), len(corrupt))
 
-    def _read(self, slab: DramSlab, refs: list[SlotRef]) -> tuple[list[torch.Tensor], int]:
+    def _read(self, slab: DramSlab, refs: list[SlotRef]) -> tuple[list[torch.Tensor], list[int]]:
+        """Copies of the blocks up to the first that fails its checksum (its key is returned)."""
         parts = []
         for ref in refs:
             view = slab.view(ref.slot)
             if kvblocks.checksum(view) != ref.checksum:
-                return parts, 1
+                return parts, [ref.key]
             parts.append(slab.tensor(ref.slot, self.layout).clone())
-        return parts, 0
+        return parts, []
 
     async def store(self, request_id: str, token_ids: list[int], kv: torch.Tensor) -> int:
         """Store the full blocks of `token_ids` (whose KV is `kv`) that the node lacks; returns how many."""
@@ -101,15 +112,15 @@ class PoolClient:
         # NOTE: reserved blocks stay pinned until written, so a prompt longer than the DRAM tier is
         # stored in rounds: each round's blocks, once committed, may be demoted by the next round.
         for _ in range(len(keys)):
-            reply: ReserveReply = await self.call("reserve", ReserveRequest(request_id, keys, 0), ReserveReply)
+            reply: ReserveReply = await self.call("reserve", ReserveRequest(request_id, keys, 0, self.holder), ReserveReply)
             try:
                 if not reply.slots:
                     return stored
                 written = await asyncio.to_thread(self._write, self.slab(reply.slab_path), reply.slots, keys, kv)
-                await self.call("commit", CommitRequest(request_id, written), PoolReply)
+                await self.call("commit", CommitRequest(request_id, written, self.holder), PoolReply)
                 stored += len(written)
             finally:
-                await self.call("release", ReleaseRequest(request_id, []), PoolReply)
+                await self.call("release", ReleaseRequest(request_id, [], self.holder), PoolReply)
         return stored
 
     def _write(self, slab: DramSlab, slots: list[SlotRef], keys: list[int], kv: torch.Tensor) -> list[SlotRef]:
@@ -126,4 +137,4 @@ class PoolClient:
 
     async def pull(self, request_id: str, source_node: str, keys: list[int], first_depth: int) -> PoolReply:
         """Have the node's messenger fetch blocks from `source_node` and keep them (replication)."""
-        return await self.call("pull", PullRequest(request_id, source_node, keys, first_depth), PoolReply)
+        return await self.call("pull", PullRequest(request_id, source_node, keys, first_depth, self.holder), PoolReply)

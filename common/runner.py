@@ -14,24 +14,31 @@ log = logging.getLogger(__name__)
 class TaskGroup:
     """Background tasks owned by a service; all are cancelled on shutdown.
 
-    A task that dies with an exception is logged and stops the service (a worker that lost its
-    receive loop must not keep announcing itself as healthy).
+    An essential task (a receive or batch loop, heartbeats) that dies with an exception is logged
+    and stops the service, which exits non-zero so its supervisor restarts it: a worker that lost
+    its loop must not keep announcing itself as healthy. Loops catch what one request or message
+    throws, so this only happens on a real bug. A non-essential task (one request's work, one
+    resync) that dies is logged and nothing else: it must not take the process down.
     """
 
     def __init__(self, stop: asyncio.Event) -> None:
         self._stop = stop
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.failed = False  # an essential task died: the process should exit non-zero
 
-    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str, essential: bool = True) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
-        task.add_done_callback(self._done)
+        task.add_done_callback(lambda t: self._done(t, essential))
         return task
 
-    def _done(self, task: asyncio.Task[Any]) -> None:
+    def _done(self, task: asyncio.Task[Any], essential: bool) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("task %s died", task.get_name(), exc_info=task.exception())
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("task %s died", task.get_name(), exc_info=task.exception())
+        if essential:
+            self.failed = True
             self._stop.set()
 
     async def cancel_all(self) -> None:
@@ -42,17 +49,50 @@ class TaskGroup:
                 await task
 
 
-def run(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
-    """Run `main(stop)` until SIGINT/SIGTERM sets `stop`; main owns its cleanup."""
+class Stop(asyncio.Event):
+    """Set by the first SIGINT/SIGTERM (drain: finish what you hold, then exit); `hard` is set by a
+    second one (exit now). Also set by an essential task's death (`TaskGroup`)."""
 
-    async def runner() -> None:
-        stop = asyncio.Event()
+    def __init__(self) -> None:
+        super().__init__()
+        self.hard = asyncio.Event()
+
+    def signal(self) -> None:
+        if self.is_set():
+            log.warning("second stop signal: exiting without finishing the work in hand")
+            self.hard.set()
+        self.set()
+
+
+def run(main: Callable[[Stop], Awaitable[bool | None]]) -> None:
+    """Run `main(stop)` until SIGINT/SIGTERM sets `stop`; main owns its cleanup and returns False
+    (or raises) when the process failed, which exits with status 1 so a supervisor restarts it."""
+
+    async def runner() -> bool | None:
+        stop = Stop()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await main(stop)
+            loop.add_signal_handler(sig, stop.signal)
+        return await main(stop)
 
-    asyncio.run(runner())
+    if asyncio.run(runner()) is False:
+        raise SystemExit(1)
+
+
+async def wait_or_hard(stop: Stop | asyncio.Event, aw: Awaitable[Any], timeout_s: float) -> bool:
+    """Await `aw` for at most timeout_s, or until a second stop signal; True if it finished."""
+    task = asyncio.ensure_future(aw)
+    hard = asyncio.ensure_future(stop.hard.wait()) if isinstance(stop, Stop) else None
+    waiting = {task} | ({hard} if hard else set())
+    done, _ = await asyncio.wait(waiting, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    if hard is not None:
+        hard.cancel()
+    if task not in done:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        return False
+    return True
 
 
 async def every(interval_s: float, stop: asyncio.Event, fn: Callable[[], Awaitable[None]]) -> None:

@@ -1,8 +1,16 @@
-"""Encode wire dataclasses to JSON bytes and decode them back into typed objects, once, at the edge."""
+"""Encode wire dataclasses to JSON bytes and decode them back into typed objects, once, at the edge.
+
+Decoding checks every field against its annotation (a string where a string is due, an integer
+that is not a boolean, ...), and the wire types whose fields become NATS subjects or file names
+check those in `__post_init__` with the validators below, so nothing received from the bus is
+used as a subject or a path before it is validated. A bad message is a `WireError`: the service
+logs it and drops it.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from functools import cache
@@ -41,11 +49,38 @@ class Wire:
         kwargs = {}
         for name, hint in _field_hints(cls).items():
             if name in obj:
-                kwargs[name] = _convert(hint, obj[name])
+                try:
+                    kwargs[name] = _convert(hint, obj[name])
+                except WireError as exc:
+                    raise WireError(f"{cls.__name__}.{name}: {exc}") from None
         try:
             return cls(**kwargs)
         except TypeError as exc:
             raise WireError(f"{cls.__name__}: {exc}") from exc
+
+
+# ids travel inside subjects (moonbus.events.request.<kind>.<id>) and file names ("<id>.kv")
+_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,128}")
+_SUBJECT = re.compile(r"[A-Za-z0-9_-]{1,128}(\.[A-Za-z0-9_-]{1,128}){0,15}")
+_FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,200}\.kv")
+
+
+def check_token(name: str, value: str) -> None:
+    """An id that becomes one token of a subject or part of a file name: letters, digits, '-', '_'."""
+    if not isinstance(value, str) or not _TOKEN.fullmatch(value):
+        raise WireError(f"{name} {value!r} must be 1-128 letters, digits, '-' or '_'")
+
+
+def check_subject(name: str, value: str) -> None:
+    """A subject to publish to (a reply subject): dot-separated tokens, no wildcards."""
+    if not isinstance(value, str) or not _SUBJECT.fullmatch(value):
+        raise WireError(f"{name} {value!r} is not a valid NATS subject to publish to")
+
+
+def check_file_name(name: str, value: str) -> None:
+    """A request's KV file in a node's shared-memory directory: '<id>.kv', no path separators."""
+    if not isinstance(value, str) or not _FILE_NAME.fullmatch(value):
+        raise WireError(f"{name} {value!r} is not a KV file name")
 
 
 @cache
@@ -55,22 +90,46 @@ def _field_hints(cls: type) -> dict[str, Any]:
 
 
 def _convert(hint: Any, value: Any) -> Any:
-    """Turn decoded JSON into the annotated type where it is a Wire type (possibly nested)."""
-    if value is None:
-        return None
+    """Turn decoded JSON into the annotated type (Wire types nested), checking every leaf's type."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        for arg in typing.get_args(hint):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
             if arg is not type(None):
                 return _convert(arg, value)
+    if hint is Any:
+        return value
+    if value is None:
+        raise WireError(f"null where {_name(hint)} is due")
     if origin in (list, tuple):
+        if not isinstance(value, list):
+            raise WireError(f"expected an array, got {type(value).__name__}")
         args = typing.get_args(hint)
         inner = args[0] if args else Any
         items = [_convert(inner, v) for v in value]
         return tuple(items) if origin is tuple else items
     if origin is dict:
+        if not isinstance(value, dict):
+            raise WireError(f"expected an object, got {type(value).__name__}")
         _, inner = typing.get_args(hint)
         return {k: _convert(inner, v) for k, v in value.items()}
     if isinstance(hint, type) and issubclass(hint, Wire):
         return hint.from_dict(value)
-    return value
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint in (str, bool):
+        if isinstance(value, hint):
+            return value
+    else:  # a type without a check of its own
+        return value
+    raise WireError(f"expected {_name(hint)}, got {type(value).__name__}")
+
+
+def _name(hint: Any) -> str:
+    return getattr(hint, "__name__", str(hint))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schemas.codec import Wire
+from schemas.codec import Wire, check_subject, check_token
 from schemas.route import SamplingParams
 from schemas.transfer import KvHandle
 
@@ -20,3 +20,9 @@ class DecodeTask(Wire):
     arrival_ts: float
     cached_tokens: int = 0  # prompt tokens prefill reused rather than computed
     prefill_s: float = 0.0  # what a late rejection wastes
+    attempt: int = 0  # see schemas.route.RouteRequest
+    num_generated: int = 0  # completion tokens the client had before this attempt's first token
+
+    def __post_init__(self) -> None:
+        check_token("request_id", self.request_id)
+        check_subject("reply_subject", self.reply_subject)

@@ -10,9 +10,29 @@ nodes over their TCP link.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from schemas.codec import Wire
+from schemas.codec import Wire, WireError, check_token
+
+
+class _Held:
+    """A pool request made on behalf of one holder: `holder` is the worker process
+    ("<instance_id>:<incarnation>", empty for the messenger itself). Pins are keyed by
+    (holder, request_id), so the prefill and the decode of one request on one node never
+    release each other's pins, and a dead process's pins can be released by its holder name."""
+
+    def __post_init__(self) -> None:
+        check_token("request_id", self.request_id)
+        if self.holder:
+            parts = self.holder.split(":")
+            if len(parts) != 2:
+                raise WireError(f"holder {self.holder!r} must be '<instance>:<incarnation>'")
+            for part in parts:
+                check_token("holder", part)
+
+    @property
+    def hold_key(self) -> str:
+        return f"{self.holder}/{self.request_id}"
 
 
 @dataclass(frozen=True)
@@ -23,9 +43,10 @@ class SlotRef(Wire):
 
 
 @dataclass(frozen=True)
-class LookupRequest(Wire):
+class LookupRequest(_Held, Wire):
     request_id: str
     keys: list[int]
+    holder: str = ""
 
 
 @dataclass(frozen=True)
@@ -36,10 +57,11 @@ class LookupReply(Wire):
 
 
 @dataclass(frozen=True)
-class ReserveRequest(Wire):
+class ReserveRequest(_Held, Wire):
     request_id: str
     keys: list[int]
     first_depth: int  # block index of keys[0] in its prompt (for length-aware eviction)
+    holder: str = ""
 
 
 @dataclass(frozen=True)
@@ -50,23 +72,31 @@ class ReserveReply(Wire):
 
 
 @dataclass(frozen=True)
-class CommitRequest(Wire):
+class CommitRequest(_Held, Wire):
     request_id: str
     blocks: list[SlotRef]  # with the checksums of what was written
+    holder: str = ""
 
 
 @dataclass(frozen=True)
-class ReleaseRequest(Wire):
+class ReleaseRequest(_Held, Wire):
     request_id: str
     keys: list[int]  # pinned by lookup (unpinned) or reserved and not written (dropped)
+    holder: str = ""
+    corrupt: list[int] = field(default_factory=list)  # blocks whose checksum failed on the holder's read: drop them
 
 
 @dataclass(frozen=True)
-class PullRequest(Wire):
+class PullRequest(_Held, Wire):
     request_id: str
     source_node: str
     keys: list[int]  # blocks to fetch from source_node and keep here
     first_depth: int = 0
+    holder: str = ""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_token("source_node", self.source_node)
 
 
 @dataclass(frozen=True)
@@ -96,6 +126,7 @@ class KvEventData(Wire):
     seq: int
     keys: list[int]
     tier: str
+    request_id: str = ""  # a `corrupt` event: the request whose read found it (audit only)
 
 
 @dataclass(frozen=True)
@@ -105,6 +136,9 @@ class FetchBlocks(Wire):
     request_id: str
     keys: list[int]
 
+    def __post_init__(self) -> None:
+        check_token("request_id", self.request_id)
+
 
 @dataclass(frozen=True)
 class FetchReply(Wire):
@@ -112,3 +146,20 @@ class FetchReply(Wire):
     checksums: list[int]
     nbytes: int  # per block
     error: str = ""
+
+
+@dataclass(frozen=True)
+class PoolStatus(Wire):
+    """messenger_control(node, "status"): how full the node's pool is and who pins what (for leak checks)."""
+
+    node: str
+    epoch: str
+    slab_path: str
+    dram_capacity_blocks: int
+    dram_used_blocks: int
+    ssd_capacity_blocks: int
+    ssd_used_blocks: int
+    pinned_blocks: int  # blocks pinned by some holder (a lookup being read, a reservation being written)
+    holders: dict[str, int]  # holder ("<instance>:<incarnation>/<request_id>") -> blocks it pins
+    request_files: int  # request KV files (and their temporary files) in the node's shared-memory directory
+    request_file_bytes: int

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schemas.codec import Wire
+from schemas.codec import Wire, check_subject, check_token
 from schemas.route import SamplingParams
 
 
@@ -15,6 +15,9 @@ class PullSpec(Wire):
     source_node: str
     first_block: int  # index of the first block to fetch in the prompt's block keys
     num_blocks: int
+
+    def __post_init__(self) -> None:
+        check_token("source_node", self.source_node)
 
 
 @dataclass(frozen=True)
@@ -43,3 +46,11 @@ class PrefillTask(Wire):
     pull: PullSpec | None = None
     pipeline: PipelineSpec | None = None
     stage: int = 0  # this instance's index in pipeline.stages
+    attempt: int = 0  # see RouteRequest
+    num_generated: int = 0  # completion tokens the client has: the first token sampled here is number num_generated
+
+    def __post_init__(self) -> None:
+        check_token("request_id", self.request_id)
+        check_subject("reply_subject", self.reply_subject)
+        check_token("decode_id", self.decode_id)
+        check_token("decode_node", self.decode_node)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schemas.codec import Wire
+from schemas.codec import Wire, check_subject, check_token
 
 
 @dataclass(frozen=True)
@@ -18,11 +18,24 @@ class SamplingParams(Wire):
 
 @dataclass(frozen=True)
 class RouteRequest(Wire):
+    """A request to route, or to route again (a resumed attempt after its instance was lost).
+
+    A resumed attempt's prompt is the original prompt plus the `num_generated` completion tokens
+    the client already has; `sampling.max_tokens` is what is left to generate.
+    """
+
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     reply_subject: str  # where workers send TokenChunks for this request
     arrival_ts: float  # wall clock at the gateway, seconds
+    attempt: int = 0  # 0, then +1 per migration or re-dispatch; workers tag every chunk with it
+    num_generated: int = 0  # completion tokens already delivered (index and sampling step of the next)
+    deadline_ts: float = 0.0  # wall clock after which the gateway stopped waiting: do not dispatch (0 = none)
+
+    def __post_init__(self) -> None:
+        check_token("request_id", self.request_id)
+        check_subject("reply_subject", self.reply_subject)
 
 
 @dataclass(frozen=True)

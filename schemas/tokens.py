@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schemas.codec import Wire
+from schemas.codec import Wire, check_token
 
 
 @dataclass(frozen=True)
@@ -21,3 +21,19 @@ class TokenChunk(Wire):
     stage: str = ""  # where an error arose: "decode" for a late rejection
     wasted_prefill_tokens: int = 0  # a late rejection threw away this much prefill work
     wasted_prefill_s: float = 0.0
+    attempt: int = 0  # the attempt that produced it: chunks of an abandoned attempt are dropped
+    retryable: bool = False  # an error of the cluster, not of the request: the gateway may resume it elsewhere
+
+    def __post_init__(self) -> None:
+        check_token("request_id", self.request_id)
+
+
+@dataclass(frozen=True)
+class Cancel(Wire):
+    """gateway -> every worker (REQUEST_CANCEL): stop working on attempts <= `attempt` of a request."""
+
+    request_id: str
+    attempt: int
+
+    def __post_init__(self) -> None:
+        check_token("request_id", self.request_id)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schemas.codec import Wire
+from schemas.codec import Wire, check_file_name, check_token
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,12 @@ class KvHandle(Wire):
     dtype: str
     checksum: int
 
+    def __post_init__(self) -> None:
+        check_token("node", self.node)
+        check_file_name("name", self.name)
+        if len(self.shape) != 5 or any(d < 0 for d in self.shape) or self.dtype != "float32":
+            raise ValueError(f"KV {self.name}: shape {self.shape} / dtype {self.dtype} is not a float32 [L, 2, H, S, D]")
+
     @property
     def num_tokens(self) -> int:
         return self.shape[3]
@@ -36,6 +42,10 @@ class SendKv(Wire):
     request_id: str
     src: KvHandle
     dest_node: str
+
+    def __post_init__(self) -> None:
+        check_token("request_id", self.request_id)
+        check_token("dest_node", self.dest_node)
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,9 @@ class TransferHeader(Wire):
     handle: KvHandle  # as it was on the sending node
     nbytes: int
 
+    def __post_init__(self) -> None:
+        check_token("request_id", self.request_id)
+
 
 @dataclass(frozen=True)
 class KvSlice(Wire):
@@ -66,6 +79,9 @@ class KvSlice(Wire):
     start: int
     num_tokens: int
     total_tokens: int  # the prompt's length: the receiver sizes its assembly from it
+
+    def __post_init__(self) -> None:
+        check_token("request_id", self.request_id)
 
 
 @dataclass(frozen=True)

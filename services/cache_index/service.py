@@ -17,6 +17,7 @@ from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
 from common import bus, runner
 from schemas import subjects
+from schemas.codec import WireError, check_token
 from schemas.events import Event
 from schemas.index import IndexDumpReply, IndexDumpRequest, IndexQuery, IndexReply, NodePrefix
 from schemas.pool import KvEventData, SnapshotReply
@@ -39,10 +40,11 @@ class CacheIndexService:
         self.syncing: dict[str, list[KvEvent]] = {}  # node -> events held back while its resync is in flight
 
     async def on_kv_event(self, msg: Msg) -> None:
-        event = Event.from_bytes(msg.data)
+        event = Event.from_bytes(msg.data)  # a malformed event raises: logged and dropped by bus.subscribe
         if event.kind not in KINDS:
             return  # e.g. "corrupt": audit only
         data = KvEventData.from_dict(event.data)
+        check_token("node", data.node)
         kv_event = KvEvent(data.node, data.seq, event.kind, tuple(data.keys), data.tier)
         if data.node in self.syncing:
             self.syncing[data.node].append(kv_event)  # applied after the snapshot, if newer than it
@@ -70,12 +72,12 @@ class CacheIndexService:
         if node in self.syncing:
             return
         self.syncing[node] = []
-        self.tasks.spawn(self.resync(node, why), f"resync-{node}")
+        self.tasks.spawn(self.resync(node, why), f"resync-{node}", essential=False)
 
     async def resync(self, node: str, why: str) -> None:
         try:
-            msg = await self.nc.request(subjects.messenger_control(node, "snapshot"), b"{}",
-                                        timeout=self.cfg.resync_timeout_s)
+            msg = await bus.request(self.nc, subjects.messenger_control(node, "snapshot"), b"{}",
+                                    timeout=self.cfg.resync_timeout_s)
             snap = SnapshotReply.from_bytes(msg.data)
             self.index.load_snapshot(node, snap.seq, dict(zip(snap.keys, snap.tiers)))
             self.epochs[node] = snap.epoch
@@ -85,7 +87,7 @@ class CacheIndexService:
             log.info("node %s resynced (%s): %d blocks at seq %d", node, why, len(snap.keys), snap.seq)
             await self.events.instance("resynced", self.cfg.instance_id, node=node, reason=why,
                                        blocks=len(snap.keys), seq=snap.seq)
-        except (NoRespondersError, NatsTimeout, ValueError) as exc:
+        except (NoRespondersError, NatsTimeout, ValueError, WireError) as exc:
             log.warning("node %s: resync failed (%r); dropping its entries until it answers", node, exc)
             self.index.drop_node(node)
             self.epochs.pop(node, None)
@@ -99,7 +101,7 @@ class CacheIndexService:
         self.last_seen.pop(node, None)
 
     async def on_query(self, msg: Msg) -> None:
-        query = IndexQuery.from_bytes(msg.data)
+        query = IndexQuery.from_bytes(msg.data)  # malformed: logged and dropped (the asker times out)
         match = self.index.match(query.keys)
         per_node = {n: NodePrefix(m.prefix_len, m.num_dram, m.num_ssd) for n, m in match.per_node.items()}
         await msg.respond(IndexReply(per_node, match.best_len, list(match.best_nodes)).to_bytes())
@@ -112,26 +114,31 @@ class CacheIndexService:
 
     async def sweep(self) -> None:
         now = time.monotonic()
+        if not self.nc.is_connected or bus.recently_reconnected(self.nc, self.cfg.node_timeout_s):
+            for node in self.last_seen:  # our silence, not the nodes': keep them
+                self.last_seen[node] = now
+            return
         for node, seen in list(self.last_seen.items()):
             if now - seen > self.cfg.node_timeout_s:
                 self.forget(node, "messenger stopped sending heartbeats")
 
     async def heartbeat(self) -> None:
         info = WorkerInfo(self.cfg.instance_id, "cache_index", "", num_running=len(self.index))
-        await self.nc.publish(subjects.WORKER_HEARTBEAT, info.to_bytes())
+        await bus.publish(self.nc, subjects.WORKER_HEARTBEAT, info.to_bytes())
 
 
-async def serve(cfg: CacheIndexConfig, stop: asyncio.Event) -> None:
+async def serve(cfg: CacheIndexConfig, stop: asyncio.Event) -> bool:
     nc = await bus.connect(cfg.nats_url, cfg.instance_id)
     tasks = runner.TaskGroup(stop)
     service = CacheIndexService(cfg, nc, tasks)
-    await nc.subscribe(subjects.KV_EVENTS_ALL, cb=service.on_kv_event)
-    await nc.subscribe(subjects.WORKER_HEARTBEAT, cb=service.on_heartbeat)
-    await nc.subscribe(subjects.INDEX_QUERY, cb=service.on_query)
-    await nc.subscribe(subjects.INDEX_DUMP, cb=service.on_dump)
+    await bus.subscribe(nc, subjects.KV_EVENTS_ALL, service.on_kv_event)
+    await bus.subscribe(nc, subjects.WORKER_HEARTBEAT, service.on_heartbeat)
+    await bus.subscribe(nc, subjects.INDEX_QUERY, service.on_query)
+    await bus.subscribe(nc, subjects.INDEX_DUMP, service.on_dump)
     tasks.spawn(runner.every(cfg.heartbeat_interval_s, stop, service.heartbeat), "heartbeat")
     tasks.spawn(runner.every(1.0, stop, service.sweep), "sweep")
     log.info("cache index %s ready", cfg.instance_id)
     await stop.wait()
     await tasks.cancel_all()
     await bus.shutdown(nc)
+    return not tasks.failed

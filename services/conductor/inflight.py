@@ -27,6 +27,7 @@ class InFlight:
     pull_bytes: int = 0
     phase: str = "prefill"  # -> "decode" once prefilled
     decode_started: float = 0.0
+    attempt: int = 0  # the request's current attempt (a resumed request is routed again)
 
     @property
     def predicted_prefill_end(self) -> float:
@@ -41,15 +42,19 @@ class InFlightTable:
     def add(self, request: InFlight) -> None:
         self.requests[request.request_id] = request
 
-    def mark_prefilled(self, request_id: str, now: float) -> None:
+    def mark_prefilled(self, request_id: str, now: float, attempt: int = 0) -> None:
         request = self.requests.get(request_id)
-        if request is not None:
+        if request is not None and request.attempt == attempt:
             request.phase = "decode"
             request.decode_started = now
             request.pull_bytes = 0
 
-    def finish(self, request_id: str) -> InFlight | None:
-        return self.requests.pop(request_id, None)
+    def finish(self, request_id: str, up_to_attempt: int | None = None) -> InFlight | None:
+        """The request ended (or, with up_to_attempt, those of its attempts were abandoned)."""
+        request = self.requests.get(request_id)
+        if request is None or (up_to_attempt is not None and request.attempt > up_to_attempt):
+            return None
+        return self.requests.pop(request_id)
 
     def lost_with(self, instance_id: str) -> list[InFlight]:
         """Requests that cannot finish because `instance_id` is gone; they are removed."""

@@ -30,6 +30,12 @@ class Registry:
         known.info, known.last_seen = info, now
         return False
 
+    def refresh(self, now: float) -> None:
+        """Count every known instance as just heard from (after an outage of the conductor's own
+        broker connection, their silence says nothing about them)."""
+        for known in self.instances.values():
+            known.last_seen = now
+
     def expire(self, now: float) -> list[WorkerInfo]:
         """Forget instances whose heartbeats stopped; returns them."""
         gone = [i.info for i in self.instances.values() if now - i.last_seen > self.timeout_s]
@@ -38,7 +44,9 @@ class Registry:
         return gone
 
     def of_role(self, role: str) -> list[WorkerInfo]:
-        return sorted((i.info for i in self.instances.values() if i.info.role == role), key=lambda w: w.instance_id)
+        """Instances of a role that take new work (a draining one finishes what it holds, nothing more)."""
+        return sorted((i.info for i in self.instances.values() if i.info.role == role and not i.info.draining),
+                      key=lambda w: w.instance_id)
 
     def get(self, instance_id: str) -> WorkerInfo | None:
         known = self.instances.get(instance_id)

@@ -5,9 +5,11 @@ a snapshot of every instance (queued prefill seconds, decode batches, bytes bein
 each node) -> the pure policy (services/conductor/policy.py) and admission
 (services/conductor/admission.py) -> a PrefillTask (with a pull plan when the chosen instance
 should fetch a remote prefix) and a `routed` event carrying every candidate and cost term.
-Heartbeats tell who is alive; request events move and end the load a request puts on
-instances. When an instance's heartbeats stop, every request it held fails with a TokenChunk
-error to its gateway, so no client hangs.
+Heartbeats tell who is alive (a `draining` instance gets nothing new); request events move and
+end the load a request puts on instances. When an instance's heartbeats stop or it leaves, every
+request it held gets a retryable TokenChunk error, so its gateway resumes it elsewhere and no
+client hangs. While the conductor's own broker connection is down, nobody is declared lost: the
+silence is the conductor's, not the instances'.
 """
 
 from __future__ import annotations
@@ -21,15 +23,16 @@ import time
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
-from common import bus, models, profiles, runner
+from common import bus, models, profiles, runner, worker
 from common.kv.blocks import block_keys
 from common.perf import Profile
 from schemas import subjects
+from schemas.codec import WireError
 from schemas.events import TERMINAL_KINDS, Event
 from schemas.index import IndexQuery, IndexReply
 from schemas.prefill import PipelineSpec, PrefillTask, PullSpec
 from schemas.route import RouteReply, RouteRequest
-from schemas.tokens import TokenChunk
+from schemas.tokens import Cancel
 from schemas.workers import StatusReply, WorkerInfo
 from services.conductor import admission, policy
 from services.conductor.config import ConductorConfig
@@ -51,9 +54,10 @@ class ConductorService:
         self.settings = policy.PolicySettings(cfg.policy, cfg.kvcache_balancing_threshold, cfg.link_bytes_s,
                                               cfg.block_tokens, kv_bytes_per_token, cfg.colocate)
         self.rng = random.Random()
+        self.offline = False  # the broker connection was down at the last sweep
 
     async def on_heartbeat(self, msg: Msg) -> None:
-        info = WorkerInfo.from_bytes(msg.data)
+        info = WorkerInfo.from_bytes(msg.data)  # a malformed one raises: logged and dropped by bus.subscribe
         if self.registry.update(info, time.monotonic()):
             log.info("instance %s joined (%s on node %s)", info.instance_id, info.role, info.node)
             await self.events.instance("joined", info.instance_id, role=info.role, node=info.node)
@@ -66,17 +70,30 @@ class ConductorService:
         try:
             request = RouteRequest.from_bytes(msg.data)
         except ValueError as exc:
-            await msg.respond(RouteReply(False, 400, f"malformed route request: {exc}").to_bytes())
-            return
+            reply = RouteReply(False, 400, f"malformed route request: {exc}")
+        else:
+            try:
+                reply = await self.route(request)
+            except Exception as exc:  # answered, never a hang
+                log.exception("request %s: routing failed", request.request_id)
+                reply = RouteReply(False, 500, f"routing failed: {exc}")
+        if msg.reply:
+            await bus.publish(self.nc, msg.reply, reply.to_bytes())
+
+    async def on_cancel(self, msg: Msg) -> None:
+        """The gateway gave up on attempts of a request (client gone, resumed elsewhere): their load ends."""
         try:
-            reply = await self.route(request)
-        except Exception as exc:  # answered, never a hang
-            log.exception("request %s: routing failed", request.request_id)
-            reply = RouteReply(False, 500, f"routing failed: {exc}")
-        await msg.respond(reply.to_bytes())
+            cancel = Cancel.from_bytes(msg.data)
+        except WireError as exc:
+            log.warning("dropping a malformed cancel: %s", exc)
+            return
+        self.inflight.finish(cancel.request_id, up_to_attempt=cancel.attempt)
 
     async def route(self, request: RouteRequest) -> RouteReply:
         rid, ids = request.request_id, request.prompt_token_ids
+        if request.deadline_ts and time.time() > request.deadline_ts:  # the gateway stopped waiting: not dispatched
+            log.warning("request %s: route request arrived after its gateway gave up; dropped", rid)
+            return RouteReply(False, 503, "the route request expired before it was served", retry_after_s=1.0)
         # the blocks a prefill instance could reuse: all full blocks but the prompt's last token
         keys = block_keys(ids[:-1], self.cfg.block_tokens)
         holders = await self.prefix_holders(rid, keys)
@@ -105,18 +122,24 @@ class ConductorService:
             rid, decision.prefill_id, decision.decode_id, request.reply_subject, len(ids), now,
             predicted_prefill_s=decision.prefill_s + decision.transfer_s, predicted_ttft_s=decision.ttft_s,
             pull_source=pull.source_node if pull else "", pull_bytes=pull.nbytes if pull else 0,
+            attempt=request.attempt,
         ))
         task = PrefillTask(rid, ids, request.sampling, request.reply_subject, decision.decode_id,
                            decision.decode_node, request.arrival_ts,
-                           PullSpec(pull.source_node, pull.first_block, pull.num_blocks) if pull else None)
+                           PullSpec(pull.source_node, pull.first_block, pull.num_blocks) if pull else None,
+                           attempt=request.attempt, num_generated=request.num_generated)
         spec = self.pipeline_spec(decision, snapshot, len(ids))
         if spec is None:
-            await self.nc.publish(subjects.prefill_tasks(decision.prefill_id), task.to_bytes())
+            sent = await bus.publish(self.nc, subjects.prefill_tasks(decision.prefill_id), task.to_bytes())
         else:
             await self.events.request("pipelined", rid, stages=spec.stages, chunk_tokens=spec.chunk_tokens)
+            sent = True
             for stage, instance_id in enumerate(spec.stages):
                 staged = dataclasses.replace(task, pipeline=spec, stage=stage)
-                await self.nc.publish(subjects.prefill_tasks(instance_id), staged.to_bytes())
+                sent &= await bus.publish(self.nc, subjects.prefill_tasks(instance_id), staged.to_bytes())
+        if not sent:
+            self.inflight.finish(rid)
+            return RouteReply(False, 503, "could not dispatch the request", retry_after_s=1.0)
         return RouteReply(True, 200, prefill_id=decision.prefill_id, decode_id=decision.decode_id)
 
     def pipeline_spec(self, decision: policy.Decision, snapshot: policy.ClusterSnapshot,
@@ -135,10 +158,11 @@ class ConductorService:
             return {}
         try:
             msg = await self.nc.request(subjects.INDEX_QUERY, IndexQuery(keys).to_bytes(), timeout=self.cfg.index_timeout_s)
-        except (NoRespondersError, NatsTimeout):
-            log.warning("request %s: no answer from the cache index; routing as if nothing were cached", request_id)
+            reply = IndexReply.from_bytes(msg.data)
+        except (NoRespondersError, NatsTimeout, WireError) as exc:
+            log.warning("request %s: no answer from the cache index (%r); routing as if nothing were cached",
+                        request_id, exc)
             return {}
-        reply = IndexReply.from_bytes(msg.data)
         return {node: prefix.prefix_len for node, prefix in reply.per_node.items() if prefix.prefix_len}
 
     def snapshot(self, now: float, holders: dict[str, int]) -> policy.ClusterSnapshot:
@@ -154,16 +178,27 @@ class ConductorService:
     async def on_request_event(self, msg: Msg) -> None:
         event = Event.from_bytes(msg.data)
         if event.kind == "prefilled":
-            self.inflight.mark_prefilled(event.request_id, time.monotonic())
+            self.inflight.mark_prefilled(event.request_id, time.monotonic(), int(event.data.get("attempt", 0)))
         elif event.kind in TERMINAL_KINDS or event.kind == "rejected_late":
             self.inflight.finish(event.request_id)
 
     async def on_status(self, msg: Msg) -> None:
+        now = time.monotonic()
         workers = [i.info for i in self.registry.instances.values()]
-        await msg.respond(StatusReply(workers, len(self.inflight.requests)).to_bytes())
+        queues = {w.instance_id: round(self.inflight.prefill_queue_s(w.instance_id, now), 6)
+                  for w in workers if w.role == "prefill"}
+        running = {w.instance_id: self.inflight.decode_batch(w.instance_id)[0] for w in workers if w.role == "decode"}
+        await msg.respond(StatusReply(workers, len(self.inflight.requests), queues, running).to_bytes())
 
     async def sweep(self) -> None:
         now = time.monotonic()
+        if not self.nc.is_connected:  # our silence, not theirs: nobody is lost while we are away
+            self.offline = True
+            return
+        if self.offline:
+            self.offline = False
+            self.registry.refresh(now)
+            log.info("broker connection back; instance expiry resumes")
         for info in self.registry.expire(now):
             log.warning("instance %s (%s) stopped sending heartbeats", info.instance_id, info.role)
             await self.events.instance("lost", info.instance_id, role=info.role, node=info.node)
@@ -172,27 +207,30 @@ class ConductorService:
             log.warning("request %s: lease expired, releasing its load", request.request_id)
 
     async def fail_requests_of(self, instance_id: str, why: str) -> None:
+        """Every request the instance held gets a retryable error: its gateway resumes it elsewhere."""
         for request in self.inflight.lost_with(instance_id):
-            log.warning("request %s: failing, instance %s %s", request.request_id, instance_id, why)
-            chunk = TokenChunk(request.request_id, -1, [], error=f"instance {instance_id} {why}",
-                               error_status=503, source=self.cfg.instance_id)
-            await self.nc.publish(request.reply_subject, chunk.to_bytes())
+            log.warning("request %s: instance %s %s; handing it back to its gateway", request.request_id, instance_id, why)
+            await worker.reply(self.nc, request.reply_subject, worker.error_chunk(
+                request.request_id, request.attempt, -1, f"instance {instance_id} {why}", 503, self.cfg.instance_id,
+                retryable=True))
 
 
-async def serve(cfg: ConductorConfig, stop: asyncio.Event) -> None:
+async def serve(cfg: ConductorConfig, stop: asyncio.Event) -> bool:
     ref = models.prepare(cfg.model, cfg.home)
     perf, source = profiles.load(cfg.home, cfg.model, cfg.profile)
     nc = await bus.connect(cfg.nats_url, cfg.instance_id)
     await bus.ensure_events_stream(nc)
     service = ConductorService(cfg, nc, perf, models.read_shape(ref).kv_bytes_per_token)
     tasks = runner.TaskGroup(stop)
-    await nc.subscribe(subjects.WORKER_HEARTBEAT, cb=service.on_heartbeat)
-    await nc.subscribe(subjects.CONDUCTOR_ROUTE, queue=subjects.CONDUCTOR_QUEUE, cb=service.on_route)
-    await nc.subscribe(subjects.CONDUCTOR_STATUS, cb=service.on_status)
-    await nc.subscribe(subjects.request_event("*", "*"), cb=service.on_request_event)
+    await bus.subscribe(nc, subjects.WORKER_HEARTBEAT, service.on_heartbeat)
+    await bus.subscribe(nc, subjects.CONDUCTOR_ROUTE, service.on_route, queue=subjects.CONDUCTOR_QUEUE)
+    await bus.subscribe(nc, subjects.CONDUCTOR_STATUS, service.on_status)
+    await bus.subscribe(nc, subjects.request_event("*", "*"), service.on_request_event)
+    await bus.subscribe(nc, subjects.REQUEST_CANCEL, service.on_cancel)
     tasks.spawn(runner.every(cfg.sweep_interval_s, stop, service.sweep), "sweep")
     log.info("conductor %s ready: policy %s%s, admission %s (ttft slo %gs, tbt slo %gs), profile %s",
              cfg.instance_id, cfg.policy, " (colocated)" if cfg.colocate else "", cfg.admission.mode, cfg.admission.ttft_slo_s, cfg.admission.tbt_slo_s, source)
     await stop.wait()
     await tasks.cancel_all()
     await bus.shutdown(nc)
+    return not tasks.failed

@@ -27,7 +27,7 @@ from services.prefill.service import PrefillService
 log = logging.getLogger(__name__)
 
 
-async def serve(cfg: CoupledConfig, stop: asyncio.Event) -> None:
+async def serve(cfg: CoupledConfig, stop: runner.Stop) -> bool:
     pcfg, dcfg = cfg.prefill, cfg.decode
     worker = await asyncio.to_thread(models.load_for_worker, pcfg.model, pcfg.home, pcfg.threads)
     model, eos, ref = worker.model, worker.eos_token_id, worker.ref
@@ -44,7 +44,14 @@ async def serve(cfg: CoupledConfig, stop: asyncio.Event) -> None:
     log.info("coupled %s ready on node %s: %s and %s share the model", cfg.instance_id, pcfg.node,
              pcfg.instance_id, dcfg.instance_id)
     await stop.wait()
+    if not tasks.failed:  # the prefill side first: what it still finishes goes to decode sides
+        await prefill.drain(stop, pcfg.drain_grace_s)
+        await decode.drain(stop, dcfg.drain_grace_s)
+    else:
+        await prefill.hand_back(f"coupled instance {cfg.instance_id} failed")
+        await decode.hand_back(f"coupled instance {cfg.instance_id} failed")
     await prefill.leave()
     await decode.leave()
     await tasks.cancel_all()
     await bus.shutdown(nc)
+    return not tasks.failed

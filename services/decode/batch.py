@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from common.perf import Profile
-from common.sampling import sample
+from common.sampling import SamplingError, is_greedy, sample
 from schemas.route import SamplingParams
 from services.conductor.admission import decode_admits
 from services.conductor.policy import DecodeCandidate
@@ -45,6 +45,15 @@ from services.conductor.policy import DecodeCandidate
 
 class BatchFull(RuntimeError):
     """Raised by `add()` when the request does not fit (max_batch or the KV budget); call `can_admit` first."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """One iteration's outcome: the next token of every row that could sample one, and the rows that
+    could not (request_id -> why). A failed row stays in the batch until the caller removes it."""
+
+    tokens: dict[str, int]
+    errors: dict[str, str]
 
 
 @dataclass
@@ -123,6 +132,10 @@ class BatchEngine:
 
     # ------------------------------------------------------------------ membership
 
+    # NOTE: every method that touches the KV buffer runs under inference mode. The service calls
+    # add/remove/kv_of on its event-loop thread and step on a worker thread: a buffer grown inside
+    # one mode and written in place outside it is what crashed the live decode instance.
+    @torch.inference_mode()
     def add(self, request_id: str, prompt_kv: torch.Tensor, last_token: int, sampling: SamplingParams,
             num_generated: int = 1) -> None:
         """Join a request: prompt_kv [L, 2, H, S, D] (its whole KV so far), last_token is fed next."""
@@ -146,6 +159,7 @@ class BatchEngine:
         self.kv_lens = torch.cat((self.kv_lens, torch.tensor([kv_len])))
         self.reserved_tokens += reserved
 
+    @torch.inference_mode()
     def remove(self, request_id: str) -> None:
         """Drop a finished or cancelled request (a no-op for an unknown id)."""
         row = self.index.pop(request_id, None)
@@ -165,6 +179,7 @@ class BatchEngine:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.index
 
+    @torch.inference_mode()
     def kv_of(self, request_id: str) -> torch.Tensor:
         """A copy of the request's KV so far, [L, 2, H, kv_len, D] (e.g. to store it in the pool)."""
         row = self.index[request_id]
@@ -176,20 +191,25 @@ class BatchEngine:
     # ------------------------------------------------------------------ the iteration
 
     @torch.inference_mode()
-    def step(self) -> dict[str, int]:
-        """One forward for every running row; returns request_id -> its next token."""
+    def step(self) -> StepResult:
+        """One forward for every running row; each row's next token, or why it could not get one.
+
+        A row that cannot sample (broken logits) is reported in `errors`; the others carry on. If
+        the forward itself raises, nothing changed: the KV written at each row's position is
+        overwritten by the next step, since kv_lens only moves after a successful forward.
+        """
         if not self.rows:
-            return {}
+            return StepResult({}, {})
         started = time.perf_counter()
         batch = len(self.rows)
         context = self.context_tokens
         width = int(self.kv_lens.max()) + 1
         self._ensure(batch, width)
         logits = self._forward(batch, width)
-        out = self._sample(logits)
+        result = self._sample(logits)
         self.kv_lens += 1
         self.last_step = StepStats(batch, context, time.perf_counter() - started)
-        return out
+        return result
 
     def _forward(self, batch: int, width: int) -> torch.Tensor:
         inner = self.model.model
@@ -207,18 +227,23 @@ class BatchEngine:
                            use_cache=True, position_embeddings=rope)
         return self.model.lm_head(inner.norm(hidden))[:, -1].float()  # [B, vocab]
 
-    def _sample(self, logits: torch.Tensor) -> dict[str, int]:
+    def _sample(self, logits: torch.Tensor) -> StepResult:
         greedy = torch.argmax(logits, dim=-1).tolist()
-        out = {}
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        tokens, errors = {}, {}
         for i, row in enumerate(self.rows):
-            if row.sampling.temperature <= 0:
-                token = greedy[i]
-            else:
-                token = sample(logits[i], row.sampling, step=row.num_generated)
+            try:
+                if is_greedy(row.sampling) and finite[i]:
+                    token = greedy[i]
+                else:  # sampled, or a greedy row whose logits need sanitizing
+                    token = sample(logits[i], row.sampling, step=row.num_generated)
+            except SamplingError as exc:
+                errors[row.request_id] = str(exc)
+                continue
             row.last_token = token
             row.num_generated += 1
-            out[row.request_id] = token
-        return out
+            tokens[row.request_id] = token
+        return StepResult(tokens, errors)
 
     # ------------------------------------------------------------------ the buffer
 
@@ -226,6 +251,7 @@ class BatchEngine:
         shape = (self.model.config.num_hidden_layers, 2, rows, self.num_kv_heads, tokens, self.head_dim)
         return torch.empty(shape, dtype=self.dtype, device=self.device)
 
+    @torch.inference_mode()
     def _ensure(self, rows: int, tokens: int) -> None:
         """Grow the buffer to hold `rows` rows of `tokens` tokens (rows double, tokens grow in chunks).
 

@@ -21,6 +21,7 @@ class DecodeConfig:
     log_level: str
     threads: int
     heartbeat_interval_s: float
+    drain_grace_s: float  # after SIGTERM: time to finish the work held before handing the rest back
     max_batch: int
     kv_budget_tokens: int  # KV tokens the batch may reserve (prompt + tokens still to generate)
     tbt_slo_s: float  # a request whose KV arrives when the batch could not meet this is rejected (late)
@@ -32,6 +33,8 @@ class DecodeConfig:
         common.check_subject_token("node", self.node)
         if self.threads < 0:
             raise ValueError("threads must be >= 0 (0 = torch default)")
+        if self.drain_grace_s < 0:
+            raise ValueError("drain grace must be >= 0")
         if self.heartbeat_interval_s <= 0:
             raise ValueError("heartbeat interval must be > 0")
         if self.tbt_slo_s <= 0:
@@ -55,6 +58,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     common.add_model_flags(parser)
     common.flag(parser, "--threads", "MOONBUS_THREADS", 0, int, help="torch intra-op threads (0 = default)")
     common.flag(parser, "--heartbeat-interval", "MOONBUS_HEARTBEAT_INTERVAL", 1.0, float, help="seconds", dest="heartbeat_interval_s")
+    common.flag(parser, "--drain-grace", "MOONBUS_DRAIN_GRACE", 30.0, float, dest="drain_grace_s",
+                help="seconds to finish held work after SIGTERM; what is left is resumed elsewhere")
     common.flag(parser, "--max-batch", "MOONBUS_MAX_BATCH", 64, int, help="most requests decoding at once")
     common.flag(parser, "--kv-budget-tokens", "MOONBUS_KV_BUDGET_TOKENS", 32768, int,
                 help="KV tokens the batch may hold, counting what each request may still generate")

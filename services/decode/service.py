@@ -6,6 +6,15 @@ forward for the whole batch (services/decode/batch.py), each request sampled wit
 settings, its token published to its gateway -> finished or cancelled requests leave, and the
 KV of finished ones is stored in the node's pool so that the next turn of a conversation hits.
 
+Faults stay with their request: a KV that cannot be loaded, a row that cannot sample or a
+publish that fails ends that request with one error (retryable when the cluster, not the
+request, is at fault, so the gateway resumes it elsewhere); a forward that raises fails the rows
+of that iteration as retryable; the loop itself goes on.
+
+Drain (first SIGTERM): heartbeats say `draining` so the conductor routes nothing new here; the
+requests held (and any still arriving) run to completion for up to `drain_grace_s`; whatever is
+left then gets a retryable error, so its gateway resumes it on another decode instance.
+
 `compute_lock`: in a coupled instance (services/coupled) the PrefillService holds the same lock
 around its forward, so an iteration waits while a prefill runs (the prefill pauses the batch).
 """
@@ -22,9 +31,10 @@ from dataclasses import dataclass, field
 import torch
 from nats.aio.msg import Msg
 
-from common import bus, kvfiles, models, profiles, runner
+from common import bus, kvfiles, models, profiles, runner, worker
 from common.pool_client import PoolClient, PoolUnavailable
 from schemas import subjects
+from schemas.codec import WireError
 from schemas.decode import DecodeTask
 from schemas.tokens import TokenChunk
 from schemas.workers import WorkerInfo
@@ -37,12 +47,16 @@ log = logging.getLogger(__name__)
 @dataclass
 class Running:
     task: DecodeTask
-    generated: list[int]  # every completion token so far (the first came from prefill)
+    generated: list[int]  # this attempt's tokens so far (the first came from prefill)
     started: float = field(default_factory=time.perf_counter)
 
     @property
     def request_id(self) -> str:
         return self.task.request_id
+
+    def index_of_last(self) -> int:
+        """Position of the newest token among the completion's tokens (earlier attempts included)."""
+        return self.task.num_generated + len(self.generated) - 1
 
 
 class DecodeService:
@@ -54,43 +68,67 @@ class DecodeService:
         self.eos_token_id = eos_token_id
         self.tasks = tasks
         self.perf = perf
+        self.incarnation = worker.new_incarnation()
         self.events = bus.EventPublisher(nc, "decode", cfg.instance_id)
-        self.pool = PoolClient(nc, cfg.node, layout, self.events)
+        self.pool = PoolClient(nc, cfg.node, layout, f"{cfg.instance_id}:{self.incarnation}")
         self.arrived: asyncio.Queue[DecodeTask] = asyncio.Queue()
         self.waiting: collections.deque[DecodeTask] = collections.deque()  # passed the TBT check, no KV room yet
         self.running: dict[str, Running] = {}  # request_id -> Running
-        self.cancelled: set[str] = set()
+        self.cancelled = worker.Cancellations()
         self.compute_lock = compute_lock or contextlib.nullcontext()
+        self.draining = False
+        self.wakeup = asyncio.Event()  # set when work arrives
+        self.gone = asyncio.Event()  # heartbeats go on while draining (they say so) and end with leave()
 
+    # --- messages -------------------------------------------------------------------------------
     async def on_task(self, msg: Msg) -> None:
         try:
-            await self.arrived.put(DecodeTask.from_bytes(msg.data))
-        except ValueError:
-            log.exception("dropping malformed decode task")
+            task = DecodeTask.from_bytes(msg.data)
+        except WireError as exc:
+            log.error("dropping a malformed decode task: %s", exc)
+            return
+        await self.arrived.put(task)
+        self.wakeup.set()
 
-    async def on_cancel(self, msg: Msg) -> None:
-        self.cancelled.add(msg.data.decode())
-        if len(self.cancelled) > 10_000:
-            self.cancelled.clear()
+    @property
+    def num_held(self) -> int:
+        return self.arrived.qsize() + len(self.waiting) + len(self.running)
 
+    # --- the loop -----------------------------------------------------------------------------------
     async def loop(self) -> None:
         while True:
-            if not self.running and not self.waiting:
-                await self.check_in(await self.arrived.get())
+            if not self.num_held:
+                self.wakeup.clear()
+                await self.wakeup.wait()
             while not self.arrived.empty():
-                await self.check_in(self.arrived.get_nowait())
+                await self.guarded(self.check_in, self.arrived.get_nowait())
             await self.admit_waiting()
-            self.drop_cancelled()
+            await self.drop_cancelled()
             if self.running:
                 await self.iterate()
             elif self.waiting:
                 await asyncio.sleep(0.01)  # KV room frees only when requests finish: cannot happen here
 
+    async def guarded(self, step, task: DecodeTask) -> None:
+        """Run one request's step; anything it throws fails that request alone (retryable)."""
+        try:
+            await step(task)
+        except Exception as exc:
+            log.exception("request %s: decode failed", task.request_id)
+            self.forget(task.request_id)
+            kvfiles.remove(self.cfg.shm_dir, task.kv)
+            await self.fail(task, f"decode failed: {exc}", 500, retryable=True)
+
     async def check_in(self, task: DecodeTask) -> None:
         """A request's KV has arrived: the late TBT re-check, then the wait for KV room."""
-        if task.request_id in self.cancelled:
+        rid = task.request_id
+        if self.cancelled.covers(rid, task.attempt):
             kvfiles.remove(self.cfg.shm_dir, task.kv)
-        elif self.cfg.late_check and not self.engine.tbt_admits(len(task.prompt_token_ids), self.perf, self.cfg.tbt_slo_s):
+            return
+        old = self.running.get(rid)
+        if old is not None:  # an abandoned attempt of the same request still runs here: the new one wins
+            self.forget(rid)
+        if self.cfg.late_check and not self.engine.tbt_admits(len(task.prompt_token_ids), self.perf, self.cfg.tbt_slo_s):
             await self.reject_late(task, f"decode instance {self.cfg.instance_id} cannot meet the TBT SLO")
         elif self.needed(task) > self.engine.kv_budget_tokens:
             await self.reject_late(task, f"the request needs {self.needed(task)} KV tokens; "
@@ -99,46 +137,63 @@ class DecodeService:
             self.waiting.append(task)
 
     def needed(self, task: DecodeTask) -> int:
-        return self.engine.tokens_needed(len(task.prompt_token_ids), task.sampling, 1)
+        return self.engine.tokens_needed(len(task.prompt_token_ids), task.sampling, task.num_generated + 1)
 
     async def admit_waiting(self) -> None:
         while self.waiting and self.engine.can_admit(self.needed(self.waiting[0])):
-            task = self.waiting.popleft()
-            rid = task.request_id
-            try:
-                kv = await asyncio.to_thread(kvfiles.read, self.cfg.shm_dir, task.kv, True)
-            except (OSError, kvfiles.KvChecksumError) as exc:
-                log.error("request %s: cannot load its KV: %s", rid, exc)
-                await self.reply(task, TokenChunk(rid, 1, [], error=f"decode could not load KV: {exc}",
-                                                  error_status=500, source=self.cfg.instance_id))
-                continue
-            self.engine.add(rid, kv, task.first_token, task.sampling, 1)
-            self.running[rid] = Running(task, [task.first_token])
+            await self.guarded(self.admit, self.waiting.popleft())
 
-    def drop_cancelled(self) -> None:
-        for rid in [rid for rid in self.running if rid in self.cancelled]:
-            self.engine.remove(rid)
-            del self.running[rid]
-        for task in [t for t in self.waiting if t.request_id in self.cancelled]:
+    async def admit(self, task: DecodeTask) -> None:
+        rid = task.request_id
+        try:
+            kv = await asyncio.to_thread(kvfiles.read, self.cfg.shm_dir, task.kv, True)
+        except (OSError, kvfiles.KvChecksumError) as exc:
+            log.error("request %s: cannot load its KV: %s", rid, exc)
+            await self.fail(task, f"decode could not load the KV: {exc}", 500, retryable=True)
+            return
+        self.engine.add(rid, kv, task.first_token, task.sampling, task.num_generated + 1)
+        self.running[rid] = Running(task, [task.first_token])
+
+    async def drop_cancelled(self) -> None:
+        for rid in [rid for rid, seq in self.running.items() if self.cancelled.covers(rid, seq.task.attempt)]:
+            self.forget(rid)
+        for task in [t for t in self.waiting if self.cancelled.covers(t.request_id, t.attempt)]:
             self.waiting.remove(task)
             kvfiles.remove(self.cfg.shm_dir, task.kv)
 
+    def forget(self, request_id: str) -> None:
+        self.engine.remove(request_id)
+        self.running.pop(request_id, None)
+
     async def iterate(self) -> None:
-        async with self.compute_lock:
-            tokens = await asyncio.to_thread(self.engine.step)
-        for rid, token in tokens.items():
+        try:
+            async with self.compute_lock:
+                result = await asyncio.to_thread(self.engine.step)
+        except Exception as exc:  # the forward itself: no row got a token, so every row is resumed elsewhere
+            log.exception("decode iteration failed; resuming its %d requests elsewhere", len(self.running))
+            for seq in list(self.running.values()):
+                self.forget(seq.request_id)
+                await self.fail(seq.task, f"decode iteration failed: {exc}", 500, retryable=True)
+            return
+        for rid, why in result.errors.items():
             seq = self.running[rid]
-            index = len(seq.generated)
+            log.error("request %s: %s", rid, why)
+            self.forget(rid)
+            await self.fail(seq.task, f"sampling failed: {why}", 500, retryable=False)
+        for rid, token in result.tokens.items():
+            seq = self.running[rid]
             seq.generated.append(token)
             finish = self.finish_reason(seq, token)
             if finish is not None:  # the event goes before the last token: the gateway's terminal event follows it
                 kv = self.engine.kv_of(rid)
-                self.engine.remove(rid)
-                del self.running[rid]
+                self.forget(rid)
                 await self.events.request("decode_finished", rid, tokens=len(seq.generated),
-                                          seconds=round(time.perf_counter() - seq.started, 6), finish_reason=finish)
-                self.tasks.spawn(self.store_kv(seq, kv), f"store-{rid}")
-            await self.reply(seq.task, TokenChunk(rid, index, [token], finish_reason=finish, source=self.cfg.instance_id))
+                                          seconds=round(time.perf_counter() - seq.started, 6), finish_reason=finish,
+                                          attempt=seq.task.attempt)
+                self.tasks.spawn(self.store_kv(seq, kv), f"store-{rid}", essential=False)
+            await worker.reply(self.nc, seq.task.reply_subject,
+                               TokenChunk(rid, seq.index_of_last(), [token], finish_reason=finish,
+                                          source=self.cfg.instance_id, attempt=seq.task.attempt))
 
     def finish_reason(self, seq: Running, token: int) -> str | None:
         if token == self.eos_token_id and not seq.task.sampling.ignore_eos:
@@ -149,6 +204,10 @@ class DecodeService:
             return "length"
         return None
 
+    async def fail(self, task: DecodeTask, why: str, status: int, retryable: bool) -> None:
+        await worker.reply(self.nc, task.reply_subject, worker.error_chunk(
+            task.request_id, task.attempt, task.num_generated + 1, why, status, self.cfg.instance_id, retryable))
+
     async def reject_late(self, task: DecodeTask, why: str) -> None:
         rid = task.request_id
         kvfiles.remove(self.cfg.shm_dir, task.kv)
@@ -156,10 +215,10 @@ class DecodeService:
         log.warning("request %s: rejected late (%s); %d prefill tokens wasted", rid, why, wasted)
         await self.events.request("rejected_late", rid, reason=why, running=self.engine.num_running,
                                   tbt_slo_s=self.cfg.tbt_slo_s, wasted_prefill_tokens=wasted,
-                                  wasted_prefill_s=round(task.prefill_s, 6))
-        await self.reply(task, TokenChunk(rid, 1, [], error=why, error_status=429, retry_after_s=1.0,
-                                          source=self.cfg.instance_id, stage="decode",
-                                          wasted_prefill_tokens=wasted, wasted_prefill_s=task.prefill_s))
+                                  wasted_prefill_s=round(task.prefill_s, 6), attempt=task.attempt)
+        await worker.reply(self.nc, task.reply_subject, worker.error_chunk(
+            rid, task.attempt, task.num_generated + 1, why, 429, self.cfg.instance_id, False, retry_after_s=1.0,
+            stage="decode", wasted_prefill_tokens=wasted, wasted_prefill_s=task.prefill_s))
 
     async def store_kv(self, seq: Running, kv: torch.Tensor) -> None:
         """Keep the prompt's and the completion's KV in the node's pool, so the next turn hits."""
@@ -170,40 +229,76 @@ class DecodeService:
         except PoolUnavailable as exc:
             log.warning("request %s: KV not stored: %s", seq.request_id, exc)
 
-    async def reply(self, task: DecodeTask, chunk: TokenChunk) -> None:
-        await self.nc.publish(task.reply_subject, chunk.to_bytes())
+    # --- presence and drain ---------------------------------------------------------------------------
+    def info(self, leaving: bool = False) -> WorkerInfo:
+        return WorkerInfo(self.cfg.instance_id, "decode", self.cfg.node, self.cfg.model,
+                          num_queued=self.arrived.qsize() + len(self.waiting), num_running=self.engine.num_running,
+                          leaving=leaving, draining=self.draining, incarnation=self.incarnation)
 
     async def heartbeat(self) -> None:
-        info = WorkerInfo(self.cfg.instance_id, "decode", self.cfg.node, self.cfg.model,
-                          num_queued=self.arrived.qsize() + len(self.waiting), num_running=self.engine.num_running)
-        await self.nc.publish(subjects.WORKER_HEARTBEAT, info.to_bytes())
+        await bus.publish(self.nc, subjects.WORKER_HEARTBEAT, self.info().to_bytes())
 
     async def start(self, stop: asyncio.Event, model_name: str, profile_source: str) -> None:
         """Subscribe, start the batch loop and the heartbeats, announce the instance."""
         cfg = self.cfg
-        await self.nc.subscribe(subjects.decode_tasks(cfg.instance_id), cb=self.on_task)
-        await self.nc.subscribe(subjects.REQUEST_CANCEL, cb=self.on_cancel)
+        kvfiles.sweep_incoming(cfg.shm_dir)  # landed for a predecessor that died before reading them
+        await bus.subscribe(self.nc, subjects.decode_tasks(cfg.instance_id), self.on_task)
+        await bus.subscribe(self.nc, subjects.REQUEST_CANCEL, self.cancelled.on_cancel)
         self.tasks.spawn(self.loop(), f"decode-loop-{cfg.instance_id}")
-        self.tasks.spawn(runner.every(cfg.heartbeat_interval_s, stop, self.heartbeat), f"heartbeat-{cfg.instance_id}")
-        await self.events.instance("started", cfg.instance_id, role="decode", node=cfg.node, model=model_name)
+        self.tasks.spawn(runner.every(cfg.heartbeat_interval_s, self.gone, self.heartbeat), f"heartbeat-{cfg.instance_id}")
+        await self.heartbeat()
+        await self.events.instance("started", cfg.instance_id, role="decode", node=cfg.node, model=model_name,
+                                   incarnation=self.incarnation)
         log.info("decode %s ready on node %s (model %s): batch <= %d, KV budget %d tokens, late TBT check %s "
                  "(slo %gs), profile %s", cfg.instance_id, cfg.node, model_name, cfg.max_batch, cfg.kv_budget_tokens,
                  "on" if cfg.late_check else "off", cfg.tbt_slo_s, profile_source)
 
+    async def drain(self, stop: runner.Stop, grace_s: float) -> None:
+        """Finish what is held (route nothing new here), then resume the rest elsewhere."""
+        self.draining = True
+        await self.heartbeat()
+        log.info("decode %s draining: %d requests held, grace %gs", self.cfg.instance_id, self.num_held, grace_s)
+
+        async def emptied() -> None:
+            while self.num_held:
+                await asyncio.sleep(0.05)
+
+        if not await runner.wait_or_hard(stop, emptied(), grace_s):
+            log.warning("decode %s: %d requests left after the grace period; resuming them elsewhere",
+                        self.cfg.instance_id, self.num_held)
+        await self.hand_back("decode instance %s is shutting down" % self.cfg.instance_id)
+
+    async def hand_back(self, why: str) -> None:
+        """Every request still held gets a retryable error: its gateway resumes it elsewhere."""
+        held = [seq.task for seq in self.running.values()] + list(self.waiting)
+        while not self.arrived.empty():
+            held.append(self.arrived.get_nowait())
+        for task in held:
+            self.forget(task.request_id)
+            kvfiles.remove(self.cfg.shm_dir, task.kv)
+            await self.fail(task, why, 503, retryable=True)
+        self.waiting.clear()
+
     async def leave(self) -> None:
-        info = WorkerInfo(self.cfg.instance_id, "decode", self.cfg.node, leaving=True)
-        await self.nc.publish(subjects.WORKER_HEARTBEAT, info.to_bytes())
+        self.gone.set()
+        await bus.publish(self.nc, subjects.WORKER_HEARTBEAT, self.info(leaving=True).to_bytes())
 
 
-async def serve(cfg: DecodeConfig, stop: asyncio.Event) -> None:
-    worker = await asyncio.to_thread(models.load_for_worker, cfg.model, cfg.home, cfg.threads)
+async def serve(cfg: DecodeConfig, stop: runner.Stop) -> bool:
+    worker_model = await asyncio.to_thread(models.load_for_worker, cfg.model, cfg.home, cfg.threads)
     perf, source = profiles.load(cfg.home, cfg.model, cfg.profile)
-    engine = BatchEngine(worker.model, cfg.max_batch, cfg.kv_budget_tokens)
+    engine = BatchEngine(worker_model.model, cfg.max_batch, cfg.kv_budget_tokens)
     nc = await bus.connect(cfg.nats_url, cfg.instance_id)
     tasks = runner.TaskGroup(stop)
-    service = DecodeService(cfg, nc, engine, worker.eos_token_id, worker.shape.kv_layout(cfg.block_tokens), tasks, perf)
-    await service.start(stop, worker.ref.name, source)
+    service = DecodeService(cfg, nc, engine, worker_model.eos_token_id,
+                            worker_model.shape.kv_layout(cfg.block_tokens), tasks, perf)
+    await service.start(stop, worker_model.ref.name, source)
     await stop.wait()
+    if not tasks.failed:
+        await service.drain(stop, cfg.drain_grace_s)
+    else:
+        await service.hand_back(f"decode instance {cfg.instance_id} failed")
     await service.leave()
     await tasks.cancel_all()
     await bus.shutdown(nc)
+    return not tasks.failed

@@ -21,6 +21,9 @@ class GatewayConfig:
     route_timeout_s: float  # how long to wait for the conductor's answer
     stall_timeout_s: float  # a request with no news from any worker for this long fails (504)
     default_chat_max_tokens: int  # when a chat request sets no max_tokens (completions default to 16)
+    max_migrations: int  # times a request is resumed elsewhere after its first token
+    prefill_retries: int  # times a request is re-dispatched when its prefill is lost before the first token
+    migration_timeout_s: float  # how long a resumption waits for an instance to take it
 
     def __post_init__(self) -> None:
         common.check_subject_token("instance id", self.instance_id)
@@ -28,6 +31,8 @@ class GatewayConfig:
             raise ValueError(f"port {self.port} out of range")
         if min(self.route_timeout_s, self.stall_timeout_s) <= 0:
             raise ValueError("timeouts must be > 0")
+        if self.max_migrations < 0 or self.prefill_retries < 0 or self.migration_timeout_s <= 0:
+            raise ValueError("migration limits must be >= 0 and the migration timeout > 0")
         if self.default_chat_max_tokens < 1:
             raise ValueError("default chat max tokens must be >= 1")
 
@@ -41,5 +46,11 @@ def load(argv: list[str] | None = None) -> GatewayConfig:
     common.flag(parser, "--route-timeout", "MOONBUS_ROUTE_TIMEOUT", 5.0, float, help="seconds to wait for a route", dest="route_timeout_s")
     common.flag(parser, "--stall-timeout", "MOONBUS_STALL_TIMEOUT", 120.0, float, help="seconds without progress before a request fails", dest="stall_timeout_s")
     common.flag(parser, "--default-chat-max-tokens", "MOONBUS_DEFAULT_CHAT_MAX_TOKENS", 512, int, help="max_tokens of a chat request that sets none")
+    common.flag(parser, "--max-migrations", "MOONBUS_MAX_MIGRATIONS", 2, int,
+                help="times a request is resumed on another instance after its first token")
+    common.flag(parser, "--prefill-retries", "MOONBUS_PREFILL_RETRIES", 1, int,
+                help="times a request whose prefill is lost before its first token is dispatched again")
+    common.flag(parser, "--migration-timeout", "MOONBUS_MIGRATION_TIMEOUT", 30.0, float, dest="migration_timeout_s",
+                help="seconds a resumed request waits for an instance to take it")
     args = parser.parse_args(argv)
     return common.build(GatewayConfig, args, home=Path(args.home))

@@ -3,6 +3,16 @@
 One subscription on gateway_tokens(instance_id) receives the TokenChunks of every request of
 this gateway and drops each into its request's queue (request_id -> RequestState); each HTTP
 handler awaits only its own queue.
+
+Resuming (migration). The gateway is the one place that knows exactly which tokens the client
+has, so it is the one that resumes a request when the cluster loses it: on a retryable error (an
+instance died or left, a transfer failed), it routes the request again as a new attempt whose
+prompt is the original prompt plus the tokens already streamed, with what is left of max_tokens.
+The new prefill reuses whatever KV the pool still holds for that prefix, samples the next token
+at the same step (seeded sampling stays reproducible) and numbers it where the stream stopped,
+so the client sees one stream with no token lost or repeated. Chunks of an abandoned attempt are
+dropped, and the workers are told to stop it. Limits: `max_migrations` resumptions after the
+first token, `prefill_retries` re-dispatches before it; then the request fails with a clear error.
 """
 
 from __future__ import annotations
@@ -19,8 +29,9 @@ from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
 from common import bus
 from schemas import subjects
+from schemas.codec import WireError
 from schemas.route import RouteReply, RouteRequest
-from schemas.tokens import TokenChunk
+from schemas.tokens import Cancel, TokenChunk
 from schemas.workers import StatusReply
 from services.gateway.config import GatewayConfig
 from services.gateway.detokenize import Detokenizer
@@ -47,11 +58,18 @@ class Generation:
     arrival: float  # time.time() at the gateway
     state: RequestState
     created: int = field(default_factory=lambda: int(time.time()))
-    completion_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)  # completion tokens accepted, in order
     cached_tokens: int = 0
     finish_reason: str | None = None
     ttft_s: float | None = None
     ended: bool = False
+    attempt: int = 0
+    migrations: int = 0  # resumptions after the first token
+    redispatches: int = 0  # re-dispatches before it
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 @dataclass(frozen=True)
@@ -76,8 +94,8 @@ class Gateway:
     async def on_tokens(self, msg: Msg) -> None:
         try:
             chunk = TokenChunk.from_bytes(msg.data)
-        except ValueError:
-            log.exception("dropping malformed token chunk")
+        except WireError as exc:
+            log.error("dropping a malformed token chunk: %s", exc)
             return
         state = self.states.get(chunk.request_id)
         if state is not None:  # else: the request already ended (e.g. client went away)
@@ -136,25 +154,70 @@ class Gateway:
         return gen
 
     async def route(self, gen: Generation) -> RouteReply:
-        request = RouteRequest(gen.request_id, gen.prompt_ids, gen.request.sampling(gen.max_tokens),
-                               self.reply_subject, gen.arrival)
+        """Ask a conductor to route the request's current attempt (a resumed one carries its tokens)."""
+        done = len(gen.token_ids)
+        request = RouteRequest(gen.request_id, gen.prompt_ids + gen.token_ids,
+                               gen.request.sampling(gen.max_tokens - done), self.reply_subject, gen.arrival,
+                               attempt=gen.attempt, num_generated=done,
+                               deadline_ts=time.time() + self.cfg.route_timeout_s)
         try:
             msg = await self.nc.request(subjects.CONDUCTOR_ROUTE, request.to_bytes(), timeout=self.cfg.route_timeout_s)
-        except (NoRespondersError, NatsTimeout):
-            return RouteReply(False, 503, "no conductor answered; the cluster is not ready", retry_after_s=1.0)
-        return RouteReply.from_bytes(msg.data)
+            return RouteReply.from_bytes(msg.data)
+        except (NoRespondersError, NatsTimeout, WireError) as exc:
+            # the conductor may still dispatch it: the cancel makes the workers drop it and frees its load
+            await self.cancel(gen)
+            reason = "no conductor answered; the cluster is not ready" if not isinstance(exc, WireError) \
+                else f"the conductor's answer was malformed: {exc}"
+            return RouteReply(False, 503, reason, retry_after_s=1.0)
+
+    async def cancel(self, gen: Generation) -> None:
+        """Tell every worker (and the conductor) to drop attempts <= the current one."""
+        await bus.publish(self.nc, subjects.REQUEST_CANCEL, Cancel(gen.request_id, gen.attempt).to_bytes())
+
+    async def resume(self, gen: Generation, chunk: TokenChunk) -> bool:
+        """Route the request again after a retryable error; False if its limits are spent or no
+        instance took it in time (the caller then fails it with the error)."""
+        started = bool(gen.token_ids)
+        if (started and gen.migrations >= self.cfg.max_migrations) or \
+                (not started and gen.redispatches >= self.cfg.prefill_retries):
+            log.warning("request %s: not resumed again (%d migrations, %d re-dispatches): %s", gen.request_id,
+                        gen.migrations, gen.redispatches, chunk.error)
+            return False
+        await self.cancel(gen)  # the abandoned attempt stops wherever it still runs
+        gen.attempt += 1
+        if started:
+            gen.migrations += 1
+        else:
+            gen.redispatches += 1
+        log.warning("request %s: resuming as attempt %d after %d tokens (%s)", gen.request_id, gen.attempt,
+                    len(gen.token_ids), chunk.error)
+        await self.events.request("migrated", gen.request_id, attempt=gen.attempt, reason=chunk.error,
+                                  source=chunk.source, resumed_tokens=len(gen.token_ids), before_first_token=not started)
+        deadline = time.monotonic() + self.cfg.migration_timeout_s
+        while True:  # an instance may be restarting: keep asking for a while
+            reply = await self.route(gen)
+            if reply.admitted:
+                return True
+            if time.monotonic() + 1.0 > deadline:
+                log.warning("request %s: could not be resumed: %s", gen.request_id, reply.reason)
+                return False
+            await asyncio.sleep(min(max(reply.retry_after_s, 0.2), 1.0))
 
     # --- the stream of tokens -------------------------------------------------------------
     async def deltas(self, gen: Generation) -> AsyncIterator[Delta]:
         """Text as it becomes final; the last Delta carries finish_reason. Raises ApiError on failure."""
         detok = Detokenizer(self.tokenizer, gen.request.stop)
-        pending: dict[int, TokenChunk] = {}  # index -> chunk that arrived early
-        expected = 0
+        pending: dict[int, TokenChunk] = {}  # index -> chunk of the current attempt that arrived early
         while True:
             try:
                 chunk = await asyncio.wait_for(gen.state.chunks.get(), self.cfg.stall_timeout_s)
             except asyncio.TimeoutError:
                 raise ApiError(504, f"no progress from the cluster for {self.cfg.stall_timeout_s:.0f} s", code="timeout")
+            if chunk.attempt != gen.attempt:
+                continue  # from an abandoned attempt
+            if chunk.error and chunk.retryable and await self.resume(gen, chunk):
+                pending.clear()
+                continue
             if chunk.error:
                 detail = {"stage": chunk.stage or "worker", "source": chunk.source}
                 if chunk.stage == "decode":
@@ -163,15 +226,15 @@ class Gateway:
                 prefix = "rejected" if chunk.error_status == 429 else "request failed"
                 raise ApiError(chunk.error_status or 500, f"{prefix}: {chunk.error}", retry_after_s=chunk.retry_after_s,
                                code="overloaded" if chunk.error_status == 429 else "worker_failed", detail=detail)
-            pending[chunk.index] = chunk
-            while expected in pending:
-                chunk = pending.pop(expected)
-                expected += len(chunk.token_ids)
+            if chunk.index >= len(gen.token_ids):
+                pending[chunk.index] = chunk
+            while len(gen.token_ids) in pending:
+                chunk = pending.pop(len(gen.token_ids))
                 if gen.ttft_s is None:
                     gen.ttft_s = time.time() - gen.arrival
                     gen.cached_tokens = chunk.cached_tokens
                     await self.events.request("first_token", gen.request_id, ttft_s=round(gen.ttft_s, 6))
-                gen.completion_tokens += len(chunk.token_ids)
+                gen.token_ids.extend(chunk.token_ids)
                 text = detok.add(chunk.token_ids)
                 ids = tuple(chunk.token_ids)
                 if detok.stopped:
@@ -190,17 +253,18 @@ class Gateway:
         self.states.pop(gen.request_id, None)
         if kind != "completed" or gen.finish_reason == "stop":
             # the workers may still be generating (client gone, stop string, failure elsewhere)
-            await self.nc.publish(subjects.REQUEST_CANCEL, gen.request_id.encode())
+            await self.cancel(gen)
         await self.events.request(kind, gen.request_id, prompt_tokens=len(gen.prompt_ids),
                                   completion_tokens=gen.completion_tokens, cached_tokens=gen.cached_tokens,
-                                  ttft_s=gen.ttft_s, seconds=round(time.time() - gen.arrival, 6), **data)
+                                  ttft_s=gen.ttft_s, seconds=round(time.time() - gen.arrival, 6),
+                                  attempts=gen.attempt + 1, migrations=gen.migrations, **data)
 
     async def cluster_status(self) -> StatusReply | None:
         try:
             msg = await self.nc.request(subjects.CONDUCTOR_STATUS, b"", timeout=1.0)
-        except (NoRespondersError, NatsTimeout):
+            return StatusReply.from_bytes(msg.data)
+        except (NoRespondersError, NatsTimeout, WireError):
             return None
-        return StatusReply.from_bytes(msg.data)
 
 
 async def serve(cfg: GatewayConfig, stop: asyncio.Event) -> None:
@@ -214,10 +278,10 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event) -> None:
     shape = models.read_shape(ref)
     nc = await bus.connect(cfg.nats_url, cfg.instance_id)
     gateway = Gateway(cfg, nc, tokenizer, ref.name, shape.max_context)
-    await nc.subscribe(gateway.reply_subject, cb=gateway.on_tokens)
+    await bus.subscribe(nc, gateway.reply_subject, gateway.on_tokens)
     api = Api(gateway)
     for kind in ("prefilled", "kv_pulled"):
-        await nc.subscribe(subjects.request_event(kind, "*"), cb=api.on_request_event)
+        await bus.subscribe(nc, subjects.request_event(kind, "*"), api.on_request_event)
     runner = web.AppRunner(api.app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)

@@ -33,13 +33,14 @@ class MessengerConfig:
     peer_timeout_s: float  # forget a peer messenger after this long without heartbeats
     connect_timeout_s: float
     pin_lease_s: float  # pins of a request that never released them are dropped after this long
+    stale_kv_s: float  # a request KV file in the shm directory older than this is nobody's: removed
 
     def __post_init__(self) -> None:
         common.check_subject_token("instance id", self.instance_id)
         common.check_subject_token("node", self.node)
         if not 0 <= self.transfer_port < 65536:
             raise ValueError(f"transfer port {self.transfer_port} out of range")
-        if min(self.heartbeat_interval_s, self.peer_timeout_s, self.connect_timeout_s, self.pin_lease_s) <= 0:
+        if min(self.heartbeat_interval_s, self.peer_timeout_s, self.connect_timeout_s, self.pin_lease_s, self.stale_kv_s) <= 0:
             raise ValueError("intervals and timeouts must be > 0")
         if self.block_tokens < 1 or self.dram_bytes < 0 or self.ssd_bytes < 0:
             raise ValueError("block tokens must be >= 1 and capacities >= 0")
@@ -69,6 +70,8 @@ def load(argv: list[str] | None = None) -> MessengerConfig:
     common.flag(parser, "--peer-timeout", "MOONBUS_PEER_TIMEOUT", 5.0, float, help="seconds", dest="peer_timeout_s")
     common.flag(parser, "--connect-timeout", "MOONBUS_CONNECT_TIMEOUT", 5.0, float, help="seconds", dest="connect_timeout_s")
     common.flag(parser, "--pin-lease", "MOONBUS_PIN_LEASE", 600.0, float, help="seconds", dest="pin_lease_s")
+    common.flag(parser, "--stale-kv", "MOONBUS_STALE_KV", 600.0, float, dest="stale_kv_s",
+                help="seconds after which a request KV file nobody picked up is removed")
     args = parser.parse_args(argv)
     home = Path(args.home)
     return common.build(MessengerConfig, args, shm_dir=common.shm_dir_for(args.node, args.shm_dir), home=home,

@@ -6,10 +6,14 @@ index. Single-threaded: the messenger calls it from its event loop only.
 
 Life of a block written by a worker:
 
-    reserve(keys)  -> slots (pool: Stored, pinned; hidden from lookups until written)
+    reserve(hold, keys)  -> slots (pool: Stored, pinned; hidden from lookups until written)
     worker writes the payloads into the slots, in place
-    commit(blocks) -> checksums recorded, unpinned, `stored` events
-    release(rid)   -> whatever the request still pins is unpinned; unwritten reservations dropped
+    commit(hold, blocks) -> checksums recorded, unpinned, `stored` events
+    release(hold)        -> whatever the hold still pins is unpinned; unwritten reservations dropped
+
+A hold is "<holder>/<request_id>" (schemas.pool): pins belong to one process's work on one
+request, so the prefill and the decode of a request on one node never release each other's, and
+`release_holder` frees everything a dead process pinned.
 
 Every payload's checksum is kept (key -> checksum) and checked when a block moves between tiers
 or nodes; a mismatch drops the block (a miss: the worker recomputes) and is reported.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,14 +44,18 @@ class PoolEvent:
 
 
 class NodePool:
-    def __init__(self, node: str, layout: KvLayout, slab_path: Path, dram_blocks: int,
+    def __init__(self, node: str, layout: KvLayout, shm_dir: Path, dram_blocks: int,
                  ssd_dir: Path | None, ssd_blocks: int, policy: str) -> None:
         self.node = node
         self.layout = layout
-        self.slab_path = slab_path
-        slab_path.parent.mkdir(parents=True, exist_ok=True)
-        slab_path.unlink(missing_ok=True)  # a stale slab from a previous run holds nothing we know
-        self.slab = DramSlab.create(str(slab_path), dram_blocks, layout.block_nbytes)
+        self.epoch = uuid.uuid4().hex[:12]
+        # NOTE: the slab's name carries the epoch: workers still mapping a dead messenger's slab see
+        # a new path in the next reply and re-attach (common/pool_client.py), never the old memory.
+        shm_dir.mkdir(parents=True, exist_ok=True)
+        for stale in shm_dir.glob("slab*"):  # a previous messenger's: it holds nothing we know
+            stale.unlink(missing_ok=True)
+        self.slab_path = shm_dir / f"slab-{self.epoch}"
+        self.slab = DramSlab.create(str(self.slab_path), dram_blocks, layout.block_nbytes)
         self.ssd: SsdStore | None = None
         if ssd_blocks > 0 and ssd_dir is not None:
             # NOTE: the SSD tier starts empty: its checksums and depths were not kept across restarts
@@ -54,16 +63,15 @@ class NodePool:
                 (ssd_dir / stale).unlink(missing_ok=True)
             self.ssd = SsdStore(str(ssd_dir), map_size_for(ssd_blocks, layout.block_nbytes))
         self.pool = TieredPool(dram_blocks, ssd_blocks if self.ssd is not None else 0, policy)
-        self.epoch = uuid.uuid4().hex[:12]
         self.seq = 0
         self.slots: dict[int, int] = {}  # key -> DRAM slot
         self.checksums: dict[int, int] = {}  # key -> payload checksum (written blocks only)
         self.unwritten: set[int] = set()  # reserved keys whose payload is not written yet
-        self.holds: dict[str, list[int]] = {}  # request_id -> keys it pins (lookups and reservations)
+        self.holds: dict[str, list[int]] = {}  # hold ("<holder>/<request_id>") -> keys it pins
         self._events: list[tuple[str, str, int]] = []  # (kind, tier, key) of the current operation
 
     # --- operations -------------------------------------------------------------------------
-    def lookup(self, request_id: str, keys: list[int]) -> tuple[list[SlotRef], list[PoolEvent]]:
+    def lookup(self, hold: str, keys: list[int]) -> tuple[list[SlotRef], list[PoolEvent]]:
         """Pin the longest written prefix of `keys`, promoting SSD blocks into DRAM on the way."""
         found: list[SlotRef] = []
         for key in keys:
@@ -73,12 +81,12 @@ class NodePool:
             if tier == SSD and not self._promote(key):
                 break
             self.pool.pin([key])
-            self.holds.setdefault(request_id, []).append(key)
+            self.holds.setdefault(hold, []).append(key)
             self.pool.touch([key])
             found.append(SlotRef(key, self.slots[key], self.checksums[key]))
         return found, self.take_events()
 
-    def reserve(self, request_id: str, keys: list[int], first_depth: int) -> tuple[list[SlotRef], list[PoolEvent]]:
+    def reserve(self, hold: str, keys: list[int], first_depth: int) -> tuple[list[SlotRef], list[PoolEvent]]:
         """Slots for the keys not held yet (pinned and hidden until committed)."""
         new = [(k, first_depth + i) for i, k in enumerate(keys) if k not in self.pool]
         self.pool.touch(k for k in keys if k in self.pool)
@@ -94,14 +102,14 @@ class NodePool:
             self.slots[key] = self._alloc_slot()
             self.unwritten.add(key)
             self.pool.pin([key])
-            self.holds.setdefault(request_id, []).append(key)
+            self.holds.setdefault(hold, []).append(key)
             reserved.append(SlotRef(key, self.slots[key]))
         return reserved, self.take_events()
 
-    def commit(self, request_id: str, written: list[SlotRef]) -> list[PoolEvent]:
-        held = self.holds.get(request_id, [])
+    def commit(self, hold: str, written: list[SlotRef]) -> list[PoolEvent]:
+        held = self.holds.get(hold, [])
         for ref in written:
-            if ref.key not in self.unwritten or self.slots.get(ref.key) != ref.slot:
+            if ref.key not in self.unwritten or self.slots.get(ref.key) != ref.slot or ref.key not in held:
                 continue
             self.unwritten.discard(ref.key)
             self.checksums[ref.key] = ref.checksum
@@ -110,8 +118,10 @@ class NodePool:
             self._events.append(("stored", DRAM, ref.key))
         return self.take_events()
 
-    def release(self, request_id: str) -> list[PoolEvent]:
-        for key in self.holds.pop(request_id, []):
+    def release(self, hold: str, corrupt: list[int] = ()) -> list[PoolEvent]:
+        """Unpin what `hold` pins (reservations never written are dropped), then drop the blocks
+        the holder found corrupt when it read them (they leave the pool and the index)."""
+        for key in self.holds.pop(hold, []):
             if key not in self.pool:
                 continue
             self.pool.unpin([key])
@@ -119,7 +129,25 @@ class NodePool:
                 self.unwritten.discard(key)
                 self.pool.discard([key])
                 self.slab.free(self.slots.pop(key))
-        return self.take_events()
+        for key in corrupt:
+            if key in self.pool and key not in self.unwritten and not self.pool.pin_count(key):
+                self._drop_corrupt(key)
+        return self.take_events(reader=hold.split("/", 1)[-1] if corrupt else "")
+
+    def release_holder(self, holder: str) -> list[PoolEvent]:
+        """Release every hold of one process (it died, or restarted under a new incarnation)."""
+        events: list[PoolEvent] = []
+        for hold in [h for h in self.holds if h.split("/", 1)[0] == holder]:
+            events += self.release(hold)
+        return events
+
+    def holders(self) -> dict[str, int]:
+        """hold -> blocks it pins (a leak check: empty once the node is idle)."""
+        return {hold: len(keys) for hold, keys in self.holds.items() if keys}
+
+    @property
+    def num_pinned(self) -> int:
+        return len(Counter(k for keys in self.holds.values() for k in keys))
 
     def read_block(self, key: int) -> bytes | None:
         """A written block's payload (checksum verified), or None if absent or corrupt."""
@@ -133,15 +161,20 @@ class NodePool:
                 return payload
             return self.ssd.get(key) if self.ssd is not None else None
         except ChecksumMismatch:
-            self.drop_corrupt(key)
+            self._drop_corrupt(key)  # its events go out with the caller's take_events()
             return None
 
     def drop_corrupt(self, key: int) -> list[PoolEvent]:
+        self._drop_corrupt(key)
+        return self.take_events()
+
+    def _drop_corrupt(self, key: int) -> None:
+        """A corrupt block leaves the pool: a `corrupt` event (audit) and an `evicted` one (the index)."""
         log.error("node %s: block %016x failed its checksum; dropped (it will be recomputed)", self.node, key)
-        self._events.append(("corrupt", self.pool.tier_of(key) or DRAM, key))
+        tier = self.pool.tier_of(key) or DRAM
+        self._events.append(("corrupt", tier, key))
         for action in self.pool.discard([key]):
             self._execute(action)
-        return self.take_events()
 
     def snapshot(self) -> tuple[int, dict[int, str]]:
         held = {k: t for k, t in self.pool.snapshot().items() if k not in self.unwritten}
@@ -164,10 +197,15 @@ class NodePool:
         key = action.key
         if isinstance(action, Demoted):
             slot = self.slots.pop(key)
-            status = self.ssd.put(key, self.slab.view(slot), self.checksums[key]) if self.ssd is not None else PutStatus.FULL
-            self.slab.free(slot)
+            try:
+                status = self.ssd.put(key, self.slab.view(slot), self.checksums[key]) if self.ssd is not None else PutStatus.FULL
+            except Exception as exc:  # a disk or LMDB error: the block is lost, its slot is not
+                log.error("node %s: SSD write of block %016x failed (%r); block dropped", self.node, key, exc)
+                status = PutStatus.FULL
+            finally:
+                self.slab.free(slot)
             if status is PutStatus.FULL:  # LMDB full despite the accounting: drop instead of crashing
-                log.warning("node %s: SSD tier full; block dropped instead of demoted", self.node)
+                log.warning("node %s: SSD tier full or failing; block dropped instead of demoted", self.node)
                 self.pool.discard([key])
                 self.checksums.pop(key, None)
                 self._events.append(("evicted", DRAM, key))
@@ -179,14 +217,17 @@ class NodePool:
             if action.tier == DRAM:
                 self.slab.free(self.slots.pop(key))
             elif self.ssd is not None:
-                self.ssd.delete(key)
+                try:
+                    self.ssd.delete(key)
+                except Exception as exc:  # the record stays on disk; the pool has forgotten it
+                    log.error("node %s: SSD delete of block %016x failed: %r", self.node, key, exc)
             self.checksums.pop(key, None)
             self._events.append(("evicted", action.tier, key))
 
     def _execute_promotion(self, key: int) -> None:
         try:
             payload = self.ssd.get(key) if self.ssd is not None else None
-        except ChecksumMismatch:
+        except Exception:  # ChecksumMismatch, or a disk/LMDB error: a miss
             payload = None
         if payload is None:  # corrupt or lost: the pool already moved it, so drop it
             log.error("node %s: block %016x unreadable on SSD; dropped", self.node, key)
@@ -207,16 +248,19 @@ class NodePool:
             raise RuntimeError(f"node {self.node}: no free DRAM slot although the pool made room")
         return slot
 
-    def take_events(self) -> list[PoolEvent]:
-        """Group this operation's changes into numbered events (one per run of kind and tier)."""
+    def take_events(self, reader: str = "") -> list[PoolEvent]:
+        """Group this operation's changes into numbered events (one per run of kind and tier);
+        `corrupt` ones (audit only, not numbered) name the request whose read found them."""
         out: list[PoolEvent] = []
         for kind, tier, key in self._events:
             if out and out[-1].kind == kind and out[-1].data.tier == tier:
                 out[-1].data.keys.append(key)
                 continue
-            if kind != "corrupt":
-                self.seq += 1
-            out.append(PoolEvent(kind, KvEventData(self.node, self.epoch, self.seq if kind != "corrupt" else 0, [key], tier)))
+            if kind == "corrupt":
+                out.append(PoolEvent(kind, KvEventData(self.node, self.epoch, 0, [key], tier, reader)))
+                continue
+            self.seq += 1
+            out.append(PoolEvent(kind, KvEventData(self.node, self.epoch, self.seq, [key], tier)))
         self._events.clear()
         return out
 

@@ -5,12 +5,18 @@ Control (NATS, messenger_control(node, op)), dispatched through one table:
   lookup / reserve / commit / release   the node pool (see node_pool.py)
   pull      fetch blocks from another node's messenger and keep them (hot-block replication)
   snapshot  everything the node holds, for the cache index
+  status    occupancy, pins by holder and request files (what a leak check reads)
 Bytes: the TCP link (link.py). KV events: numbered, published in order by one outbox task.
+
+Nothing outlives its owner: pins are keyed by holder process (schemas.pool), so the pins of a
+worker of this node that left, restarted (new incarnation) or went silent are released; request
+files are swept when their owner restarts (common/kvfiles.py) and, as a last resort, by age.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Awaitable, Callable
@@ -22,8 +28,9 @@ from common.kv import blocks as kvblocks
 from common.kv.pool import capacity_in_blocks
 from schemas import subjects
 from schemas.codec import Wire
+from schemas.codec import WireError
 from schemas.pool import (
-    CommitRequest, FetchBlocks, FetchReply, LookupReply, LookupRequest, PoolReply, PullRequest,
+    CommitRequest, FetchBlocks, FetchReply, LookupReply, LookupRequest, PoolReply, PoolStatus, PullRequest,
     ReleaseRequest, ReserveReply, ReserveRequest, SlotRef, SnapshotReply,
 )
 from schemas.transfer import SendKv, SendKvReply, TransferAck, TransferHeader
@@ -36,8 +43,9 @@ log = logging.getLogger(__name__)
 
 
 class MessengerService:
-    def __init__(self, cfg: MessengerConfig, nc, tasks: runner.TaskGroup, pool: NodePool) -> None:
+    def __init__(self, cfg: MessengerConfig, nc, tasks: runner.TaskGroup, pool: NodePool, max_kv_tokens: int) -> None:
         self.cfg = cfg
+        self.max_kv_tokens = max_kv_tokens  # the model's context: no request's KV is longer
         self.nc = nc
         self.tasks = tasks
         self.pool = pool
@@ -45,7 +53,9 @@ class MessengerService:
         self.outbox: asyncio.Queue[PoolEvent] = asyncio.Queue()  # KV events, published in seq order
         self.transfer_addr = ""
         self.peers: dict[str, tuple[str, float]] = {}  # node -> (host:port, last heartbeat, monotonic)
-        self.hold_since: dict[str, float] = {}  # request_id -> when it first pinned blocks (lease)
+        self.hold_since: dict[str, float] = {}  # hold -> when it first pinned blocks (lease)
+        self.workers: dict[str, tuple[str, float]] = {}  # instance on this node -> (incarnation, last heartbeat)
+        self.own_holder = f"{cfg.instance_id}:{pool.epoch}"  # pins the messenger makes itself (pulls)
         # op -> (handler, runs as its own task); slow ops must not hold up the others
         self.ops: dict[str, tuple[Callable[[bytes], Awaitable[Wire]], bool]] = {
             "send": (self.op_send, True),
@@ -55,6 +65,7 @@ class MessengerService:
             "commit": (self.op_commit, False),
             "release": (self.op_release, False),
             "snapshot": (self.op_snapshot, False),
+            "status": (self.op_status, False),
         }
 
     # --- control (NATS) -------------------------------------------------------------------
@@ -66,21 +77,27 @@ class MessengerService:
             return
         handler, own_task = entry
         if own_task:
-            self.tasks.spawn(self.answer(msg, handler), f"messenger-{op}")
+            self.tasks.spawn(self.answer(msg, handler), f"messenger-{op}", essential=False)
         else:
             await self.answer(msg, handler)
 
     async def answer(self, msg: Msg, handler: Callable[[bytes], Awaitable[Wire]]) -> None:
         try:
             reply = await handler(msg.data)
+        except WireError as exc:  # a malformed request: answered, logged, dropped
+            log.warning("messenger op %s: malformed request: %s", msg.subject, exc)
+            reply = PoolReply(False, f"malformed request: {exc}")
         except Exception as exc:  # answered, never a hang
             log.exception("messenger op %s failed", msg.subject)
             reply = PoolReply(False, f"{type(exc).__name__}: {exc}")
         if msg.reply:
-            await msg.respond(reply.to_bytes())
+            with contextlib.suppress(Exception):  # the requester may be gone (or the broker)
+                await msg.respond(reply.to_bytes())
 
     async def on_heartbeat(self, msg: Msg) -> None:
         info = WorkerInfo.from_bytes(msg.data)
+        if info.role in ("prefill", "decode") and info.node == self.cfg.node:
+            self.track_worker(info)
         if info.role != "messenger" or info.node == self.cfg.node:
             return
         if info.leaving:
@@ -88,33 +105,59 @@ class MessengerService:
         else:
             self.peers[info.node] = (info.transfer_addr, time.monotonic())
 
+    def track_worker(self, info: WorkerInfo) -> None:
+        """A worker of this node: when it leaves or comes back as a new process, its old pins go."""
+        known = self.workers.get(info.instance_id)
+        if known is not None and known[0] != info.incarnation:
+            self.release_holder(f"{info.instance_id}:{known[0]}", "restarted")
+        if info.leaving:
+            self.release_holder(info.holder, "left")
+            self.workers.pop(info.instance_id, None)
+        else:
+            self.workers[info.instance_id] = (info.incarnation, time.monotonic())
+
+    def release_holder(self, holder: str, why: str) -> None:
+        events = self.pool.release_holder(holder)
+        for hold in [h for h in self.hold_since if h.split("/", 1)[0] == holder]:
+            del self.hold_since[hold]
+        if events:
+            log.warning("released the pins of %s (%s)", holder, why)
+        self.publish(events)
+
     # --- the pool ops -----------------------------------------------------------------------
     async def op_lookup(self, data: bytes) -> LookupReply:
         req = LookupRequest.from_bytes(data)
-        found, events = self.pool.lookup(req.request_id, req.keys)
+        found, events = self.pool.lookup(req.hold_key, req.keys)
         self.publish(events)
         if found:
-            self.hold_since.setdefault(req.request_id, time.monotonic())
+            self.hold_since.setdefault(req.hold_key, time.monotonic())
         return LookupReply(found, str(self.pool.slab_path))
 
     async def op_reserve(self, data: bytes) -> ReserveReply:
         req = ReserveRequest.from_bytes(data)
-        slots, events = self.pool.reserve(req.request_id, req.keys, req.first_depth)
+        slots, events = self.pool.reserve(req.hold_key, req.keys, req.first_depth)
         self.publish(events)
         if slots:
-            self.hold_since.setdefault(req.request_id, time.monotonic())
+            self.hold_since.setdefault(req.hold_key, time.monotonic())
         return ReserveReply(slots, str(self.pool.slab_path))
 
     async def op_commit(self, data: bytes) -> PoolReply:
         req = CommitRequest.from_bytes(data)
-        self.publish(self.pool.commit(req.request_id, req.blocks))
+        self.publish(self.pool.commit(req.hold_key, req.blocks))
         return PoolReply(True, num_blocks=len(req.blocks))
 
     async def op_release(self, data: bytes) -> PoolReply:
         req = ReleaseRequest.from_bytes(data)
-        self.publish(self.pool.release(req.request_id))
-        self.hold_since.pop(req.request_id, None)
+        self.publish(self.pool.release(req.hold_key, req.corrupt))
+        self.hold_since.pop(req.hold_key, None)
         return PoolReply(True)
+
+    async def op_status(self, data: bytes) -> PoolStatus:
+        files, nbytes = kvfiles.usage(self.cfg.shm_dir)
+        pool = self.pool.pool
+        return PoolStatus(self.cfg.node, self.pool.epoch, str(self.pool.slab_path), pool.dram_capacity_blocks,
+                          pool.num_dram, pool.ssd_capacity_blocks, pool.num_ssd, self.pool.num_pinned,
+                          self.pool.holders(), files, nbytes)
 
     async def op_snapshot(self, data: bytes) -> SnapshotReply:
         seq, held = self.pool.snapshot()
@@ -130,19 +173,23 @@ class MessengerService:
         fetched, nbytes = await self.fetch(addr, FetchBlocks(req.request_id, req.keys))
         by_key = {k: (c, p) for k, c, p in fetched}
         keys = [k for k, _, _ in fetched]
+        hold = f"{self.own_holder}/{req.request_id}"
         # in rounds, as a worker stores: reserved blocks stay pinned until written
-        for _ in range(len(keys)):
-            slots, events = self.pool.reserve(req.request_id, keys, req.first_depth)
-            self.publish(events)
-            if not slots:
-                break
-            written = []
-            for ref in slots:
-                checksum, payload = by_key[ref.key]
-                self.pool.slab.write(ref.slot, payload)
-                written.append(SlotRef(ref.key, ref.slot, checksum))
-            self.publish(self.pool.commit(req.request_id, written))
-            self.publish(self.pool.release(req.request_id))
+        try:
+            for _ in range(len(keys)):
+                slots, events = self.pool.reserve(hold, keys, req.first_depth)
+                self.publish(events)
+                if not slots:
+                    break
+                written = []
+                for ref in slots:
+                    checksum, payload = by_key[ref.key]
+                    self.pool.slab.write(ref.slot, payload)
+                    written.append(SlotRef(ref.key, ref.slot, checksum))
+                self.publish(self.pool.commit(hold, written))
+                self.publish(self.pool.release(hold))
+        finally:  # a failed round must not leave its reservations pinned
+            self.publish(self.pool.release(hold))
         return PoolReply(True, num_blocks=len(fetched), nbytes=nbytes, seconds=time.perf_counter() - started)
 
     async def fetch(self, addr: str, request: FetchBlocks) -> tuple[list[tuple[int, int, bytes]], int]:
@@ -176,6 +223,8 @@ class MessengerService:
         started = time.perf_counter()
         path = kvfiles.path_of(self.cfg.shm_dir, request.src)
         payload = await asyncio.to_thread(path.read_bytes)
+        if request.src.node != self.cfg.node:
+            return SendKvReply(False, error=f"the KV {request.src.name} is not on node {self.cfg.node}")
         host, port = addr.rsplit(":", 1)
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), self.cfg.connect_timeout_s)
         try:
@@ -190,8 +239,10 @@ class MessengerService:
         return SendKvReply(True, ack.dest, nbytes=len(payload), seconds=time.perf_counter() - started)
 
     async def peer_addr(self, node: str) -> str | None:
-        """The link address of `node`'s messenger; waits a little for one that just started."""
-        deadline = time.monotonic() + 2 * self.cfg.heartbeat_interval_s
+        """The link address of `node`'s messenger; waits a little for one that just started, and up
+        to the peer timeout for a heartbeat of one we know (e.g. right after a broker outage)."""
+        wait = self.cfg.peer_timeout_s if node in self.peers else 2 * self.cfg.heartbeat_interval_s
+        deadline = time.monotonic() + wait
         while True:
             entry = self.peers.get(node)
             if entry is not None and time.monotonic() - entry[1] <= self.cfg.peer_timeout_s:
@@ -210,13 +261,20 @@ class MessengerService:
                 await self.serve_fetch(reader, writer)
             else:
                 log.warning("link from %s: unknown op %r", writer.get_extra_info("peername"), op)
-        except link.LinkError as exc:
+        except (link.LinkError, ValueError, OSError) as exc:  # a broken peer or a malformed frame
             log.warning("link from %s broke: %s", writer.get_extra_info("peername"), exc)
+        except Exception:
+            log.exception("link from %s failed", writer.get_extra_info("peername"))
         finally:
             writer.close()
 
     async def serve_transfer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         header = await link.read_header(reader, TransferHeader)
+        problem = self.check_transfer(header)
+        if problem:
+            log.warning("request %s: refused a KV transfer: %s", header.request_id, problem)
+            await link.write_frame(writer, TransferAck(False, error=problem))
+            return
         payload = await link.read_payload(reader, header.nbytes)
         try:
             dest = await asyncio.to_thread(kvfiles.write_bytes, self.cfg.shm_dir, header.handle, payload, self.cfg.node)
@@ -225,6 +283,16 @@ class MessengerService:
             log.error("request %s: cannot land KV: %s", header.request_id, exc)
             ack = TransferAck(False, error=str(exc))
         await link.write_frame(writer, ack)
+
+    def check_transfer(self, header: TransferHeader) -> str:
+        """A transfer must carry a whole request's KV in this model's layout (sizes are not trusted)."""
+        layout, shape = self.pool.layout, header.handle.shape
+        expected = layout.request_shape(shape[3])
+        if tuple(shape) != expected or not 0 < shape[3] <= self.max_kv_tokens:
+            return f"shape {shape} is not this model's KV layout {expected[:3]}..{expected[4:]} of at most {self.max_kv_tokens} tokens"
+        if header.nbytes != layout.bytes_per_token * shape[3]:
+            return f"{header.nbytes} bytes do not match shape {shape}"
+        return ""
 
     async def serve_fetch(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         request = await link.read_header(reader, FetchBlocks)
@@ -253,36 +321,48 @@ class MessengerService:
             await self.events.kv(event.kind, self.cfg.node, event.data.to_dict())
 
     async def heartbeat(self) -> None:
-        info = WorkerInfo(self.cfg.instance_id, "messenger", self.cfg.node, transfer_addr=self.transfer_addr)
-        await self.nc.publish(subjects.WORKER_HEARTBEAT, info.to_bytes())
+        info = WorkerInfo(self.cfg.instance_id, "messenger", self.cfg.node, transfer_addr=self.transfer_addr,
+                          incarnation=self.pool.epoch)
+        await bus.publish(self.nc, subjects.WORKER_HEARTBEAT, info.to_bytes())
 
-    async def sweep_leases(self) -> None:
+    async def sweep(self) -> None:
+        """Pins of silent workers and expired leases, and request files nobody came back for."""
         now = time.monotonic()
-        for rid, since in list(self.hold_since.items()):
-            if now - since > self.cfg.pin_lease_s:
-                log.warning("request %s: pin lease expired; releasing its blocks", rid)
-                self.publish(self.pool.release(rid))
-                del self.hold_since[rid]
+        quiet_since = now - self.cfg.peer_timeout_s
+        alive = {f"{iid}:{inc}" for iid, (inc, seen) in self.workers.items() if seen >= quiet_since}
+        for hold, since in list(self.hold_since.items()):
+            holder = hold.split("/", 1)[0]
+            if holder != self.own_holder and holder not in alive and since < quiet_since and not bus.recently_reconnected(self.nc):
+                self.release_holder(holder, "its process stopped sending heartbeats")
+            elif now - since > self.cfg.pin_lease_s:
+                log.warning("%s: pin lease expired; releasing its blocks", hold)
+                self.publish(self.pool.release(hold))
+                self.hold_since.pop(hold, None)
+        removed = await asyncio.to_thread(kvfiles.sweep, self.cfg.shm_dir, "", False, self.cfg.stale_kv_s)
+        if removed:
+            log.warning("removed %d request KV files older than %g s", removed, self.cfg.stale_kv_s)
 
 
 async def serve(cfg: MessengerConfig, stop: asyncio.Event) -> None:
     cfg.shm_dir.mkdir(parents=True, exist_ok=True)
+    kvfiles.sweep(cfg.shm_dir, kvfiles.IN, temporary_only=True)  # transfers a dead predecessor was landing
     ref = models.prepare(cfg.model, cfg.home)
-    layout = models.read_shape(ref).kv_layout(cfg.block_tokens)
+    shape = models.read_shape(ref)
+    layout = shape.kv_layout(cfg.block_tokens)
     dram_blocks = cfg.dram_blocks if cfg.dram_blocks > 0 else max(1, capacity_in_blocks(cfg.dram_bytes, layout))
     ssd_blocks = cfg.ssd_blocks if cfg.ssd_blocks >= 0 else capacity_in_blocks(cfg.ssd_bytes, layout)
-    pool = NodePool(cfg.node, layout, cfg.shm_dir / "slab", dram_blocks, cfg.ssd_dir, ssd_blocks, cfg.eviction)
+    pool = NodePool(cfg.node, layout, cfg.shm_dir, dram_blocks, cfg.ssd_dir, ssd_blocks, cfg.eviction)
     nc = await bus.connect(cfg.nats_url, cfg.instance_id)
     tasks = runner.TaskGroup(stop)
-    service = MessengerService(cfg, nc, tasks, pool)
+    service = MessengerService(cfg, nc, tasks, pool, shape.max_context)
     server = await asyncio.start_server(service.on_link, cfg.transfer_host, cfg.transfer_port, limit=1 << 20)
     port = server.sockets[0].getsockname()[1]
     service.transfer_addr = f"{cfg.transfer_addr_host}:{port}"
-    await nc.subscribe(subjects.WORKER_HEARTBEAT, cb=service.on_heartbeat)
-    await nc.subscribe(subjects.messenger_control(cfg.node, "*"), cb=service.on_control)
+    await bus.subscribe(nc, subjects.WORKER_HEARTBEAT, service.on_heartbeat)
+    await bus.subscribe(nc, subjects.messenger_control(cfg.node, "*"), service.on_control)
     tasks.spawn(service.publish_loop(), "kv-events")
     tasks.spawn(runner.every(cfg.heartbeat_interval_s, stop, service.heartbeat), "heartbeat")
-    tasks.spawn(runner.every(10.0, stop, service.sweep_leases), "pin-leases")
+    tasks.spawn(runner.every(2.0, stop, service.sweep), "sweep")
     await service.events.instance("started", cfg.instance_id, role="messenger", node=cfg.node,
                                   transfer_addr=service.transfer_addr, epoch=pool.epoch,
                                   dram_blocks=pool.pool.dram_capacity_blocks, ssd_blocks=pool.pool.ssd_capacity_blocks,
@@ -291,8 +371,10 @@ async def serve(cfg: MessengerConfig, stop: asyncio.Event) -> None:
              cfg.instance_id, cfg.node, service.transfer_addr, pool.pool.dram_capacity_blocks,
              pool.pool.ssd_capacity_blocks, layout.block_nbytes, cfg.eviction)
     await stop.wait()
-    await nc.publish(subjects.WORKER_HEARTBEAT, WorkerInfo(cfg.instance_id, "messenger", cfg.node, leaving=True).to_bytes())
+    await bus.publish(nc, subjects.WORKER_HEARTBEAT,
+                      WorkerInfo(cfg.instance_id, "messenger", cfg.node, leaving=True, incarnation=pool.epoch).to_bytes())
     server.close()
     await tasks.cancel_all()
     await bus.shutdown(nc)
     pool.close()
+    return not tasks.failed

@@ -22,6 +22,7 @@ class PrefillConfig:
     threads: int
     prefill_chunk: int  # prompts longer than this are computed in chunks of it (0 = never)
     heartbeat_interval_s: float
+    drain_grace_s: float  # after SIGTERM: time to finish the work held before handing the rest back
     transfer_timeout_s: float
     stream_host: str  # where this instance listens for pipeline stages' KV slices
     advertise_host: str  # how other instances reach that listener ("" = stream_host)
@@ -31,6 +32,8 @@ class PrefillConfig:
         common.check_subject_token("node", self.node)
         if self.threads < 0:
             raise ValueError("threads must be >= 0 (0 = torch default)")
+        if self.drain_grace_s < 0:
+            raise ValueError("drain grace must be >= 0")
         if self.heartbeat_interval_s <= 0 or self.transfer_timeout_s <= 0:
             raise ValueError("intervals and timeouts must be > 0")
 
@@ -50,6 +53,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                 help="compute prompts in chunks of this many tokens (0 = one pass)")
     common.flag(parser, "--threads", "MOONBUS_THREADS", 0, int, help="torch intra-op threads (0 = default)")
     common.flag(parser, "--heartbeat-interval", "MOONBUS_HEARTBEAT_INTERVAL", 1.0, float, help="seconds", dest="heartbeat_interval_s")
+    common.flag(parser, "--drain-grace", "MOONBUS_DRAIN_GRACE", 30.0, float, dest="drain_grace_s",
+                help="seconds to finish held work after SIGTERM; what is left is resumed elsewhere")
     common.flag(parser, "--transfer-timeout", "MOONBUS_TRANSFER_TIMEOUT", 60.0, float, help="seconds for one KV transfer", dest="transfer_timeout_s")
     common.flag(parser, "--stream-host", "MOONBUS_STREAM_HOST", "127.0.0.1", help="bind address for pipeline KV streams")
     common.flag(parser, "--advertise-host", "MOONBUS_ADVERTISE_HOST", "", help="host other instances connect to")

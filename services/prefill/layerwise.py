@@ -154,10 +154,10 @@ class FileSink:
         os.replace(self.tmp, self.path)
 
     def discard(self) -> None:
-        """Drop a file that will not be finished (the prefill failed)."""
-        if self._checksum is None:
-            self.array = None
-            self.tmp.unlink(missing_ok=True)
+        """Drop the file, finished or not (the prefill failed, or the request ended at its first token)."""
+        self.array = None
+        self.tmp.unlink(missing_ok=True)
+        self.path.unlink(missing_ok=True)
 
     def handle(self, node: str) -> KvHandle:
         if self._checksum is None:

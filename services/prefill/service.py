@@ -3,6 +3,12 @@
 task (NATS) -> forward pass in a worker thread -> first token to the gateway -> KV file in the
 node's shared memory -> local messenger moves it to the decode node -> DecodeTask to decode.
 
+Faults stay with their request: anything one task throws ends that task with one retryable
+error to its gateway (before the first token the gateway re-dispatches it once; after it, a
+failed hand-off is resumed like a lost decode instance), and the loop takes the next task. Drain
+(first SIGTERM): heartbeats say `draining`, the queue is worked off for up to `drain_grace_s`, and
+what is left gets a retryable error.
+
 `compute_lock`: a coupled instance (services/coupled) shares one model between this service and a
 DecodeService and passes both the same lock, so a prefill forward and a decode iteration never
 run at once: a prefill pauses the decode batch, as in one vLLM instance. Alone, no lock.
@@ -20,10 +26,11 @@ import torch
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
-from common import bus, kvfiles, models, runner, sampling
+from common import bus, kvfiles, models, runner, sampling, worker
 from common.kv.blocks import block_keys
 from common.pool_client import PoolClient, PoolUnavailable, Prefix
 from schemas import subjects
+from schemas.codec import WireError
 from schemas.decode import DecodeTask
 from schemas.prefill import PrefillTask
 from schemas.tokens import TokenChunk
@@ -49,12 +56,15 @@ class PrefillService:
         self.engine = LayerwisePrefill(model, cfg.prefill_chunk)
         self.layout = layout
         self.eos_token_id = eos_token_id
+        self.incarnation = worker.new_incarnation()
         self.events = bus.EventPublisher(nc, "prefill", cfg.instance_id)
-        self.pool = PoolClient(nc, cfg.node, layout, self.events)
+        self.pool = PoolClient(nc, cfg.node, layout, f"{cfg.instance_id}:{self.incarnation}")
         self.block_tokens = layout.block_tokens
         self.queue: asyncio.Queue[PrefillTask] = asyncio.Queue()
-        self.cancelled: set[str] = set()
+        self.cancelled = worker.Cancellations()
         self.running = 0
+        self.draining = False
+        self.gone = asyncio.Event()  # heartbeats go on while draining (they say so) and end with leave()
         self.compute_lock = compute_lock or contextlib.nullcontext()
         self.receiver = pipeline.SliceReceiver(self.engine.new_assembly)
         self.stream_addr = ""  # host:port of the pipeline KV listener, announced in heartbeats
@@ -62,20 +72,15 @@ class PrefillService:
     async def on_task(self, msg: Msg) -> None:
         try:
             task = PrefillTask.from_bytes(msg.data)
-        except ValueError:
-            log.exception("dropping malformed prefill task")
+        except WireError as exc:
+            log.error("dropping a malformed prefill task: %s", exc)
             return
         await self.queue.put(task)
-
-    async def on_cancel(self, msg: Msg) -> None:
-        self.cancelled.add(msg.data.decode())
-        if len(self.cancelled) > 10_000:  # ids of long-gone requests
-            self.cancelled.clear()
 
     async def work_loop(self) -> None:
         while True:
             task = await self.queue.get()
-            if task.request_id in self.cancelled:
+            if self.cancelled.covers(task.request_id, task.attempt):
                 self.receiver.drop(task.request_id)
                 continue
             self.running = 1
@@ -86,10 +91,15 @@ class PrefillService:
                     await self.run_task(task)
             except Exception as exc:
                 log.exception("request %s: prefill failed", task.request_id)
-                await self.reply(task, TokenChunk(task.request_id, 0, [], error=f"prefill failed: {exc}", error_status=500))
+                await self.fail(task, task.num_generated, f"prefill failed: {exc}")
             finally:
                 self.running = 0
                 self.receiver.drop(task.request_id)
+
+    async def fail(self, task: PrefillTask, index: int, why: str, status: int = 500) -> None:
+        """A retryable error: the gateway re-dispatches (before the first token) or resumes (after)."""
+        await worker.reply(self.nc, task.reply_subject, worker.error_chunk(
+            task.request_id, task.attempt, index, why, status, self.cfg.instance_id, retryable=True))
 
     async def run_task(self, task: PrefillTask) -> None:
         rid, ids = task.request_id, task.prompt_token_ids
@@ -98,28 +108,28 @@ class PrefillService:
         cached = prefix.num_blocks * self.block_tokens
         # layer-wise: each layer's KV goes into the handoff file while the next layer computes
         shape = self.layout.request_shape(len(ids))
-        sink = FileSink(self.cfg.shm_dir / f"{rid}.kv", shape)
+        sink = FileSink(self.cfg.shm_dir / kvfiles.outgoing_name(rid, task.attempt), shape)
         try:
             async with self.compute_lock:
                 result = await asyncio.to_thread(self.engine.run, ids, prefix.kv, sink)
+            first = sampling.sample(result.logits, task.sampling, step=task.num_generated)
         except BaseException:
             sink.discard()
             raise
-        kv, first = result.kv, sampling.sample(result.logits, task.sampling, step=0)
         prefill_s = time.perf_counter() - started
         finish = self.finish_reason(first, task)
         # NOTE: the event goes first so that the audit log keeps causal order (first_token after it)
         await self.events.request(
             "prefilled", rid, prompt_tokens=len(ids), cached_tokens=cached, computed_tokens=len(ids) - cached,
-            seconds=round(prefill_s, 6), decode_id=task.decode_id, finished=finish is not None,
+            seconds=round(prefill_s, 6), decode_id=task.decode_id, finished=finish is not None, attempt=task.attempt,
         )
-        await self.reply(task, TokenChunk(rid, 0, [first], finish_reason=finish, cached_tokens=cached,
-                                          source=self.cfg.instance_id))
-        if finish is None and rid not in self.cancelled:
+        await self.reply(task, TokenChunk(rid, task.num_generated, [first], finish_reason=finish, cached_tokens=cached,
+                                          source=self.cfg.instance_id, attempt=task.attempt))
+        if finish is None and not self.cancelled.covers(rid, task.attempt):
             await self.hand_off(task, first, sink.handle(self.cfg.node), cached, prefill_s)
         else:
             sink.discard()
-        await self.store_prompt(rid, ids, kv, prefix.num_blocks)
+        await self.store_prompt(rid, ids, result.kv, prefix.num_blocks)
 
     async def run_stage(self, task: PrefillTask) -> None:
         """One stage of a pipelined prefill (services/prefill/pipeline.py); no cached prefix is used."""
@@ -140,15 +150,17 @@ class PrefillService:
         if task.stage != pipeline.last_stage(len(ids), spec.chunk_tokens, len(spec.stages)):
             return
         full = await asyncio.to_thread(kv.wait_all, self.cfg.transfer_timeout_s)
-        first = sampling.sample(logits, task.sampling, step=0)
+        first = sampling.sample(logits, task.sampling, step=task.num_generated)
         prefill_s = time.perf_counter() - started
         finish = self.finish_reason(first, task)
         await self.events.request("prefilled", rid, prompt_tokens=len(ids), cached_tokens=0, computed_tokens=len(ids),
                                   seconds=round(prefill_s, 6), decode_id=task.decode_id, finished=finish is not None,
-                                  pipeline=spec.stages)
-        await self.reply(task, TokenChunk(rid, 0, [first], finish_reason=finish, source=self.cfg.instance_id))
-        if finish is None and rid not in self.cancelled:
-            handle = await asyncio.to_thread(kvfiles.write, self.cfg.shm_dir, self.cfg.node, f"{rid}.kv", full)
+                                  pipeline=spec.stages, attempt=task.attempt)
+        await self.reply(task, TokenChunk(rid, task.num_generated, [first], finish_reason=finish,
+                                          source=self.cfg.instance_id, attempt=task.attempt))
+        if finish is None and not self.cancelled.covers(rid, task.attempt):
+            name = kvfiles.outgoing_name(rid, task.attempt)
+            handle = await asyncio.to_thread(kvfiles.write, self.cfg.shm_dir, self.cfg.node, name, full)
             await self.hand_off(task, first, handle, 0, prefill_s)
         await self.store_prompt(rid, ids, full, 0)
 
@@ -182,36 +194,48 @@ class PrefillService:
             return Prefix(None, 0)
 
     async def hand_off(self, task: PrefillTask, first: int, handle, cached: int, prefill_s: float) -> None:
+        """Move the KV to the decode node and hand the request over. The first token is already out,
+        so a failure here is answered at the next index: the gateway resumes with that token."""
         rid = task.request_id
-        reply = await self.send_kv(SendKv(rid, handle, task.decode_node))
+        try:
+            reply = await self.send_kv(SendKv(rid, handle, task.decode_node))
+        except TransferFailed as exc:
+            log.error("request %s: %s", rid, exc)
+            await self.fail(task, task.num_generated + 1, str(exc), 503)
+            return
         await self.events.request(
             "kv_transferred", rid, src_node=self.cfg.node, dest_node=task.decode_node,
-            bytes=reply.nbytes, seconds=round(reply.seconds, 6),
+            bytes=reply.nbytes, seconds=round(reply.seconds, 6), attempt=task.attempt,
         )
         decode = DecodeTask(rid, task.prompt_token_ids, first, task.sampling, task.reply_subject, reply.dest,
-                            task.arrival_ts, cached, prefill_s)
-        await self.nc.publish(subjects.decode_tasks(task.decode_id), decode.to_bytes())
+                            task.arrival_ts, cached, prefill_s, task.attempt, task.num_generated)
+        if not await bus.publish(self.nc, subjects.decode_tasks(task.decode_id), decode.to_bytes()):
+            await self.fail(task, task.num_generated + 1, f"could not hand the request to {task.decode_id}", 503)
 
     async def store_prompt(self, rid: str, ids: list[int], kv: torch.Tensor, num_cached: int) -> None:
-        """Keep the prompt's new full blocks in this node's pool, so later requests reuse them."""
+        """Keep the prompt's new full blocks in this node's pool, so later requests reuse them.
+        Best effort: the request is already answered, so nothing here may fail it."""
         if len(ids) // self.block_tokens <= num_cached:
             return
         try:
             stored = await self.pool.store(rid, ids, kv)
-        except PoolUnavailable as exc:
-            log.warning("request %s: prompt KV not stored: %s", rid, exc)
+        except Exception as exc:  # PoolUnavailable, a slab that went away with its messenger, ...
+            log.warning("request %s: prompt KV not stored: %r", rid, exc)
             return
         if stored:
             log.debug("request %s: stored %d new blocks", rid, stored)
 
     async def send_kv(self, request: SendKv) -> SendKvReply:
+        """The node's messenger moves the file; whatever happens, the file does not stay here."""
         subject = subjects.messenger_control(self.cfg.node, "send")
         try:
-            msg = await self.nc.request(subject, request.to_bytes(), timeout=self.cfg.transfer_timeout_s)
-        except (NoRespondersError, NatsTimeout) as exc:
-            (self.cfg.shm_dir / request.src.name).unlink(missing_ok=True)
+            msg = await bus.request(self.nc, subject, request.to_bytes(), timeout=self.cfg.transfer_timeout_s)
+            reply = SendKvReply.from_bytes(msg.data)
+        except (NoRespondersError, NatsTimeout, WireError) as exc:
             raise TransferFailed(f"no answer from the messenger of node {self.cfg.node}: {exc!r}") from exc
-        reply = SendKvReply.from_bytes(msg.data)
+        finally:
+            if request.dest_node != self.cfg.node:
+                kvfiles.remove(self.cfg.shm_dir, request.src)
         if not reply.ok or reply.dest is None:
             raise TransferFailed(f"KV transfer to node {request.dest_node} failed: {reply.error}")
         return reply
@@ -224,24 +248,49 @@ class PrefillService:
         return None
 
     async def reply(self, task: PrefillTask, chunk: TokenChunk) -> None:
-        await self.nc.publish(task.reply_subject, chunk.to_bytes())
+        await worker.reply(self.nc, task.reply_subject, chunk)
+
+    def info(self, leaving: bool = False) -> WorkerInfo:
+        return WorkerInfo(self.cfg.instance_id, "prefill", self.cfg.node, self.cfg.model, transfer_addr=self.stream_addr,
+                          num_queued=self.queue.qsize(), num_running=self.running, leaving=leaving,
+                          draining=self.draining, incarnation=self.incarnation)
 
     async def heartbeat(self) -> None:
-        info = WorkerInfo(self.cfg.instance_id, "prefill", self.cfg.node, self.cfg.model, transfer_addr=self.stream_addr,
-                          num_queued=self.queue.qsize(), num_running=self.running)
-        await self.nc.publish(subjects.WORKER_HEARTBEAT, info.to_bytes())
+        await bus.publish(self.nc, subjects.WORKER_HEARTBEAT, self.info().to_bytes())
 
     async def start(self, tasks: runner.TaskGroup, stop: asyncio.Event, model_name: str) -> None:
         """Subscribe, start the work loop and the heartbeats, announce the instance."""
         cfg = self.cfg
+        kvfiles.sweep_outgoing(cfg.shm_dir)  # written by a predecessor that died before sending them
         server = await asyncio.start_server(self.receiver.on_connection, cfg.stream_host, 0, limit=1 << 20)
         self.stream_addr = f"{self.advertised_host()}:{server.sockets[0].getsockname()[1]}"
-        await self.nc.subscribe(subjects.prefill_tasks(cfg.instance_id), cb=self.on_task)
-        await self.nc.subscribe(subjects.REQUEST_CANCEL, cb=self.on_cancel)
+        await bus.subscribe(self.nc, subjects.prefill_tasks(cfg.instance_id), self.on_task)
+        await bus.subscribe(self.nc, subjects.REQUEST_CANCEL, self.cancelled.on_cancel)
         tasks.spawn(self.work_loop(), f"prefill-work-{cfg.instance_id}")
-        tasks.spawn(runner.every(cfg.heartbeat_interval_s, stop, self.heartbeat), f"heartbeat-{cfg.instance_id}")
-        await self.events.instance("started", cfg.instance_id, role="prefill", node=cfg.node, model=model_name)
+        tasks.spawn(runner.every(cfg.heartbeat_interval_s, self.gone, self.heartbeat), f"heartbeat-{cfg.instance_id}")
+        await self.heartbeat()
+        await self.events.instance("started", cfg.instance_id, role="prefill", node=cfg.node, model=model_name,
+                                   incarnation=self.incarnation)
         log.info("prefill %s ready on node %s (model %s)", cfg.instance_id, cfg.node, model_name)
+
+    async def drain(self, stop: runner.Stop, grace_s: float) -> None:
+        """Work off the queue (route nothing new here); what is left after the grace is re-dispatched."""
+        self.draining = True
+        await self.heartbeat()
+        log.info("prefill %s draining: %d queued, grace %gs", self.cfg.instance_id, self.queue.qsize() + self.running, grace_s)
+
+        async def emptied() -> None:
+            while self.queue.qsize() or self.running:
+                await asyncio.sleep(0.05)
+
+        if not await runner.wait_or_hard(stop, emptied(), grace_s):
+            log.warning("prefill %s: work left after the grace period; re-dispatching it", self.cfg.instance_id)
+        await self.hand_back(f"prefill instance {self.cfg.instance_id} is shutting down")
+
+    async def hand_back(self, why: str) -> None:
+        while not self.queue.empty():
+            task = self.queue.get_nowait()
+            await self.fail(task, task.num_generated, why, 503)
 
     def advertised_host(self) -> str:
         """How other prefill instances reach this one's pipeline listener."""
@@ -252,17 +301,22 @@ class PrefillService:
         return self.cfg.stream_host
 
     async def leave(self) -> None:
-        info = WorkerInfo(self.cfg.instance_id, "prefill", self.cfg.node, leaving=True)
-        await self.nc.publish(subjects.WORKER_HEARTBEAT, info.to_bytes())
+        self.gone.set()
+        await bus.publish(self.nc, subjects.WORKER_HEARTBEAT, self.info(leaving=True).to_bytes())
 
 
-async def serve(cfg: PrefillConfig, stop: asyncio.Event) -> None:
-    worker = await asyncio.to_thread(models.load_for_worker, cfg.model, cfg.home, cfg.threads)
+async def serve(cfg: PrefillConfig, stop: runner.Stop) -> bool:
+    loaded = await asyncio.to_thread(models.load_for_worker, cfg.model, cfg.home, cfg.threads)
     nc = await bus.connect(cfg.nats_url, cfg.instance_id)
-    service = PrefillService(cfg, nc, worker.model, worker.eos_token_id, worker.shape.kv_layout(cfg.block_tokens))
+    service = PrefillService(cfg, nc, loaded.model, loaded.eos_token_id, loaded.shape.kv_layout(cfg.block_tokens))
     tasks = runner.TaskGroup(stop)
-    await service.start(tasks, stop, worker.ref.name)
+    await service.start(tasks, stop, loaded.ref.name)
     await stop.wait()
+    if not tasks.failed:
+        await service.drain(stop, cfg.drain_grace_s)
+    else:
+        await service.hand_back(f"prefill instance {cfg.instance_id} failed")
     await service.leave()
     await tasks.cancel_all()
     await bus.shutdown(nc)
+    return not tasks.failed

@@ -45,7 +45,7 @@ def reference(model, prompt: list[int], params: SamplingParams, steps: int) -> l
 
 def run(batch: BatchEngine, steps: int, into: dict[str, list[int]]) -> None:
     for _ in range(steps):
-        for rid, token in batch.step().items():
+        for rid, token in batch.step().tokens.items():
             into.setdefault(rid, []).append(token)
 
 
@@ -124,4 +124,56 @@ def test_tbt_recheck_uses_predicted_step_time(model):
 
 
 def test_step_on_empty_batch_returns_nothing(model):
-    assert BatchEngine(model, max_batch=2, kv_budget_tokens=100).step() == {}
+    assert BatchEngine(model, max_batch=2, kv_budget_tokens=100).step().tokens == {}
+
+
+async def test_engine_driven_as_the_decode_service_drives_it(model):
+    """Regression: the service calls add/remove/kv_of on its event loop and step() on a worker
+    thread, never inside torch.inference_mode(). A buffer grown by step() and then written by
+    add() crashed the live decode instance ("Inplace update to inference tensor outside
+    InferenceMode"): a request joins after the running one grew the buffer past a chunk."""
+    import asyncio
+
+    assert not torch.is_inference_mode_enabled()
+    batch = BatchEngine(model, max_batch=4, kv_budget_tokens=10_000, grow_tokens=16)
+    kv, first = make_start(model, make_prompt(10, 0), GREEDY)
+    batch.add("first", kv, first, GREEDY)
+    got: dict[str, list[int]] = {}
+    for _ in range(12):  # 10 + 12 > 16: step() grows the buffer on the worker thread
+        result = await asyncio.to_thread(batch.step)
+        for rid, token in result.tokens.items():
+            got.setdefault(rid, []).append(token)
+    assert batch.kv.shape[4] > 16
+    kv2, first2 = make_start(model, make_prompt(5, 1), GREEDY)
+    batch.add("second", kv2, first2, GREEDY)  # fits the grown buffer: written in place
+    for _ in range(3):
+        for rid, token in (await asyncio.to_thread(batch.step)).tokens.items():
+            got.setdefault(rid, []).append(token)
+    stored = batch.kv_of("first")  # what the service stores in the pool when a request finishes
+    target = torch.empty_like(stored)
+    target.copy_(stored.narrow(3, 0, stored.shape[3]))  # as PoolClient writes a slab slot
+    batch.remove("first")
+    batch.add("third", kv, first, GREEDY)
+    assert got["first"] == reference(model, make_prompt(10, 0), GREEDY, 15)
+    assert got["second"] == reference(model, make_prompt(5, 1), GREEDY, 3)
+
+
+def test_a_row_that_cannot_sample_fails_alone(model, monkeypatch):
+    batch = BatchEngine(model, max_batch=4, kv_budget_tokens=10_000)
+    tiny_t = SamplingParams(temperature=1e-40, max_tokens=64)  # greedy, not NaN
+    for i, params in enumerate((GREEDY, tiny_t, SEEDED)):
+        kv, first = make_start(model, make_prompt(6 + i, i), params)
+        batch.add(f"r{i}", kv, first, params)
+    real_forward = batch._forward
+
+    def broken_row_1(b, width):
+        logits = real_forward(b, width)
+        logits[batch.index["r1"]] = float("nan")
+        return logits
+
+    monkeypatch.setattr(batch, "_forward", broken_row_1)
+    result = batch.step()
+    assert set(result.tokens) == {"r0", "r2"} and "no finite logit" in result.errors["r1"]
+    monkeypatch.setattr(batch, "_forward", real_forward)
+    batch.remove("r1")
+    assert set(batch.step().tokens) == {"r0", "r2"}

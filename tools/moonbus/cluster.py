@@ -1,8 +1,10 @@
 """A local cluster as real processes: an embedded nats-server (JetStream on) and every service.
 
 Used by `moonbus up` and by the integration tests. Every child gets PR_SET_PDEATHSIG, so even a
-supervisor killed with SIGKILL leaves no orphans; a clean stop sends SIGTERM (the services
-drain NATS) and SIGKILLs whatever is left after a grace period.
+supervisor killed with SIGKILL leaves no orphans; a clean stop sends SIGTERM (workers finish
+what they hold, the services drain NATS) and SIGKILLs whatever is left after a grace period.
+`supervise()` restarts processes that exited (tools/moonbus/supervisor.py has the policy), and
+the state file `<home>/cluster.json` always names every process with its kind, node and pid.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tools.moonbus.supervisor import Action, RestartPolicy, Restarts
 
 PR_SET_PDEATHSIG = 1
 
@@ -103,6 +107,15 @@ class Proc:
     name: str
     popen: subprocess.Popen
     log_path: Path
+    kind: str  # nats | conductor | cache_index | gateway | messenger | prefill | decode | coupled
+    node: str = ""
+    restarts: Restarts = field(default_factory=Restarts)
+
+    @property
+    def state(self) -> str:
+        if self.restarts.gave_up:
+            return "gave_up"
+        return "running" if self.popen.poll() is None else "restarting"
 
 
 class Cluster:
@@ -123,14 +136,29 @@ class Cluster:
         except BaseException:
             self.stop()
             raise
-        (self.spec.home / "cluster.json").write_text(json.dumps({"url": self.spec.url, "nats_url": self.spec.nats_url}))
+        self.write_state()
+
+    def write_state(self) -> None:
+        """<home>/cluster.json, rewritten atomically: what `moonbus tap`, `soak` and operators read."""
+        spec = self.spec
+        state = {
+            "url": spec.url, "nats_url": spec.nats_url, "model": spec.model, "home": str(spec.home),
+            "shm_root": str(self.shm_root), "profile": spec.profile, "prefill": spec.num_prefill,
+            "decode": spec.num_decode, "coupled": spec.coupled, "supervisor_pid": os.getpid(),
+            "processes": {p.name: {"kind": p.kind, "node": p.node, "pid": p.popen.pid, "restarts": p.restarts.count,
+                                   "state": p.state, "log": str(p.log_path)} for p in self.procs.values()},
+        }
+        path = spec.home / "cluster.json"
+        tmp = path.with_name(".cluster.json.tmp")
+        tmp.write_text(json.dumps(state, indent=1))
+        os.replace(tmp, path)
 
     def start_nats(self) -> None:
         store = self.spec.home / "nats"
         store.mkdir(parents=True, exist_ok=True)
         args = [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(self.spec.nats_port), "-sd", str(store),
                 "-n", "moonbus-local"]
-        self.spawn("nats", args)
+        self.spawn("nats", "nats", args)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             self.check_alive()
@@ -159,12 +187,12 @@ class Cluster:
             node = f"node-p{i}"
             self.messenger(f"messenger-p{i}", node)
             self.service(f"prefill-{i}", "prefill", *self.node_args(node), "--threads", threads, *self.model_args(),
-                         "--prefill-chunk", str(spec.prefill_chunk))
+                         "--prefill-chunk", str(spec.prefill_chunk), node=node)
         for i in range(spec.decode):
             node = f"node-d{i}"
             self.messenger(f"messenger-d{i}", node)
             self.service(f"decode-{i}", "decode", *self.node_args(node), "--threads", threads, *self.model_args(),
-                         *self.slo_args())
+                         *self.slo_args(), node=node)
 
     def start_coupled(self, threads: str) -> None:
         """Each coupled instance announces `coupled-i-prefill` and `coupled-i-decode` on node-ci."""
@@ -172,13 +200,13 @@ class Cluster:
             node = f"node-c{i}"
             self.messenger(f"messenger-c{i}", node)
             self.service(f"coupled-{i}", "coupled", *self.node_args(node), "--threads", threads, *self.model_args(),
-                         *self.slo_args())
+                         *self.slo_args(), node=node)
 
-    def service(self, name: str, kind: str, *args: str) -> None:
+    def service(self, name: str, kind: str, *args: str, node: str = "") -> None:
         argv = [sys.executable, "-m", f"services.{kind}", "--nats-url", self.spec.nats_url,
                 "--instance-id", name, "--home", str(self.spec.home), "--log-level", self.spec.log_level, *args,
                 *self.spec.service_args.get(kind, [])]
-        self.spawn(name, argv)
+        self.spawn(name, kind, argv, node)
 
     def model_args(self) -> list[str]:
         return ["--model", self.spec.model, "--block-tokens", str(self.spec.block_tokens)]
@@ -192,7 +220,7 @@ class Cluster:
         spec = self.spec
         self.service(name, "messenger", *self.node_args(node), *self.model_args(), "--dram-bytes", str(spec.dram_bytes),
                      "--ssd-bytes", str(spec.ssd_bytes), "--eviction", spec.eviction,
-                     "--ssd-dir", str(spec.home / "ssd" / node))
+                     "--ssd-dir", str(spec.home / "ssd" / node), node=node)
 
     def node_args(self, node: str) -> list[str]:
         """Every process of a node shares its shared-memory directory (one per cluster and node)."""
@@ -204,15 +232,45 @@ class Cluster:
         if proc.popen.poll() is None:
             proc.popen.terminate()
             proc.popen.wait(30)
-        self.spawn(name, proc.popen.args)
+        self.spawn(name, proc.kind, proc.popen.args, proc.node, proc.restarts)
 
-    def spawn(self, name: str, argv: list[str]) -> None:
+    def spawn(self, name: str, kind: str, argv: list[str], node: str = "", restarts: Restarts | None = None) -> None:
         log_path = self.log_dir / f"{name}.log"
         env = os.environ | {"PYTHONUNBUFFERED": "1"} | self.spec.extra_env
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=env, cwd=Path(__file__).parents[2], preexec_fn=_die_with_parent)
-        self.procs[name] = Proc(name, popen, log_path)
+        self.procs[name] = Proc(name, popen, log_path, kind, node, restarts or Restarts())
+
+    def supervise(self, now: float, policy: RestartPolicy) -> list[Action]:
+        """One pass: note processes that exited, restart those whose backoff is over, give up on
+        crash loops. Returns what it did; the state file is rewritten when anything changed."""
+        actions = []
+        for proc in list(self.procs.values()):
+            r = proc.restarts
+            if r.gave_up or proc.popen.poll() is None:
+                continue
+            if r.restart_at is None:  # it just exited
+                r.exits.append(now)
+                delay = policy.delay(r.exits, now)
+                code = proc.popen.returncode
+                if delay is None:
+                    r.gave_up = True
+                    actions.append(Action("gave_up", proc.name, {"kind": proc.kind, "exit_code": code,
+                                                                 "exits": len(r.exits), "window_s": policy.window_s}))
+                    continue
+                r.restart_at = now + delay
+                actions.append(Action("exited", proc.name, {"kind": proc.kind, "exit_code": code, "restart_in_s": delay}))
+            if now >= r.restart_at:
+                code = proc.popen.returncode
+                r.restart_at = None
+                r.count += 1
+                self.restart(proc.name)
+                actions.append(Action("restarted", proc.name, {"kind": proc.kind, "pid": self.procs[proc.name].popen.pid,
+                                                               "exit_code": code, "restarts": r.count}))
+        if actions:
+            self.write_state()
+        return actions
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -246,10 +304,12 @@ class Cluster:
         return [p for p in self.procs.values() if p.popen.poll() is not None]
 
     # --- stop -----------------------------------------------------------------------------
-    def stop(self, grace_s: float = 10.0) -> None:
-        # services first (they drain to NATS), the broker last
-        order = [p for n, p in self.procs.items() if n != "nats"] + [p for n, p in self.procs.items() if n == "nats"]
-        for group in (order[:-1], order[-1:]):
+    def stop(self, grace_s: float = 45.0) -> None:
+        """Workers first (they finish what they hold, which needs everything else), then the other
+        services (they drain to NATS), the broker last; each group gets `grace_s`, then SIGKILL."""
+        groups = [("prefill", "decode", "coupled"), ("gateway", "conductor", "cache_index", "messenger"), ("nats",)]
+        for kinds in groups:
+            group = [p for p in self.procs.values() if p.kind in kinds]
             for proc in group:
                 if proc.popen.poll() is None:
                     proc.popen.send_signal(signal.SIGTERM)

@@ -1,4 +1,7 @@
-"""`moonbus up`: start a local cluster (embedded NATS, every service) and keep it running until Ctrl-C."""
+"""`moonbus up`: start a local cluster (embedded NATS, every service) and keep it running until Ctrl-C.
+
+A process that exits is restarted (tools/moonbus/supervisor.py); only Ctrl-C/SIGTERM stops all.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from pathlib import Path
 from common import models, profiles
 from common.config import default_home
 from tools.moonbus.cluster import Cluster, ClusterError, ClusterSpec
+from tools.moonbus.supervisor import Action, RestartPolicy, SupervisorEvents
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,19 +87,37 @@ def run(args: argparse.Namespace) -> int:
         print(f"moonbus up: {exc}", file=sys.stderr)
         return 1
     print_ready(spec, ref.name, cluster)
-    code = 0
-    while not stopping:
-        dead = cluster.dead()
-        if dead:
-            for proc in dead:
-                print(f"moonbus up: {proc.name} exited with code {proc.popen.returncode}; see {proc.log_path}", file=sys.stderr)
-            code = 1
-            break
-        time.sleep(0.5)
-    say("stopping the cluster ...")
+    supervise(cluster, lambda: stopping)
+    say("stopping the cluster (workers first finish what they hold; Ctrl-C again is not needed) ...")
     cluster.stop()
     say("stopped.")
-    return code
+    return 0
+
+
+def supervise(cluster: Cluster, stopping, policy: RestartPolicy = RestartPolicy()) -> None:
+    """Restart what exits until Ctrl-C/SIGTERM; say what happened, as text and as events."""
+    events = SupervisorEvents(cluster.spec.nats_url)
+    try:
+        while not stopping():
+            for action in cluster.supervise(time.monotonic(), policy):
+                report(cluster, action, events)
+            time.sleep(0.2)
+    finally:
+        events.close()
+
+
+def report(cluster: Cluster, action: Action, events: SupervisorEvents) -> None:
+    proc, d = cluster.procs[action.name], action.detail
+    if action.kind == "exited":
+        say(f"moonbus up: {action.name} exited with code {d['exit_code']}; restarting it in {d['restart_in_s']:g} s "
+            f"(log: {proc.log_path})")
+    elif action.kind == "restarted":
+        say(f"moonbus up: {action.name} restarted (pid {d['pid']}, restart {d['restarts']})")
+        events.instance("restarted", action.name, **d)
+    else:
+        say(f"moonbus up: {action.name} exited {d['exits']} times within {d['window_s']:g} s; it is crash-looping, "
+            f"so it stays down (the rest keeps serving). Last exit code {d['exit_code']}; see {proc.log_path}")
+        events.instance("crash_loop", action.name, **d)
 
 
 def say(line: str) -> None:

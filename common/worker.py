@@ -1,0 +1,63 @@
+"""What prefill and decode instances share: their identity, cancellations, replies, drain timing.
+
+A worker process has an `incarnation` (random per start) so that a restarted instance with the
+same id is told apart from its dead predecessor: its pins in the node's pool are keyed by it.
+Replies and errors go to the request's gateway tagged with the request's attempt; an error is
+`retryable` when the cluster failed (an instance, a transfer, the pool) rather than the request,
+so the gateway may resume the request elsewhere (schemas.route.RouteRequest).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import uuid
+
+from nats.aio.msg import Msg
+
+from common import bus
+from schemas.codec import WireError
+from schemas.tokens import Cancel, TokenChunk
+
+log = logging.getLogger(__name__)
+
+
+def new_incarnation() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+class Cancellations:
+    """request_id -> highest cancelled attempt (the gateway cancels an attempt it abandoned, or all
+    of them when the client went away). Bounded: ids of long-gone requests are forgotten."""
+
+    def __init__(self, limit: int = 10_000) -> None:
+        self.limit = limit
+        self._attempts: collections.OrderedDict[str, int] = collections.OrderedDict()
+
+    async def on_cancel(self, msg: Msg) -> None:
+        try:
+            cancel = Cancel.from_bytes(msg.data)
+        except WireError as exc:
+            log.warning("dropping a malformed cancel: %s", exc)
+            return
+        self.add(cancel.request_id, cancel.attempt)
+
+    def add(self, request_id: str, attempt: int) -> None:
+        self._attempts[request_id] = max(attempt, self._attempts.get(request_id, -1))
+        self._attempts.move_to_end(request_id)
+        while len(self._attempts) > self.limit:
+            self._attempts.popitem(last=False)
+
+    def covers(self, request_id: str, attempt: int) -> bool:
+        return attempt <= self._attempts.get(request_id, -1)
+
+
+async def reply(nc, subject: str, chunk: TokenChunk) -> None:
+    """Send a chunk to the request's gateway (never raises: a lost publish is logged)."""
+    await bus.publish(nc, subject, chunk.to_bytes())
+
+
+def error_chunk(request_id: str, attempt: int, index: int, error: str, status: int, source: str,
+                retryable: bool, **extra) -> TokenChunk:
+    return TokenChunk(request_id, index, [], error=error, error_status=status, source=source, attempt=attempt,
+                      retryable=retryable, **extra)
