@@ -51,6 +51,8 @@ def add_common_flags(parser: argparse.ArgumentParser, role: str) -> None:
     flag(parser, "--instance-id", "MOONBUS_INSTANCE_ID", default_instance_id(role), help="unique instance id")
     flag(parser, "--log-level", "MOONBUS_LOG_LEVEL", "INFO", help="logging level")
     flag(parser, "--home", "MOONBUS_HOME", str(default_home()), help="state directory (model cache)")
+    flag(parser, "--health-file", "MOONBUS_HEALTH_FILE", "",
+         help="a file kept fresh while the service is ready, for container health checks ('' = none)")
 
 
 def add_node_flags(parser: argparse.ArgumentParser) -> None:

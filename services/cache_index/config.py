@@ -15,6 +15,7 @@ class CacheIndexConfig:
     instance_id: str
     home: Path
     log_level: str
+    health_file: str  # kept fresh while ready (common/health.py); '' = none
     heartbeat_interval_s: float
     node_timeout_s: float  # a node whose messenger stops sending heartbeats is dropped after this
     resync_timeout_s: float

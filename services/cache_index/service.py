@@ -15,7 +15,7 @@ import time
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
-from common import bus, runner
+from common import bus, health, runner
 from schemas import subjects
 from schemas.codec import WireError, check_token
 from schemas.events import Event
@@ -137,6 +137,7 @@ async def serve(cfg: CacheIndexConfig, stop: asyncio.Event) -> bool:
     await bus.subscribe(nc, subjects.INDEX_DUMP, service.on_dump)
     tasks.spawn(runner.every(cfg.heartbeat_interval_s, stop, service.heartbeat), "heartbeat")
     tasks.spawn(runner.every(1.0, stop, service.sweep), "sweep")
+    tasks.spawn(health.beacon(cfg.health_file, nc, stop), "health", essential=False)
     log.info("cache index %s ready", cfg.instance_id)
     await stop.wait()
     await tasks.cancel_all()

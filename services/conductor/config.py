@@ -17,6 +17,7 @@ class ConductorConfig:
     instance_id: str
     home: Path
     log_level: str
+    health_file: str  # kept fresh while ready (common/health.py); '' = none
     model: str
     block_tokens: int
     policy: str  # random | load-balancing | cache-aware | kvcache-centric

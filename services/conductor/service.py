@@ -23,7 +23,7 @@ import time
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
-from common import bus, models, profiles, runner, worker
+from common import bus, health, models, profiles, runner, worker
 from common.kv.blocks import block_keys
 from common.perf import Profile
 from schemas import subjects
@@ -113,7 +113,8 @@ class ConductorService:
         await self.events.request(
             "routed", rid, **terms, admitted=verdict.admit, admission=self.cfg.admission.mode,
             verdict=verdict.reason, predicted_tbt_s=verdict.tbt_s, retry_after_s=verdict.retry_after_s,
-            policy_version=POLICY_VERSION, prompt_blocks=len(keys),
+            policy_version=POLICY_VERSION, prompt_blocks=len(keys), attempt=request.attempt,
+            resumed_tokens=request.num_generated,
         )
         if not verdict.admit:
             return RouteReply(False, 429, f"rejected at arrival: {verdict.reason}", retry_after_s=verdict.retry_after_s)
@@ -228,6 +229,7 @@ async def serve(cfg: ConductorConfig, stop: asyncio.Event) -> bool:
     await bus.subscribe(nc, subjects.request_event("*", "*"), service.on_request_event)
     await bus.subscribe(nc, subjects.REQUEST_CANCEL, service.on_cancel)
     tasks.spawn(runner.every(cfg.sweep_interval_s, stop, service.sweep), "sweep")
+    tasks.spawn(health.beacon(cfg.health_file, nc, stop), "health", essential=False)
     log.info("conductor %s ready: policy %s%s, admission %s (ttft slo %gs, tbt slo %gs), profile %s",
              cfg.instance_id, cfg.policy, " (colocated)" if cfg.colocate else "", cfg.admission.mode, cfg.admission.ttft_slo_s, cfg.admission.tbt_slo_s, source)
     await stop.wait()

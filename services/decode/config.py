@@ -19,6 +19,7 @@ class DecodeConfig:
     block_tokens: int
     home: Path
     log_level: str
+    health_file: str  # kept fresh while ready (common/health.py); '' = none
     threads: int
     heartbeat_interval_s: float
     drain_grace_s: float  # after SIGTERM: time to finish the work held before handing the rest back

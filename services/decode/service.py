@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from nats.aio.msg import Msg
 
-from common import bus, kvfiles, models, profiles, runner, worker
+from common import bus, health, kvfiles, models, profiles, runner, worker
 from common.pool_client import PoolClient, PoolUnavailable
 from schemas import subjects
 from schemas.codec import WireError
@@ -293,6 +293,7 @@ async def serve(cfg: DecodeConfig, stop: runner.Stop) -> bool:
     service = DecodeService(cfg, nc, engine, worker_model.eos_token_id,
                             worker_model.shape.kv_layout(cfg.block_tokens), tasks, perf)
     await service.start(stop, worker_model.ref.name, source)
+    tasks.spawn(health.beacon(cfg.health_file, nc, stop), "health", essential=False)
     await stop.wait()
     if not tasks.failed:
         await service.drain(stop, cfg.drain_grace_s)

@@ -15,6 +15,7 @@ class GatewayConfig:
     instance_id: str
     home: Path
     log_level: str
+    health_file: str  # kept fresh while ready (common/health.py); '' = none
     host: str
     port: int
     model: str

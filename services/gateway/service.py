@@ -27,7 +27,7 @@ from typing import AsyncIterator
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
-from common import bus
+from common import bus, health
 from schemas import subjects
 from schemas.codec import WireError
 from schemas.route import RouteReply, RouteRequest
@@ -286,7 +286,9 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event) -> None:
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()
+    beacon = asyncio.create_task(health.beacon(cfg.health_file, nc, stop))
     log.info("gateway %s serving %s on http://%s:%d", cfg.instance_id, ref.name, cfg.host, cfg.port)
     await stop.wait()
+    await beacon
     await runner.cleanup()
     await bus.shutdown(nc)

@@ -18,6 +18,7 @@ class MessengerConfig:
     shm_dir: Path
     home: Path
     log_level: str
+    health_file: str  # kept fresh while ready (common/health.py); '' = none
     model: str
     block_tokens: int
     transfer_host: str  # where the point-to-point link listens

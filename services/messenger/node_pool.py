@@ -197,12 +197,14 @@ class NodePool:
         key = action.key
         if isinstance(action, Demoted):
             slot = self.slots.pop(key)
+            view = self.slab.view(slot)
             try:
-                status = self.ssd.put(key, self.slab.view(slot), self.checksums[key]) if self.ssd is not None else PutStatus.FULL
+                status = self.ssd.put(key, view, self.checksums[key]) if self.ssd is not None else PutStatus.FULL
             except Exception as exc:  # a disk or LMDB error: the block is lost, its slot is not
-                log.error("node %s: SSD write of block %016x failed (%r); block dropped", self.node, key, exc)
+                log.error("node %s: SSD write of block %016x failed (%s); block dropped", self.node, key, exc)
                 status = PutStatus.FULL
             finally:
+                view.release()  # NOTE: a view left to an exception's traceback would pin the mmap
                 self.slab.free(slot)
             if status is PutStatus.FULL:  # LMDB full despite the accounting: drop instead of crashing
                 log.warning("node %s: SSD tier full or failing; block dropped instead of demoted", self.node)

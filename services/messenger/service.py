@@ -23,7 +23,7 @@ from typing import Awaitable, Callable
 
 from nats.aio.msg import Msg
 
-from common import bus, kvfiles, models, runner
+from common import bus, health, kvfiles, models, runner
 from common.kv import blocks as kvblocks
 from common.kv.pool import capacity_in_blocks
 from schemas import subjects
@@ -363,6 +363,7 @@ async def serve(cfg: MessengerConfig, stop: asyncio.Event) -> None:
     tasks.spawn(service.publish_loop(), "kv-events")
     tasks.spawn(runner.every(cfg.heartbeat_interval_s, stop, service.heartbeat), "heartbeat")
     tasks.spawn(runner.every(2.0, stop, service.sweep), "sweep")
+    tasks.spawn(health.beacon(cfg.health_file, nc, stop), "health", essential=False)
     await service.events.instance("started", cfg.instance_id, role="messenger", node=cfg.node,
                                   transfer_addr=service.transfer_addr, epoch=pool.epoch,
                                   dram_blocks=pool.pool.dram_capacity_blocks, ssd_blocks=pool.pool.ssd_capacity_blocks,

@@ -19,6 +19,7 @@ class PrefillConfig:
     block_tokens: int
     home: Path
     log_level: str
+    health_file: str  # kept fresh while ready (common/health.py); '' = none
     threads: int
     prefill_chunk: int  # prompts longer than this are computed in chunks of it (0 = never)
     heartbeat_interval_s: float

@@ -26,7 +26,7 @@ import torch
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
-from common import bus, kvfiles, models, runner, sampling, worker
+from common import bus, health, kvfiles, models, runner, sampling, worker
 from common.kv.blocks import block_keys
 from common.pool_client import PoolClient, PoolUnavailable, Prefix
 from schemas import subjects
@@ -311,6 +311,7 @@ async def serve(cfg: PrefillConfig, stop: runner.Stop) -> bool:
     service = PrefillService(cfg, nc, loaded.model, loaded.eos_token_id, loaded.shape.kv_layout(cfg.block_tokens))
     tasks = runner.TaskGroup(stop)
     await service.start(tasks, stop, loaded.ref.name)
+    tasks.spawn(health.beacon(cfg.health_file, nc, stop), "health", essential=False)
     await stop.wait()
     if not tasks.failed:
         await service.drain(stop, cfg.drain_grace_s)

@@ -31,7 +31,7 @@ SERVICE_MODULES = {
 SCALED = ("prefill", "decode")  # run with --scale prefill=2 --scale decode=2
 
 # Environment names the services read: every service reads COMMON_ENV, plus its role's own.
-COMMON_ENV = {"MOONBUS_NATS_URL", "MOONBUS_INSTANCE_ID", "MOONBUS_LOG_LEVEL", "MOONBUS_HOME"}
+COMMON_ENV = {"MOONBUS_NATS_URL", "MOONBUS_INSTANCE_ID", "MOONBUS_LOG_LEVEL", "MOONBUS_HOME", "MOONBUS_HEALTH_FILE"}
 ROLE_ENV = {  # module -> names only that role reads
     "services.gateway": {"MOONBUS_HOST", "MOONBUS_PORT", "MOONBUS_MODEL"},
     "services.conductor": {"MOONBUS_POLICY", "MOONBUS_ADMISSION"},
@@ -236,3 +236,22 @@ def test_compose_config_is_valid(tool: str) -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("name", sorted(SERVICE_MODULES))
+def test_each_service_restarts_and_checks_its_own_readiness(services: dict, name: str) -> None:
+    service = services[name]
+    assert service["restart"] in ("unless-stopped", "always", "on-failure")
+    test = as_argv(service["healthcheck"]["test"][1:])
+    if name == "gateway":
+        assert "/health" in " ".join(test)
+        return
+    health_file = environment(service)["MOONBUS_HEALTH_FILE"]
+    assert test[:3] == ["python", "-m", "common.health"] and health_file in test
+
+
+@pytest.mark.parametrize("name", SCALED)
+def test_workers_get_time_to_drain_before_docker_kills_them(services: dict, name: str) -> None:
+    grace = int(str(services[name]["stop_grace_period"]).rstrip("s"))
+    drain = float(environment(services[name]).get("MOONBUS_DRAIN_GRACE", 30))  # the services' default
+    assert grace > drain

@@ -67,3 +67,27 @@ def test_leases_release_load_whose_end_was_lost():
     table.add(make_request("new", at=5.0))
     assert [r.request_id for r in table.expire(now=12.0)] == ["old"]
     assert list(table.requests) == ["new"]
+
+
+def test_draining_instances_get_no_new_work_and_an_outage_forgives_silence():
+    registry = Registry(timeout_s=3.0)
+    registry.update(WorkerInfo("d0", "decode", "n0"), now=0.0)
+    registry.update(WorkerInfo("d1", "decode", "n1", draining=True), now=0.0)
+    assert [w.instance_id for w in registry.of_role("decode")] == ["d0"]
+    registry.refresh(now=10.0)  # the conductor's own connection was down until now
+    assert registry.expire(now=12.0) == []
+    assert [w.instance_id for w in registry.expire(now=13.5)] == ["d0", "d1"]
+
+
+def test_a_cancelled_attempt_ends_only_itself_and_older_ones():
+    table = InFlightTable(lease_s=100)
+    resumed = make_request("r")
+    resumed.attempt = 2
+    table.add(resumed)
+    assert table.finish("r", up_to_attempt=1) is None  # a late cancel of an abandoned attempt
+    assert "r" in table.requests
+    table.mark_prefilled("r", now=1.0, attempt=1)  # an old attempt's prefill says nothing
+    assert table.requests["r"].phase == "prefill"
+    table.mark_prefilled("r", now=1.0, attempt=2)
+    assert table.requests["r"].phase == "decode"
+    assert table.finish("r", up_to_attempt=2) is resumed and table.requests == {}

@@ -89,3 +89,70 @@ def test_corrupt_block_is_dropped_and_reported(pool):
     assert pool.read_block(1) is None
     assert 1 not in pool.pool
     assert pool.lookup("r", [1])[0] == []
+
+
+def test_holds_of_one_request_by_two_holders_do_not_release_each_other(pool):
+    store(pool, "p:1/seed", [1, 2])
+    pool.lookup("prefill-0:aa/r", [1, 2])
+    pool.lookup("decode-0:bb/r", [1])
+    assert pool.holders() == {"prefill-0:aa/r": 2, "decode-0:bb/r": 1}
+    pool.release("decode-0:bb/r")  # the decode side is done: the prefill's pins stay
+    assert pool.holders() == {"prefill-0:aa/r": 2} and pool.num_pinned == 2
+    pool.release("prefill-0:aa/r")
+    assert pool.holders() == {} and pool.num_pinned == 0
+
+
+def test_a_dead_holder_releases_everything_it_pinned_and_reserved(pool):
+    store(pool, "p:1/seed", [1])
+    pool.lookup("decode-0:old/r1", [1])
+    slots, _ = pool.reserve("decode-0:old/r2", [5], 0)  # reserved, never written
+    assert slots and pool.num_pinned == 2
+    pool.release_holder("decode-0:old")
+    assert pool.holders() == {} and pool.num_pinned == 0
+    assert 5 not in pool.pool and pool.slab.num_free == pool.slab.num_slots - 1  # only block 1 holds a slot
+
+
+def test_a_block_found_corrupt_by_a_reader_leaves_the_pool_with_events(pool):
+    store(pool, "p:1/seed", [1, 2])
+    pool.lookup("prefill-0:aa/r9", [1, 2])
+    events = pool.release("prefill-0:aa/r9", corrupt=[2])
+    assert 2 not in pool.pool and 1 in pool.pool
+    corrupt = [e for e in events if e.kind == "corrupt"]
+    evicted = [e for e in events if e.kind == "evicted"]
+    assert [e.data.keys for e in corrupt] == [[2]] and corrupt[0].data.request_id == "r9"
+    assert [e.data.keys for e in evicted] == [[2]] and evicted[0].data.seq > 0  # the index applies it
+
+
+def test_a_corrupt_block_found_while_serving_a_fetch_keeps_its_events(pool):
+    store(pool, "p:1/seed", [1])
+    pool.slab.write(pool.slots[1], payload(99))  # rot in memory
+    assert pool.read_block(1) is None
+    kinds_seen = [e.kind for e in pool.take_events()]
+    assert kinds_seen == ["corrupt", "evicted"] and 1 not in pool.pool
+
+
+def test_a_failing_ssd_write_frees_the_slot_of_the_demoted_block(tmp_path, monkeypatch):
+    pool = make_pool(tmp_path, dram=1, ssd=2)
+    try:
+        store(pool, "p:1/a", [1])
+
+        def broken(*args, **kwargs):
+            raise OSError("disk gone")
+
+        monkeypatch.setattr(pool.ssd, "put", broken)
+        store(pool, "p:1/b", [2])  # demotes block 1: the write fails, the block is dropped
+        assert 1 not in pool.pool and 2 in pool.pool
+        assert pool.slab.num_free == 0 and len(pool.slots) == 1  # one slot, held by block 2
+    finally:
+        pool.close()
+
+
+def test_the_slab_is_named_after_the_epoch_and_stale_ones_are_removed(tmp_path):
+    (tmp_path / "shm").mkdir()
+    (tmp_path / "shm" / "slab-deadbeef").write_bytes(b"x")
+    pool = NodePool("n1", LAYOUT, tmp_path / "shm", 2, None, 0, "lru")
+    try:
+        assert pool.slab_path.name == f"slab-{pool.epoch}"
+        assert sorted(p.name for p in (tmp_path / "shm").iterdir()) == [pool.slab_path.name]
+    finally:
+        pool.close()
