@@ -31,6 +31,7 @@ PENDING_BYTES = 64 << 20  # published while the broker is away, sent once it is 
 OUTAGE_S = 15.0  # how long `request` waits out a broker outage (NATS restarts in a few seconds)
 # client -> monotonic time of its last reconnection (a responder may not have resubscribed yet)
 _reconnected_at: "weakref.WeakKeyDictionary[Client, float]" = weakref.WeakKeyDictionary()
+_on_reconnect: "weakref.WeakKeyDictionary[Client, list[Callable[[], None]]]" = weakref.WeakKeyDictionary()
 
 
 async def connect(url: str, name: str, first_connect_timeout_s: float = 60.0) -> Client:
@@ -45,9 +46,11 @@ async def connect(url: str, name: str, first_connect_timeout_s: float = 60.0) ->
         log.warning("NATS connection lost; reconnecting (publishes are buffered)")
 
     async def reconnected() -> None:
+        log.info("NATS connection back")
         if holder:
             _reconnected_at[holder[0]] = time.monotonic()
-        log.info("NATS connection back")
+            for callback in _on_reconnect.get(holder[0], []):
+                callback()
 
     async def error(exc: Exception) -> None:
         log.warning("NATS: %r", exc)
@@ -66,6 +69,11 @@ async def connect(url: str, name: str, first_connect_timeout_s: float = 60.0) ->
             if time.monotonic() > deadline:
                 raise ConnectionError(f"cannot reach NATS at {url}: {exc!r}") from exc
             await asyncio.sleep(0.5)
+
+
+def on_reconnect(nc: Client, callback: Callable[[], None]) -> None:
+    """Call `callback` (synchronously, on the event loop) each time the connection comes back."""
+    _on_reconnect.setdefault(nc, []).append(callback)
 
 
 def recently_reconnected(nc: Client, within_s: float = OUTAGE_S) -> bool:

@@ -40,6 +40,9 @@ class RequestResult:
     tbt_s: float | None = None
     intervals: list = field(default_factory=list)  # [[seconds, count], ...] runs
     error: str = ""
+    request_id: str = ""  # the X-Request-Id the gateway answered with ("" if none came back)
+    http_status: int = 0  # of the response (0: no response, e.g. the connection failed)
+    error_code: int = 0  # `code` of an error event inside a stream that had started (429 = late rejection)
 
     def to_json(self) -> dict:
         return asdict(self)

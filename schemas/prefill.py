@@ -33,6 +33,10 @@ class PipelineSpec(Wire):
     addrs: list[str]  # host:port of each stage's KV stream listener
     chunk_tokens: int
 
+    def last_stage(self, num_tokens: int) -> int:
+        """The stage that computes the last chunk: it samples the first token and hands off."""
+        return (-(-num_tokens // self.chunk_tokens) - 1) % len(self.stages)
+
 
 @dataclass(frozen=True)
 class PrefillTask(Wire):

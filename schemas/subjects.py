@@ -48,6 +48,11 @@ def decode_tasks(instance_id: str) -> str:
     return f"moonbus.decode.{instance_id}.tasks"
 
 
+def worker_probe(instance_id: str) -> str:
+    """moonbus.workers.<instance>.probe: gateway -> a prefill/decode instance: do you hold this request?"""
+    return f"moonbus.workers.{instance_id}.probe"
+
+
 def messenger_control(node: str, op: str) -> str:
     """moonbus.messenger.<node>.<op>: control messages to a node's messenger (bytes never ride here)."""
     return f"moonbus.messenger.{node}.{op}"

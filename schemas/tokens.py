@@ -37,3 +37,24 @@ class Cancel(Wire):
 
     def __post_init__(self) -> None:
         check_token("request_id", self.request_id)
+
+
+@dataclass(frozen=True)
+class Probe(Wire):
+    """gateway -> the instance that should hold an attempt of a request (worker_probe(instance)):
+    do you hold it? A decode instance that does sends its tokens from `from_index` again, so a
+    chunk lost to a broker outage is recovered; one that does not lets the gateway resume it."""
+
+    request_id: str
+    attempt: int
+    from_index: int
+
+    def __post_init__(self) -> None:
+        check_token("request_id", self.request_id)
+
+
+@dataclass(frozen=True)
+class ProbeReply(Wire):
+    known: bool
+    phase: str = ""  # "queued" | "prefill" | "handed_off" | "decode" | "finished"
+    resent: int = 0  # tokens sent again

@@ -141,7 +141,9 @@ class ConductorService:
         if not sent:
             self.inflight.finish(rid)
             return RouteReply(False, 503, "could not dispatch the request", retry_after_s=1.0)
-        return RouteReply(True, 200, prefill_id=decision.prefill_id, decode_id=decision.decode_id)
+        # the prefill instance that answers for the request: with a pipeline, the stage of the last chunk
+        first_token_by = decision.prefill_id if spec is None else spec.stages[spec.last_stage(len(ids))]
+        return RouteReply(True, 200, prefill_id=first_token_by, decode_id=decision.decode_id)
 
     def pipeline_spec(self, decision: policy.Decision, snapshot: policy.ClusterSnapshot,
                       input_tokens: int) -> PipelineSpec | None:

@@ -36,7 +36,7 @@ from common.pool_client import PoolClient, PoolUnavailable
 from schemas import subjects
 from schemas.codec import WireError
 from schemas.decode import DecodeTask
-from schemas.tokens import TokenChunk
+from schemas.tokens import Probe, ProbeReply, TokenChunk
 from schemas.workers import WorkerInfo
 from services.decode.batch import BatchEngine
 from services.decode.config import DecodeConfig
@@ -76,6 +76,9 @@ class DecodeService:
         self.running: dict[str, Running] = {}  # request_id -> Running
         self.cancelled = worker.Cancellations()
         self.compute_lock = compute_lock or contextlib.nullcontext()
+        # request_id -> (task, tokens, finish reason) of requests that ended here lately, so a
+        # token lost to a broker outage can be sent again when the gateway probes
+        self.recent: collections.OrderedDict[str, tuple[DecodeTask, list[int], str]] = collections.OrderedDict()
         self.draining = False
         self.wakeup = asyncio.Event()  # set when work arrives
         self.gone = asyncio.Event()  # heartbeats go on while draining (they say so) and end with leave()
@@ -187,6 +190,7 @@ class DecodeService:
             if finish is not None:  # the event goes before the last token: the gateway's terminal event follows it
                 kv = self.engine.kv_of(rid)
                 self.forget(rid)
+                self.remember(seq, finish)
                 await self.events.request("decode_finished", rid, tokens=len(seq.generated),
                                           seconds=round(time.perf_counter() - seq.started, 6), finish_reason=finish,
                                           attempt=seq.task.attempt)
@@ -194,6 +198,36 @@ class DecodeService:
             await worker.reply(self.nc, seq.task.reply_subject,
                                TokenChunk(rid, seq.index_of_last(), [token], finish_reason=finish,
                                           source=self.cfg.instance_id, attempt=seq.task.attempt))
+
+    def remember(self, seq: Running, finish: str, keep: int = 1000) -> None:
+        self.recent[seq.request_id] = (seq.task, seq.generated, finish)
+        while len(self.recent) > keep:
+            self.recent.popitem(last=False)
+
+    async def on_probe(self, msg: Msg) -> None:
+        """Do we hold this attempt? If so, send its tokens from `from_index` again (they may have
+        been lost while the broker was away); the gateway resumes the request elsewhere if not."""
+        probe = Probe.from_bytes(msg.data)
+        reply = ProbeReply(False)
+        seq = self.running.get(probe.request_id)
+        if seq is not None and seq.task.attempt == probe.attempt:
+            reply = ProbeReply(True, "decode", await self.resend(seq.task, seq.generated, None, probe.from_index))
+        elif probe.request_id in self.recent and self.recent[probe.request_id][0].attempt == probe.attempt:
+            task, tokens, finish = self.recent[probe.request_id]
+            reply = ProbeReply(True, "finished", await self.resend(task, tokens, finish, probe.from_index))
+        elif any(t.request_id == probe.request_id and t.attempt == probe.attempt
+                 for t in list(self.waiting) + list(self.arrived._queue)):  # noqa: SLF001 - a read-only look
+            reply = ProbeReply(True, "queued")
+        await msg.respond(reply.to_bytes())
+
+    async def resend(self, task: DecodeTask, tokens: list[int], finish: str | None, from_index: int) -> int:
+        skip = from_index - task.num_generated
+        if skip < 0 or skip >= len(tokens):
+            return 0
+        await worker.reply(self.nc, task.reply_subject, TokenChunk(
+            task.request_id, from_index, tokens[skip:], finish_reason=finish, source=self.cfg.instance_id,
+            attempt=task.attempt))
+        return len(tokens) - skip
 
     def finish_reason(self, seq: Running, token: int) -> str | None:
         if token == self.eos_token_id and not seq.task.sampling.ignore_eos:
@@ -244,6 +278,7 @@ class DecodeService:
         kvfiles.sweep_incoming(cfg.shm_dir)  # landed for a predecessor that died before reading them
         await bus.subscribe(self.nc, subjects.decode_tasks(cfg.instance_id), self.on_task)
         await bus.subscribe(self.nc, subjects.REQUEST_CANCEL, self.cancelled.on_cancel)
+        await bus.subscribe(self.nc, subjects.worker_probe(cfg.instance_id), self.on_probe)
         self.tasks.spawn(self.loop(), f"decode-loop-{cfg.instance_id}")
         self.tasks.spawn(runner.every(cfg.heartbeat_interval_s, self.gone, self.heartbeat), f"heartbeat-{cfg.instance_id}")
         await self.heartbeat()

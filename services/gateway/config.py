@@ -25,6 +25,7 @@ class GatewayConfig:
     max_migrations: int  # times a request is resumed elsewhere after its first token
     prefill_retries: int  # times a request is re-dispatched when its prefill is lost before the first token
     migration_timeout_s: float  # how long a resumption waits for an instance to take it
+    probe_after_s: float  # a request quiet this long asks its instances whether they still hold it
 
     def __post_init__(self) -> None:
         common.check_subject_token("instance id", self.instance_id)
@@ -32,7 +33,7 @@ class GatewayConfig:
             raise ValueError(f"port {self.port} out of range")
         if min(self.route_timeout_s, self.stall_timeout_s) <= 0:
             raise ValueError("timeouts must be > 0")
-        if self.max_migrations < 0 or self.prefill_retries < 0 or self.migration_timeout_s <= 0:
+        if self.max_migrations < 0 or self.prefill_retries < 0 or min(self.migration_timeout_s, self.probe_after_s) <= 0:
             raise ValueError("migration limits must be >= 0 and the migration timeout > 0")
         if self.default_chat_max_tokens < 1:
             raise ValueError("default chat max tokens must be >= 1")
@@ -53,5 +54,7 @@ def load(argv: list[str] | None = None) -> GatewayConfig:
                 help="times a request whose prefill is lost before its first token is dispatched again")
     common.flag(parser, "--migration-timeout", "MOONBUS_MIGRATION_TIMEOUT", 30.0, float, dest="migration_timeout_s",
                 help="seconds a resumed request waits for an instance to take it")
+    common.flag(parser, "--probe-after", "MOONBUS_PROBE_AFTER", 5.0, float, dest="probe_after_s",
+                help="seconds without progress after which a request checks that an instance still holds it")
     args = parser.parse_args(argv)
     return common.build(GatewayConfig, args, home=Path(args.home))

@@ -13,6 +13,13 @@ at the same step (seeded sampling stays reproducible) and numbers it where the s
 so the client sees one stream with no token lost or repeated. Chunks of an abandoned attempt are
 dropped, and the workers are told to stop it. Limits: `max_migrations` resumptions after the
 first token, `prefill_retries` re-dispatches before it; then the request fails with a clear error.
+
+Lost messages. A broker outage can lose a chunk, a hand-off or a task (core NATS does not keep
+messages for a subscriber that has not resubscribed yet). A request that makes no progress for
+`probe_after_s`, and every request right after this gateway's connection comes back, probes the
+instances its current attempt was routed to: a decode instance that holds it sends its tokens
+again from where the client is; if neither instance holds it (twice in a row when the prefill
+says it handed it off), the request was lost in transit and is resumed like a lost instance's.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from common import bus, health
 from schemas import subjects
 from schemas.codec import WireError
 from schemas.route import RouteReply, RouteRequest
-from schemas.tokens import Cancel, TokenChunk
+from schemas.tokens import Cancel, Probe, ProbeReply, TokenChunk
 from schemas.workers import StatusReply
 from services.gateway.config import GatewayConfig
 from services.gateway.detokenize import Detokenizer
@@ -44,7 +51,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # as in the OpenAI API
 
 @dataclass
 class RequestState:
-    chunks: asyncio.Queue[TokenChunk] = field(default_factory=asyncio.Queue)
+    chunks: asyncio.Queue[TokenChunk | None] = field(default_factory=asyncio.Queue)  # None: probe now
 
 
 @dataclass
@@ -66,6 +73,9 @@ class Generation:
     attempt: int = 0
     migrations: int = 0  # resumptions after the first token
     redispatches: int = 0  # re-dispatches before it
+    prefill_id: str = ""  # where the current attempt was routed
+    decode_id: str = ""
+    handed_off_unseen: int = 0  # probes in a row where prefill handed it off and decode did not know it
 
     @property
     def completion_tokens(self) -> int:
@@ -162,7 +172,9 @@ class Gateway:
                                deadline_ts=time.time() + self.cfg.route_timeout_s)
         try:
             msg = await self.nc.request(subjects.CONDUCTOR_ROUTE, request.to_bytes(), timeout=self.cfg.route_timeout_s)
-            return RouteReply.from_bytes(msg.data)
+            reply = RouteReply.from_bytes(msg.data)
+            gen.prefill_id, gen.decode_id, gen.handed_off_unseen = reply.prefill_id, reply.decode_id, 0
+            return reply
         except (NoRespondersError, NatsTimeout, WireError) as exc:
             # the conductor may still dispatch it: the cancel makes the workers drop it and frees its load
             await self.cancel(gen)
@@ -203,16 +215,56 @@ class Gateway:
                 return False
             await asyncio.sleep(min(max(reply.retry_after_s, 0.2), 1.0))
 
+    def probe_all(self) -> None:
+        """After this gateway's connection came back: every request checks where it stands."""
+        for state in self.states.values():
+            state.chunks.put_nowait(None)
+
+    async def held(self, gen: Generation) -> bool:
+        """Does an instance still hold the current attempt? (decode instances resend lost tokens)"""
+        if not self.nc.is_connected or not gen.decode_id:
+            return True  # nothing can be told now; ask again later
+        probe = Probe(gen.request_id, gen.attempt, len(gen.token_ids)).to_bytes()
+        answers = {}
+        for role, instance in (("decode", gen.decode_id), ("prefill", gen.prefill_id)):
+            try:
+                msg = await bus.request(self.nc, subjects.worker_probe(instance), probe, timeout=2.0, outage_s=5.0)
+                answers[role] = ProbeReply.from_bytes(msg.data)
+            except (NoRespondersError, NatsTimeout, WireError):
+                answers[role] = ProbeReply(False)
+            if answers[role].known and answers[role].phase != "handed_off":
+                gen.handed_off_unseen = 0
+                return True
+        if answers["prefill"].known:  # handed off, but the decode instance has not seen it (yet?)
+            gen.handed_off_unseen += 1
+            return gen.handed_off_unseen < 2
+        return False
+
     # --- the stream of tokens -------------------------------------------------------------
     async def deltas(self, gen: Generation) -> AsyncIterator[Delta]:
         """Text as it becomes final; the last Delta carries finish_reason. Raises ApiError on failure."""
         detok = Detokenizer(self.tokenizer, gen.request.stop)
         pending: dict[int, TokenChunk] = {}  # index -> chunk of the current attempt that arrived early
+        progress = time.monotonic()
         while True:
             try:
-                chunk = await asyncio.wait_for(gen.state.chunks.get(), self.cfg.stall_timeout_s)
+                chunk = await asyncio.wait_for(gen.state.chunks.get(), self.cfg.probe_after_s)
             except asyncio.TimeoutError:
-                raise ApiError(504, f"no progress from the cluster for {self.cfg.stall_timeout_s:.0f} s", code="timeout")
+                chunk = None
+            if chunk is None:  # quiet for a while, or the connection just came back: is it still held?
+                if time.monotonic() - progress > self.cfg.stall_timeout_s:
+                    raise ApiError(504, f"no progress from the cluster for {self.cfg.stall_timeout_s:.0f} s",
+                                   code="timeout")
+                if not await self.held(gen):
+                    lost = TokenChunk(gen.request_id, -1, [], error="the request was lost in transit",
+                                      error_status=503, source=self.cfg.instance_id, attempt=gen.attempt, retryable=True)
+                    if await self.resume(gen, lost):
+                        pending.clear()
+                        progress = time.monotonic()
+                        continue
+                    raise ApiError(503, "request failed: it was lost in transit and could not be resumed",
+                                   code="worker_failed", detail={"stage": "transit"})
+                continue
             if chunk.attempt != gen.attempt:
                 continue  # from an abandoned attempt
             if chunk.error and chunk.retryable and await self.resume(gen, chunk):
@@ -229,6 +281,7 @@ class Gateway:
             if chunk.index >= len(gen.token_ids):
                 pending[chunk.index] = chunk
             while len(gen.token_ids) in pending:
+                progress = time.monotonic()
                 chunk = pending.pop(len(gen.token_ids))
                 if gen.ttft_s is None:
                     gen.ttft_s = time.time() - gen.arrival
@@ -279,6 +332,7 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event) -> None:
     nc = await bus.connect(cfg.nats_url, cfg.instance_id)
     gateway = Gateway(cfg, nc, tokenizer, ref.name, shape.max_context)
     await bus.subscribe(nc, gateway.reply_subject, gateway.on_tokens)
+    bus.on_reconnect(nc, gateway.probe_all)  # chunks may have been lost while the broker was away
     api = Api(gateway)
     for kind in ("prefilled", "kv_pulled"):
         await bus.subscribe(nc, subjects.request_event(kind, "*"), api.on_request_event)

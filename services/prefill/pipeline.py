@@ -122,4 +122,4 @@ def my_chunks(num_tokens: int, chunk_tokens: int, stage: int, num_stages: int) -
 
 
 def last_stage(num_tokens: int, chunk_tokens: int, num_stages: int) -> int:
-    return (num_chunks(num_tokens, chunk_tokens) - 1) % num_stages
+    return PipelineSpec([""] * num_stages, [], chunk_tokens).last_stage(num_tokens)

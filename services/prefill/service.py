@@ -17,6 +17,7 @@ run at once: a prefill pauses the decode batch, as in one vLLM instance. Alone, 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import socket
@@ -33,7 +34,7 @@ from schemas import subjects
 from schemas.codec import WireError
 from schemas.decode import DecodeTask
 from schemas.prefill import PrefillTask
-from schemas.tokens import TokenChunk
+from schemas.tokens import Probe, ProbeReply, TokenChunk
 from schemas.transfer import SendKv, SendKvReply
 from schemas.workers import WorkerInfo
 from services.prefill.config import PrefillConfig
@@ -63,6 +64,10 @@ class PrefillService:
         self.queue: asyncio.Queue[PrefillTask] = asyncio.Queue()
         self.cancelled = worker.Cancellations()
         self.running = 0
+        self.current: PrefillTask | None = None
+        # request_id -> (attempt, its first token chunk) of requests prefilled here lately: a probe
+        # finds them (handed off), and a first token lost to a broker outage is sent again
+        self.recent: collections.OrderedDict[str, tuple[int, TokenChunk]] = collections.OrderedDict()
         self.draining = False
         self.gone = asyncio.Event()  # heartbeats go on while draining (they say so) and end with leave()
         self.compute_lock = compute_lock or contextlib.nullcontext()
@@ -84,6 +89,7 @@ class PrefillService:
                 self.receiver.drop(task.request_id)
                 continue
             self.running = 1
+            self.current = task
             try:
                 if task.pipeline is not None:
                     await self.run_stage(task)
@@ -94,6 +100,7 @@ class PrefillService:
                 await self.fail(task, task.num_generated, f"prefill failed: {exc}")
             finally:
                 self.running = 0
+                self.current = None
                 self.receiver.drop(task.request_id)
 
     async def fail(self, task: PrefillTask, index: int, why: str, status: int = 500) -> None:
@@ -248,7 +255,29 @@ class PrefillService:
         return None
 
     async def reply(self, task: PrefillTask, chunk: TokenChunk) -> None:
+        if chunk.token_ids:
+            self.recent[task.request_id] = (task.attempt, chunk, task.reply_subject)
+            while len(self.recent) > 1000:
+                self.recent.popitem(last=False)
         await worker.reply(self.nc, task.reply_subject, chunk)
+
+    async def on_probe(self, msg: Msg) -> None:
+        """Do we hold (or did we just prefill) this attempt? The gateway resumes it elsewhere if not."""
+        probe = Probe.from_bytes(msg.data)
+        rid, attempt = probe.request_id, probe.attempt
+        reply = ProbeReply(False)
+        if self.current is not None and (self.current.request_id, self.current.attempt) == (rid, attempt):
+            reply = ProbeReply(True, "prefill")
+        elif any((t.request_id, t.attempt) == (rid, attempt) for t in list(self.queue._queue)):  # noqa: SLF001
+            reply = ProbeReply(True, "queued")
+        elif rid in self.recent and self.recent[rid][0] == attempt:
+            _, chunk, subject = self.recent[rid]
+            resent = 0
+            if chunk.index >= probe.from_index:  # the first token itself went missing
+                await worker.reply(self.nc, subject, chunk)
+                resent = len(chunk.token_ids)
+            reply = ProbeReply(True, "handed_off", resent)
+        await msg.respond(reply.to_bytes())
 
     def info(self, leaving: bool = False) -> WorkerInfo:
         return WorkerInfo(self.cfg.instance_id, "prefill", self.cfg.node, self.cfg.model, transfer_addr=self.stream_addr,
@@ -266,6 +295,7 @@ class PrefillService:
         self.stream_addr = f"{self.advertised_host()}:{server.sockets[0].getsockname()[1]}"
         await bus.subscribe(self.nc, subjects.prefill_tasks(cfg.instance_id), self.on_task)
         await bus.subscribe(self.nc, subjects.REQUEST_CANCEL, self.cancelled.on_cancel)
+        await bus.subscribe(self.nc, subjects.worker_probe(cfg.instance_id), self.on_probe)
         tasks.spawn(self.work_loop(), f"prefill-work-{cfg.instance_id}")
         tasks.spawn(runner.every(cfg.heartbeat_interval_s, self.gone, self.heartbeat), f"heartbeat-{cfg.instance_id}")
         await self.heartbeat()
