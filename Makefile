@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip -q --disable-pip-version-check
 STAMP := $(VENV)/.moonbus-installed
 
-.PHONY: setup run test unit integration clean
+.PHONY: setup run test unit integration soak clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,10 @@ unit: setup
 
 integration: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests/integration
+
+# Needs a running cluster: `make run` in another terminal (reads .moonbus/cluster.json).
+soak: setup
+	$(VENV)/bin/moonbus soak --duration 120 --load 2
 
 clean:
 	rm -rf .moonbus

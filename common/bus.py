@@ -43,6 +43,8 @@ async def connect(url: str, name: str, first_connect_timeout_s: float = 60.0) ->
     holder: list[Client] = []
 
     async def disconnected() -> None:
+        if holder and (holder[0].is_closed or holder[0].is_draining):
+            return  # our own shutdown
         log.warning("NATS connection lost; reconnecting (publishes are buffered)")
 
     async def reconnected() -> None:
@@ -154,10 +156,11 @@ class EventPublisher:
         self._service = service
         self._instance_id = instance_id
 
-    async def request(self, kind: str, request_id: str, **data: Any) -> None:
+    # NOTE: positional-only, so that the data may itself carry a "kind" (e.g. a process's kind)
+    async def request(self, kind: str, request_id: str, /, **data: Any) -> None:
         await self._publish(subjects.request_event(kind, request_id), kind, request_id, data)
 
-    async def instance(self, kind: str, instance_id: str, **data: Any) -> None:
+    async def instance(self, kind: str, instance_id: str, /, **data: Any) -> None:
         await self._publish(subjects.instance_event(kind, instance_id), kind, "", data)
 
     async def kv(self, kind: str, node: str, data: dict[str, Any]) -> None:

@@ -25,6 +25,7 @@ from schemas.pool import (
     ReserveRequest, SlotRef,
 )
 from common.kv.slab import DramSlab
+from schemas.workers import WorkerInfo
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +68,30 @@ class PoolClient:
         """The node's slab, attached once; a restarted messenger makes a new one (its name carries the
         messenger's epoch): then the old mapping is dropped, so the deleted file's memory is freed."""
         if self._slab is None or self._slab.path != path:
-            old, self._slab = self._slab, DramSlab.attach(path)
-            if old is not None:
-                try:
-                    old.close()
-                except BufferError:  # a view is still alive somewhere: the GC unmaps it later
-                    log.debug("old slab %s still has views; left to the GC", old.path)
+            self.drop_slab()
+            self._slab = DramSlab.attach(path)
         return self._slab
+
+    def drop_slab(self) -> None:
+        old, self._slab = self._slab, None
+        if old is not None:
+            try:
+                old.close()
+            except BufferError:  # a view is still alive somewhere: the GC unmaps it later
+                log.debug("old slab %s still has views; left to the GC", old.path)
+
+    async def watch_messenger(self) -> None:
+        """Drop the slab mapping as soon as the node's messenger restarts or leaves: a mapping of
+        its deleted slab would keep that shared memory in use until the next pool call."""
+        await bus.subscribe(self.nc, subjects.WORKER_HEARTBEAT, self.on_heartbeat)
+
+    async def on_heartbeat(self, msg) -> None:
+        info = WorkerInfo.from_bytes(msg.data)
+        if info.role != "messenger" or info.node != self.node or self._slab is None:
+            return
+        if info.leaving or (info.incarnation and not self._slab.path.endswith(f"slab-{info.incarnation}")):
+            log.info("the messenger of node %s restarted or left; dropping its old slab", self.node)
+            self.drop_slab()
 
     async def load_prefix(self, request_id: str, keys: list[int]) -> Prefix:
         """Pin, copy out and unpin the longest prefix of `keys` this node holds."""

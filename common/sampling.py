@@ -43,7 +43,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
     probs = torch.softmax(logits / params.temperature, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < params.top_p  # always keeps the top token
+        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < params.top_p
+        keep[0] = True  # the top token always stays (a top_p below float32's smallest value would drop it)
         sorted_probs = sorted_probs * keep
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=step_generator(params.seed, step)))

@@ -278,6 +278,7 @@ class DecodeService:
         kvfiles.sweep_incoming(cfg.shm_dir)  # landed for a predecessor that died before reading them
         await bus.subscribe(self.nc, subjects.decode_tasks(cfg.instance_id), self.on_task)
         await bus.subscribe(self.nc, subjects.REQUEST_CANCEL, self.cancelled.on_cancel)
+        await self.pool.watch_messenger()
         await bus.subscribe(self.nc, subjects.worker_probe(cfg.instance_id), self.on_probe)
         self.tasks.spawn(self.loop(), f"decode-loop-{cfg.instance_id}")
         self.tasks.spawn(runner.every(cfg.heartbeat_interval_s, self.gone, self.heartbeat), f"heartbeat-{cfg.instance_id}")

@@ -1,4 +1,4 @@
-"""HTTP routes of the gateway (aiohttp): the OpenAI-compatible API, /health and /metrics."""
+"""HTTP routes of the gateway (aiohttp): the OpenAI-compatible API, /health, /metrics and /openapi.json."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 from schemas.events import Event
-from services.gateway import protocol
+from services.gateway import openapi, protocol
 from services.gateway.protocol import ApiError
 from services.gateway.service import Gateway, Generation
 
@@ -74,6 +74,7 @@ class Api:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_page)
+        app.router.add_get("/openapi.json", self.openapi_document)
         return app
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -188,6 +189,10 @@ class Api:
         body = {"status": "ok" if ready else "unavailable", "model": self.gateway.served_model,
                 "instances": roles, "in_flight": status.in_flight}
         return json_response(body, 200 if ready else 503)
+
+    async def openapi_document(self, request: web.Request) -> web.Response:
+        gw = self.gateway
+        return json_response(openapi.document(gw.served_model, gw.max_context, gw.vocab_size, gw.cfg.default_chat_max_tokens))
 
     async def metrics_page(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

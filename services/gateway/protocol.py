@@ -135,6 +135,16 @@ def _json_type(value: Any) -> str:
             list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
 
 
+def _shown(value: Any) -> str:
+    """A client's value as an error message quotes it: a string (cut short), else only its JSON type.
+
+    NOTE: never the repr of an array or object: a JSON value nested ~1000 deep overflows repr's recursion.
+    """
+    if isinstance(value, str):
+        return repr(value if len(value) <= 40 else value[:40] + "...")
+    return "null" if value is None else _json_type(value)
+
+
 def _parse_prompt(body: dict[str, Any]) -> str | list[int]:
     prompt = body.get("prompt")
     if prompt is None:
@@ -167,7 +177,7 @@ def _parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
             raise ApiError(400, f"{param} must be an object", param=param)
         role = message.get("role")
         if role not in ("system", "developer", "user", "assistant"):
-            raise ApiError(400, f"{param}.role must be one of system, developer, user, assistant; got {role!r}",
+            raise ApiError(400, f"{param}.role must be one of system, developer, user, assistant; got {_shown(role)}",
                            param=f"{param}.role")
         out.append({"role": "system" if role == "developer" else role, "content": _content_text(message.get("content"), param)})
     if all(not m["content"] for m in out):

@@ -114,7 +114,12 @@ class Gateway:
     # --- admission ------------------------------------------------------------------------
     def tokenize(self, req: GenerateRequest) -> list[int]:
         if req.messages is not None:
-            encoded = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+            try:
+                encoded = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True,
+                                                             return_dict=True)
+            except Exception as exc:  # the template refuses this conversation (e.g. an order of roles)
+                raise ApiError(400, f"the messages cannot be formatted with this model's chat template: {exc}",
+                               param="messages") from None
             return list(encoded["input_ids"])
         if isinstance(req.prompt, list):
             bad = [t for t in req.prompt if not 0 <= t < self.vocab_size]

@@ -295,6 +295,7 @@ class PrefillService:
         self.stream_addr = f"{self.advertised_host()}:{server.sockets[0].getsockname()[1]}"
         await bus.subscribe(self.nc, subjects.prefill_tasks(cfg.instance_id), self.on_task)
         await bus.subscribe(self.nc, subjects.REQUEST_CANCEL, self.cancelled.on_cancel)
+        await self.pool.watch_messenger()
         await bus.subscribe(self.nc, subjects.worker_probe(cfg.instance_id), self.on_probe)
         tasks.spawn(self.work_loop(), f"prefill-work-{cfg.instance_id}")
         tasks.spawn(runner.every(cfg.heartbeat_interval_s, self.gone, self.heartbeat), f"heartbeat-{cfg.instance_id}")

@@ -34,3 +34,9 @@ def test_no_finite_logit_is_a_sampling_error():
 def test_large_finite_logits_at_tiny_temperature_stay_finite():
     logits = torch.tensor([3.0e4, 2.9e4, -1.0e4])
     assert sample(logits, SamplingParams(temperature=1.1e-4, seed=5), step=0) == 0
+
+
+def test_a_vanishing_top_p_keeps_the_top_token():
+    logits = torch.tensor([0.1, 2.0, 0.3])
+    for top_p in (5e-324, 1e-97, 1e-46):
+        assert sample(logits, SamplingParams(temperature=1.0, top_p=top_p, seed=1), step=0) == 1

@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("tools.moonbus.profile", "measure the model's prefill/decode times and fit the predictors"),
     "replay": ("tools.moonbus.replay", "replay a trace against a live cluster"),
     "sim": ("tools.moonbus.sim", "simulate a cluster from the same scheduling code"),
+    "soak": ("tools.moonbus.soak", "drive a running cluster with trace load (and chaos); prove it stays up and leaks nothing"),
 }
 
 

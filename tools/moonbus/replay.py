@@ -75,6 +75,7 @@ async def send_one(session: aiohttp.ClientSession, url: str, model: str, index: 
     intervals: list[float] = []
     try:
         async with session.post(url + "/v1/completions", json=body) as resp:
+            r.http_status, r.request_id = resp.status, resp.headers.get("X-Request-Id", "")
             if resp.status != 200:
                 text = await resp.text()
                 r.status = REJECTED_ARRIVAL if resp.status == 429 else FAILED
@@ -94,6 +95,7 @@ async def send_one(session: aiohttp.ClientSession, url: str, model: str, index: 
                     err = event["error"]
                     code = err.get("code") if isinstance(err, dict) else None
                     r.status = REJECTED_LATE if code in (429, "429") else FAILED
+                    r.error_code = int(code) if str(code).isdigit() else 0
                     r.error = str(err)[:200]
                     continue
                 if event.get("usage"):

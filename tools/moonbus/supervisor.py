@@ -83,7 +83,7 @@ class SupervisorEvents:
         except ConnectionError as exc:
             log.warning("supervisor events are off: %s", exc)
 
-    def instance(self, kind: str, name: str, **data: Any) -> None:
+    def instance(self, kind: str, name: str, /, **data: Any) -> None:
         if self.publisher is None:
             return
         asyncio.run_coroutine_threadsafe(self.publisher.instance(kind, name, **data), self.loop)
