@@ -21,13 +21,17 @@ import os
 import time
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from common.kv import blocks
 from schemas.codec import check_file_name
 
 from schemas.transfer import KvHandle
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: the messenger never needs it
+    import torch
 
 OUT, IN = "out-", "in-"
 
@@ -56,7 +60,9 @@ def path_of(shm_dir: Path, handle: KvHandle | str) -> Path:
     return shm_dir / name
 
 
-def write(shm_dir: Path, node: str, name: str, kv: torch.Tensor) -> KvHandle:
+def write(shm_dir: Path, node: str, name: str, kv: "torch.Tensor") -> KvHandle:
+    import torch
+
     array = kv.detach().to(torch.float32).contiguous().numpy()
     shm_dir.mkdir(parents=True, exist_ok=True)
     path = path_of(shm_dir, name)
@@ -87,7 +93,9 @@ def write_bytes(shm_dir: Path, handle: KvHandle, payload: bytes | memoryview, no
     return KvHandle(node, name, handle.shape, handle.dtype, handle.checksum)
 
 
-def read(shm_dir: Path, handle: KvHandle, remove: bool = False) -> torch.Tensor:
+def read(shm_dir: Path, handle: KvHandle, remove: bool = False) -> "torch.Tensor":
+    import torch
+
     path = path_of(shm_dir, handle)
     try:
         array = np.fromfile(path, dtype=np.float32)

@@ -12,6 +12,7 @@ tokenizer) under $MOONBUS_HOME/models/, which every process on the machine loads
 from __future__ import annotations
 
 import contextlib
+import json
 import fcntl
 import importlib.util
 import logging
@@ -139,23 +140,24 @@ def load_for_worker(model: str, home: Path, threads: int = 0) -> WorkerModel:
 
 
 def read_shape(ref: ModelRef) -> ModelShape:
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(str(ref.path))
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    d, layers = cfg.hidden_size, cfg.num_hidden_layers
-    attention = d * head_dim * (2 * cfg.num_attention_heads + 2 * kv_heads)
-    mlp = 3 * d * getattr(cfg, "intermediate_size", 4 * d)
+    """The model's dimensions from its config.json (LLaMA-family keys). Plain JSON, not transformers'
+    AutoConfig: the conductor and the messengers need the shape, and importing transformers would
+    cost each of them seconds and a few hundred MB."""
+    cfg = json.loads((ref.path / "config.json").read_text())
+    heads, d, layers = cfg["num_attention_heads"], cfg["hidden_size"], cfg["num_hidden_layers"]
+    head_dim = cfg.get("head_dim") or d // heads
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    attention = d * head_dim * (2 * heads + 2 * kv_heads)
+    mlp = 3 * d * cfg.get("intermediate_size", 4 * d)
     return ModelShape(
         num_layers=layers,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        max_context=cfg.max_position_embeddings,
-        vocab_size=cfg.vocab_size,
+        max_context=cfg["max_position_embeddings"],
+        vocab_size=cfg["vocab_size"],
         hidden_size=d,
-        num_heads=cfg.num_attention_heads,
-        num_params=float(layers * (attention + mlp) + cfg.vocab_size * d),
+        num_heads=heads,
+        num_params=float(layers * (attention + mlp) + cfg["vocab_size"] * d),
     )
 
 

@@ -150,14 +150,18 @@ class Gateway:
         max_tokens = self.max_tokens_for(req, len(prompt_ids))
         rid = ("cmpl-" if req.kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
         gen = Generation(rid, req, prompt_ids, max_tokens, arrival, RequestState())
-        self.states[rid] = gen.state
         await self.events.request("received", rid, endpoint=req.kind, prompt_tokens=len(prompt_ids),
                                   max_tokens=max_tokens, stream=req.stream, gateway=self.cfg.instance_id)
-        try:
-            reply = await self.route(gen)
-        except BaseException:
-            self.states.pop(rid, None)
-            raise
+        if len(self.states) >= self.cfg.max_inflight:  # a backstop in front of the conductor's admission
+            reply = RouteReply(False, 429, f"this gateway already holds {len(self.states)} requests", retry_after_s=1.0)
+        else:
+            self.states[rid] = gen.state
+            try:
+                reply = await self.route(gen)
+            except BaseException:  # the client went away while the request was being routed
+                self.states.pop(rid, None)
+                await self.end(gen, "cancelled", reason="client went away")
+                raise
         if not reply.admitted:
             self.states.pop(rid, None)
             kind = "rejected" if reply.status == 429 else "failed"

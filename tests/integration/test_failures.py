@@ -1,12 +1,15 @@
-"""Dead workers: requests resume elsewhere, limits end in one clear error, nothing hangs.
+"""Dead and draining workers: requests resume elsewhere, limits end in one clear error, nothing hangs.
 
-One cluster of 2 prefill + 2 decode instances (tiny-random), processes killed with SIGKILL while
-they hold requests. The gateway here resumes a request at most once after its first token
-(`--max-migrations 1`, default 2), so the limit is reached by killing twice.
+One cluster of 2 prefill + 2 decode instances (tiny-random). Processes are killed with SIGKILL
+while they hold requests, or sent SIGTERM (a drain). The gateway here resumes a request at most
+once after its first token (`--max-migrations 1`, default 2), so the limit is reached by killing
+twice; decode instances drain for at most 3 s (`--drain-grace 3`, default 30), so one drain test
+finishes inside the grace and another outlives it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import time
@@ -20,13 +23,15 @@ pytestmark = pytest.mark.integration
 
 # generous: covers the conductor's heartbeat timeout (3 s) on a loaded 2-core machine
 BOUND_S = 60
+GRACE_S = 3
 PROMPT = "a long story about the moon and its cake " * 4
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory, tiny_profile):
     cluster = start_cluster(tmp_path_factory.mktemp("failures"), prefill=2, decode=2, profile=tiny_profile,
-                            service_args={"gateway": ["--max-migrations", "1"]})
+                            service_args={"gateway": ["--max-migrations", "1"],
+                                          "decode": ["--drain-grace", str(GRACE_S)]})
     yield cluster
     cluster.stop()
 
@@ -169,6 +174,58 @@ async def test_past_the_migration_limit_a_stream_ends_with_one_clear_error(pair)
     assert [e["kind"] for e in path if e["kind"] in ("completed", "failed", "cancelled")] == ["failed"]
     for name in killed:
         cluster.restart(name)
+    await wait_healthy(cluster, 2, 2)
+
+
+async def test_a_draining_decode_finishes_its_request_and_gets_no_new_ones(pair):
+    cluster = pair
+    status, undisturbed, _ = await post(f"{cluster.spec.url}/v1/completions", body(60))
+    assert status == 200
+    state = {}
+
+    async def term_its_decode(request_id, events):
+        if not state and len(tokens_of(events)) >= 5:
+            name = (await routed(cluster, request_id, 0))["decode_id"]
+            cluster.procs[name].popen.send_signal(signal.SIGTERM)
+            state.update(name=name, at=time.monotonic())
+            # routed while it drains: the other decode instance gets it
+            status, other, headers = await post(f"{cluster.spec.url}/v1/completions", body(4))
+            assert status == 200
+            state["other"] = (await routed(cluster, headers["X-Request-Id"], 0))["decode_id"]
+
+    request_id, events = await stream(cluster, body(60), term_its_decode)
+    assert state["other"] != state["name"]
+    assert tokens_of(events) == undisturbed["choices"][0]["token_ids"]
+    path = await collect_request_events(cluster.spec.nats_url, request_id)
+    assert not [e for e in path if e["kind"] == "migrated"]  # finished where it was, within the grace
+    code = cluster.procs[state["name"]].popen.wait(BOUND_S)
+    assert code == 0
+    cluster.restart(state["name"])
+    await wait_healthy(cluster, 2, 2)
+
+
+async def test_what_outlives_the_grace_period_is_resumed_elsewhere(pair):
+    cluster = pair
+    state = {}
+
+    async def term_its_decode(request_id, events):
+        if not state and len(tokens_of(events)) >= 5:
+            name = (await routed(cluster, request_id, 0))["decode_id"]
+            cluster.procs[name].popen.send_signal(signal.SIGTERM)
+            state.update(name=name, at=time.monotonic())
+
+    status, undisturbed, _ = await post(f"{cluster.spec.url}/v1/completions", body(3000))
+    assert status == 200
+    request_id, events = await stream(cluster, body(3000), term_its_decode)
+    assert not [e for e in events if "error" in e], events[-3:]
+    assert tokens_of(events) == undisturbed["choices"][0]["token_ids"]
+    path = await collect_request_events(cluster.spec.nats_url, request_id)
+    [migrated] = [e for e in path if e["kind"] == "migrated"]
+    assert "shutting down" in migrated["data"]["reason"]
+    assert (await routed(cluster, request_id, 1))["decode_id"] != state["name"]
+    exited = await asyncio.to_thread(cluster.procs[state["name"]].popen.wait, BOUND_S)
+    assert exited == 0
+    cluster.restart(state["name"])
     await wait_healthy(cluster, 2, 2)
 
 

@@ -57,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rate.add_argument("--speed", type=float, default=None, metavar="X", help="divide trace time by X instead")
     parser.add_argument("--chaos", default="", metavar="KINDS", help=f"kinds to SIGKILL: {','.join(sc.CHAOS_KINDS)}")
     parser.add_argument("--every", type=float, default=10.0, metavar="S", help="seconds between kills")
+    parser.add_argument("--chaos-order", choices=("random", "cycle"), default="random",
+                        help="random: a random listed kind each time; cycle: the listed kinds in turn")
     parser.add_argument("--seed", type=int, default=0, help="seeds the chaos and the prompts")
     parser.add_argument("--timeout", type=float, default=300.0, metavar="S", help="seconds per request")
     parser.add_argument("--drain-timeout", type=float, default=60.0, metavar="S", help="seconds to wait for idle")

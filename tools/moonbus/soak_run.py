@@ -239,7 +239,9 @@ class Soak:
         while True:
             await asyncio.sleep(self.args.every)
             state = sc.read_state(self.state_path) or self.state  # pids change on every restart
-            victim = sc.choose_victim(state, self.kinds, self.rng)
+            # cycle: the listed kinds in turn, so a short run kills every one of them
+            kinds = self.kinds if self.args.chaos_order == "random" else [self.kinds[len(self.kills) % len(self.kinds)]]
+            victim = sc.choose_victim(state, kinds, self.rng)
             killed = sc.kill(victim, time.perf_counter() - self.t0) if victim else None
             if killed:
                 self.kills.append(killed)

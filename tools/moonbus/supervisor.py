@@ -77,6 +77,8 @@ class SupervisorEvents:
     async def _connect(self) -> None:
         from common import bus
 
+        # the supervisor prints its own lines; the client's reconnect chatter would only add noise
+        logging.getLogger("common.bus").setLevel(logging.ERROR)
         try:
             self.nc = await bus.connect(self.nats_url, "supervisor", first_connect_timeout_s=30)
             self.publisher = bus.EventPublisher(self.nc, "supervisor", "supervisor")
