@@ -237,9 +237,11 @@ class Gateway:
         answers = {}
         for role, instance in (("decode", gen.decode_id), ("prefill", gen.prefill_id)):
             try:
-                msg = await bus.request(self.nc, subjects.worker_probe(instance), probe, timeout=2.0, outage_s=5.0)
+                msg = await bus.request(self.nc, subjects.worker_probe(instance), probe, timeout=5.0, outage_s=5.0)
                 answers[role] = ProbeReply.from_bytes(msg.data)
-            except (NoRespondersError, NatsTimeout, WireError):
+            except NatsTimeout:  # there, but too busy to answer: no reason to think it lost the request
+                return True
+            except (NoRespondersError, WireError):  # gone (the conductor will say so too), or nonsense
                 answers[role] = ProbeReply(False)
             if answers[role].known and answers[role].phase != "handed_off":
                 gen.handed_off_unseen = 0
