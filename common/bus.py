@@ -73,6 +73,28 @@ async def connect(url: str, name: str, first_connect_timeout_s: float = 60.0) ->
             await asyncio.sleep(0.5)
 
 
+BROKER_GIVE_UP_S = 300.0  # disconnected this long, the broker is gone for good: the process exits
+
+
+class BrokerGone(ConnectionError):
+    """Raised by `watchdog` when the connection has been down for BROKER_GIVE_UP_S."""
+
+
+async def watchdog(nc: Client, give_up_s: float = BROKER_GIVE_UP_S) -> None:
+    """An essential task (common.runner.TaskGroup): raises once the broker has been unreachable for
+    `give_up_s`, which stops the process with a failure, for its supervisor to deal with. Shorter
+    outages are ridden out (reconnects are endless)."""
+    down_since = None
+    while True:
+        await asyncio.sleep(1.0)
+        if nc.is_connected:
+            down_since = None
+        elif down_since is None:
+            down_since = time.monotonic()
+        elif time.monotonic() - down_since > give_up_s:
+            raise BrokerGone(f"no broker for {give_up_s:.0f} s; giving up")
+
+
 def on_reconnect(nc: Client, callback: Callable[[], None]) -> None:
     """Call `callback` (synchronously, on the event loop) each time the connection comes back."""
     _on_reconnect.setdefault(nc, []).append(callback)

@@ -6,13 +6,15 @@ The checksum (xxh3-64 of the bytes) is verified on every read and after every tr
 
 Names say who owns a file, so that nothing outlives its request (a node's tmpfs is not capped):
 
-    out-<request>-a<attempt>.kv    written by the node's prefill instance, until it is sent
-    in-<request>-a<attempt>.kv     landed by the node's messenger, until decode reads it
-    .<name>.tmp                    either, while being written
+    out-<request>-a<attempt>.kv              written by the node's prefill instance, until it is sent
+    in-<decode>__<request>-a<attempt>.kv     landed by the node's messenger for one decode instance,
+                                             until it reads it
+    .<name>.tmp                              either, while being written
 
-A restarted prefill sweeps `out-*` (its dead predecessor's), a restarted decode `in-*`, a
-restarted messenger the temporary files of transfers it was landing, and every messenger sweeps
-files older than its stale age as a last resort (a request whose decode vanished).
+A restarted prefill sweeps `out-*` (its dead predecessor's), a restarted decode its `in-<id>__*`,
+and a running decode those of its files whose task never came (lost in a broker outage); a
+restarted messenger sweeps the temporary files of transfers it was landing, and every messenger
+removes files older than its stale age as a last resort.
 """
 
 from __future__ import annotations
@@ -48,9 +50,13 @@ def outgoing_name(request_id: str, attempt: int) -> str:
     return f"{OUT}{request_id}-a{attempt}.kv"
 
 
-def incoming_name(name: str) -> str:
-    """What a file sent from another node is called once it lands here."""
-    return IN + name.removeprefix(OUT)
+def incoming_prefix(decode_instance: str) -> str:
+    return f"{IN}{decode_instance}__" if decode_instance and "__" not in decode_instance else IN
+
+
+def incoming_name(name: str, decode_instance: str = "") -> str:
+    """What a file sent from another node is called once it lands here (for that decode instance)."""
+    return incoming_prefix(decode_instance) + name.removeprefix(OUT)
 
 
 def path_of(shm_dir: Path, handle: KvHandle | str) -> Path:
@@ -75,12 +81,13 @@ def write(shm_dir: Path, node: str, name: str, kv: "torch.Tensor") -> KvHandle:
     return KvHandle(node, name, list(array.shape), "float32", checksum(array))
 
 
-def write_bytes(shm_dir: Path, handle: KvHandle, payload: bytes | memoryview, node: str) -> KvHandle:
-    """Land bytes received from another node as `incoming_name(handle.name)`; returns the local
-    handle (checksum verified)."""
+def write_bytes(shm_dir: Path, handle: KvHandle, payload: bytes | memoryview, node: str,
+                decode_instance: str = "") -> KvHandle:
+    """Land bytes received from another node as `incoming_name(...)`; returns the local handle
+    (checksum verified)."""
     if checksum(payload) != handle.checksum:
         raise KvChecksumError(f"KV {handle.name}: checksum mismatch after transfer")
-    name = incoming_name(handle.name)
+    name = incoming_name(handle.name, decode_instance)
     path = path_of(shm_dir, name)
     shm_dir.mkdir(parents=True, exist_ok=True)
     tmp = shm_dir / f".{name}.tmp"
@@ -161,5 +168,18 @@ def sweep_outgoing(shm_dir: Path) -> int:
     return sweep(shm_dir, OUT)
 
 
-def sweep_incoming(shm_dir: Path) -> int:
-    return sweep(shm_dir, IN)
+def sweep_incoming(shm_dir: Path, decode_instance: str, older_than_s: float = 0.0, keep: set[str] = frozenset()) -> int:
+    """Remove a decode instance's landed files (older than an age), except those it still holds."""
+    prefix = incoming_prefix(decode_instance)
+    if prefix == IN:
+        return 0  # not attributable to one instance: left to the messenger's stale sweep
+    now, removed = time.time(), 0
+    for path in request_files(shm_dir, prefix):
+        try:
+            if path.name in keep or (older_than_s and now - path.stat().st_mtime < older_than_s):
+                continue
+            path.unlink()
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return removed

@@ -42,10 +42,13 @@ class SendKv(Wire):
     request_id: str
     src: KvHandle
     dest_node: str
+    dest_instance: str = ""  # the decode instance the KV is for: its name goes into the landed file's
 
     def __post_init__(self) -> None:
         check_token("request_id", self.request_id)
         check_token("dest_node", self.dest_node)
+        if self.dest_instance:
+            check_token("dest_instance", self.dest_instance)
 
 
 @dataclass(frozen=True)
@@ -62,9 +65,12 @@ class TransferHeader(Wire):
     request_id: str
     handle: KvHandle  # as it was on the sending node
     nbytes: int
+    dest_instance: str = ""  # see SendKv
 
     def __post_init__(self) -> None:
         check_token("request_id", self.request_id)
+        if self.dest_instance:
+            check_token("dest_instance", self.dest_instance)
 
 
 @dataclass(frozen=True)

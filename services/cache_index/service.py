@@ -137,6 +137,7 @@ async def serve(cfg: CacheIndexConfig, stop: asyncio.Event) -> bool:
     await bus.subscribe(nc, subjects.INDEX_DUMP, service.on_dump)
     tasks.spawn(runner.every(cfg.heartbeat_interval_s, stop, service.heartbeat), "heartbeat")
     tasks.spawn(runner.every(1.0, stop, service.sweep), "sweep")
+    tasks.spawn(bus.watchdog(nc), "broker-watchdog")
     tasks.spawn(health.beacon(cfg.health_file, nc, stop), "health", essential=False)
     log.info("cache index %s ready", cfg.instance_id)
     await stop.wait()

@@ -231,6 +231,7 @@ async def serve(cfg: ConductorConfig, stop: asyncio.Event) -> bool:
     await bus.subscribe(nc, subjects.request_event("*", "*"), service.on_request_event)
     await bus.subscribe(nc, subjects.REQUEST_CANCEL, service.on_cancel)
     tasks.spawn(runner.every(cfg.sweep_interval_s, stop, service.sweep), "sweep")
+    tasks.spawn(bus.watchdog(nc), "broker-watchdog")
     tasks.spawn(health.beacon(cfg.health_file, nc, stop), "health", essential=False)
     log.info("conductor %s ready: policy %s%s, admission %s (ttft slo %gs, tbt slo %gs), profile %s",
              cfg.instance_id, cfg.policy, " (colocated)" if cfg.colocate else "", cfg.admission.mode, cfg.admission.ttft_slo_s, cfg.admission.tbt_slo_s, source)

@@ -41,6 +41,7 @@ async def serve(cfg: CoupledConfig, stop: runner.Stop) -> bool:
     decode = DecodeService(dcfg, nc, engine, eos, layout, tasks, perf, compute_lock)
     await prefill.start(tasks, stop, ref.name)
     await decode.start(stop, ref.name, source)
+    tasks.spawn(bus.watchdog(nc), "broker-watchdog")
     tasks.spawn(health.beacon(pcfg.health_file, nc, stop), "health", essential=False)
     log.info("coupled %s ready on node %s: %s and %s share the model", cfg.instance_id, pcfg.node,
              pcfg.instance_id, dcfg.instance_id)

@@ -23,6 +23,7 @@ class DecodeConfig:
     threads: int
     heartbeat_interval_s: float
     drain_grace_s: float  # after SIGTERM: time to finish the work held before handing the rest back
+    orphan_kv_s: float  # a KV file landed for us this long ago whose task never came is removed
     max_batch: int
     kv_budget_tokens: int  # KV tokens the batch may reserve (prompt + tokens still to generate)
     tbt_slo_s: float  # a request whose KV arrives when the batch could not meet this is rejected (late)
@@ -34,6 +35,8 @@ class DecodeConfig:
         common.check_subject_token("node", self.node)
         if self.threads < 0:
             raise ValueError("threads must be >= 0 (0 = torch default)")
+        if self.orphan_kv_s <= 0:
+            raise ValueError("orphan KV age must be > 0")
         if self.drain_grace_s < 0:
             raise ValueError("drain grace must be >= 0")
         if self.heartbeat_interval_s <= 0:
@@ -59,6 +62,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     common.add_model_flags(parser)
     common.flag(parser, "--threads", "MOONBUS_THREADS", 0, int, help="torch intra-op threads (0 = default)")
     common.flag(parser, "--heartbeat-interval", "MOONBUS_HEARTBEAT_INTERVAL", 1.0, float, help="seconds", dest="heartbeat_interval_s")
+    common.flag(parser, "--orphan-kv", "MOONBUS_ORPHAN_KV", 30.0, float, dest="orphan_kv_s",
+                help="seconds after which a KV file landed for this instance, whose task never came, is removed")
     common.flag(parser, "--drain-grace", "MOONBUS_DRAIN_GRACE", 30.0, float, dest="drain_grace_s",
                 help="seconds to finish held work after SIGTERM; what is left is resumed elsewhere")
     common.flag(parser, "--max-batch", "MOONBUS_MAX_BATCH", 64, int, help="most requests decoding at once")

@@ -263,6 +263,14 @@ class DecodeService:
         except PoolUnavailable as exc:
             log.warning("request %s: KV not stored: %s", seq.request_id, exc)
 
+    async def sweep_orphans(self) -> None:
+        """Files landed for us whose task never came (lost while the broker was away): the request
+        was resumed elsewhere, so nothing will ever read them."""
+        held = {t.kv.name for t in list(self.waiting) + list(self.arrived._queue)}  # noqa: SLF001 - a read-only look
+        removed = kvfiles.sweep_incoming(self.cfg.shm_dir, self.cfg.instance_id, self.cfg.orphan_kv_s, held)
+        if removed:
+            log.warning("removed %d landed KV files whose task never arrived", removed)
+
     # --- presence and drain ---------------------------------------------------------------------------
     def info(self, leaving: bool = False) -> WorkerInfo:
         return WorkerInfo(self.cfg.instance_id, "decode", self.cfg.node, self.cfg.model,
@@ -275,13 +283,14 @@ class DecodeService:
     async def start(self, stop: asyncio.Event, model_name: str, profile_source: str) -> None:
         """Subscribe, start the batch loop and the heartbeats, announce the instance."""
         cfg = self.cfg
-        kvfiles.sweep_incoming(cfg.shm_dir)  # landed for a predecessor that died before reading them
+        kvfiles.sweep_incoming(cfg.shm_dir, cfg.instance_id)  # landed for a predecessor that died before reading them
         await bus.subscribe(self.nc, subjects.decode_tasks(cfg.instance_id), self.on_task)
         await bus.subscribe(self.nc, subjects.REQUEST_CANCEL, self.cancelled.on_cancel)
         await self.pool.watch_messenger()
         await bus.subscribe(self.nc, subjects.worker_probe(cfg.instance_id), self.on_probe)
         self.tasks.spawn(self.loop(), f"decode-loop-{cfg.instance_id}")
         self.tasks.spawn(runner.every(cfg.heartbeat_interval_s, self.gone, self.heartbeat), f"heartbeat-{cfg.instance_id}")
+        self.tasks.spawn(runner.every(10.0, self.gone, self.sweep_orphans), f"orphans-{cfg.instance_id}")
         await self.heartbeat()
         await self.events.instance("started", cfg.instance_id, role="decode", node=cfg.node, model=model_name,
                                    incarnation=self.incarnation)
@@ -329,6 +338,7 @@ async def serve(cfg: DecodeConfig, stop: runner.Stop) -> bool:
     service = DecodeService(cfg, nc, engine, worker_model.eos_token_id,
                             worker_model.shape.kv_layout(cfg.block_tokens), tasks, perf)
     await service.start(stop, worker_model.ref.name, source)
+    tasks.spawn(bus.watchdog(nc), "broker-watchdog")
     tasks.spawn(health.beacon(cfg.health_file, nc, stop), "health", essential=False)
     await stop.wait()
     if not tasks.failed:

@@ -331,10 +331,11 @@ class Gateway:
             return None
 
 
-async def serve(cfg: GatewayConfig, stop: asyncio.Event) -> None:
+async def serve(cfg: GatewayConfig, stop: asyncio.Event) -> bool:
     from aiohttp import web
 
     from common import models
+    from common.runner import TaskGroup
     from services.gateway.api import Api
 
     ref = models.prepare(cfg.model, cfg.home)
@@ -351,9 +352,12 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event) -> None:
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()
-    beacon = asyncio.create_task(health.beacon(cfg.health_file, nc, stop))
+    tasks = TaskGroup(stop)
+    tasks.spawn(health.beacon(cfg.health_file, nc, stop), "health", essential=False)
+    tasks.spawn(bus.watchdog(nc), "broker-watchdog")
     log.info("gateway %s serving %s on http://%s:%d", cfg.instance_id, ref.name, cfg.host, cfg.port)
     await stop.wait()
-    await beacon
+    await tasks.cancel_all()
     await runner.cleanup()
     await bus.shutdown(nc)
+    return not tasks.failed

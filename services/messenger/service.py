@@ -228,8 +228,8 @@ class MessengerService:
         host, port = addr.rsplit(":", 1)
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), self.cfg.connect_timeout_s)
         try:
-            await link.write_frame(writer, TransferHeader(request.request_id, request.src, len(payload)), payload,
-                                   op=link.OP_TRANSFER)
+            await link.write_frame(writer, TransferHeader(request.request_id, request.src, len(payload),
+                                                          request.dest_instance), payload, op=link.OP_TRANSFER)
             ack = await link.read_header(reader, TransferAck)
         finally:
             writer.close()
@@ -277,7 +277,8 @@ class MessengerService:
             return
         payload = await link.read_payload(reader, header.nbytes)
         try:
-            dest = await asyncio.to_thread(kvfiles.write_bytes, self.cfg.shm_dir, header.handle, payload, self.cfg.node)
+            dest = await asyncio.to_thread(kvfiles.write_bytes, self.cfg.shm_dir, header.handle, payload, self.cfg.node,
+                                           header.dest_instance)
             ack = TransferAck(True, dest)
         except (OSError, kvfiles.KvChecksumError) as exc:
             log.error("request %s: cannot land KV: %s", header.request_id, exc)
@@ -363,6 +364,7 @@ async def serve(cfg: MessengerConfig, stop: asyncio.Event) -> None:
     tasks.spawn(service.publish_loop(), "kv-events")
     tasks.spawn(runner.every(cfg.heartbeat_interval_s, stop, service.heartbeat), "heartbeat")
     tasks.spawn(runner.every(2.0, stop, service.sweep), "sweep")
+    tasks.spawn(bus.watchdog(nc), "broker-watchdog")
     tasks.spawn(health.beacon(cfg.health_file, nc, stop), "health", essential=False)
     await service.events.instance("started", cfg.instance_id, role="messenger", node=cfg.node,
                                   transfer_addr=service.transfer_addr, epoch=pool.epoch,

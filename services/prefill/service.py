@@ -205,7 +205,7 @@ class PrefillService:
         so a failure here is answered at the next index: the gateway resumes with that token."""
         rid = task.request_id
         try:
-            reply = await self.send_kv(SendKv(rid, handle, task.decode_node))
+            reply = await self.send_kv(SendKv(rid, handle, task.decode_node, task.decode_id))
         except TransferFailed as exc:
             log.error("request %s: %s", rid, exc)
             await self.fail(task, task.num_generated + 1, str(exc), 503)
@@ -342,6 +342,7 @@ async def serve(cfg: PrefillConfig, stop: runner.Stop) -> bool:
     service = PrefillService(cfg, nc, loaded.model, loaded.eos_token_id, loaded.shape.kv_layout(cfg.block_tokens))
     tasks = runner.TaskGroup(stop)
     await service.start(tasks, stop, loaded.ref.name)
+    tasks.spawn(bus.watchdog(nc), "broker-watchdog")
     tasks.spawn(health.beacon(cfg.health_file, nc, stop), "health", essential=False)
     await stop.wait()
     if not tasks.failed:
