@@ -53,6 +53,8 @@ def add_common_flags(parser: argparse.ArgumentParser, role: str) -> None:
     flag(parser, "--home", "MOONBUS_HOME", str(default_home()), help="state directory (model cache)")
     flag(parser, "--health-file", "MOONBUS_HEALTH_FILE", "",
          help="a file kept fresh while the service is ready, for container health checks ('' = none)")
+    flag(parser, "--metrics-port", "MOONBUS_METRICS_PORT", 0, int, help="Prometheus metrics port (0 = off)")
+    flag(parser, "--metrics-host", "MOONBUS_METRICS_HOST", "127.0.0.1", help="bind address of the metrics port")
 
 
 def add_node_flags(parser: argparse.ArgumentParser) -> None:

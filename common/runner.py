@@ -32,6 +32,12 @@ class TaskGroup:
         task.add_done_callback(lambda t: self._done(t, essential))
         return task
 
+    def fail(self, why: str) -> None:
+        """Stop the service as failed (it exits non-zero), e.g. when the cluster refuses it."""
+        log.error("%s", why)
+        self.failed = True
+        self._stop.set()
+
     def _done(self, task: asyncio.Task[Any], essential: bool) -> None:
         self._tasks.discard(task)
         if task.cancelled() or task.exception() is None:

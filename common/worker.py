@@ -16,10 +16,24 @@ import uuid
 from nats.aio.msg import Msg
 
 from common import bus
+from schemas import subjects
 from schemas.codec import WireError
 from schemas.tokens import Cancel, TokenChunk
 
 log = logging.getLogger(__name__)
+
+
+async def obey_refusal(nc, instance_id: str, tasks) -> None:
+    """A conductor refuses an instance that disagrees with the cluster (model, block size, chunk,
+    KV layout): say why, clearly, and exit as failed (a supervisor's crash-loop limit then keeps it
+    down with that message in its log)."""
+    from schemas.workers import Refused
+
+    async def refused(msg) -> None:
+        refusal = Refused.from_bytes(msg.data)
+        tasks.fail(f"the cluster refused instance {instance_id}: {refusal.reason}")
+
+    await bus.subscribe(nc, subjects.control_refused(instance_id), refused)
 
 
 def new_incarnation() -> str:

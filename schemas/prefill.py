@@ -52,6 +52,7 @@ class PrefillTask(Wire):
     stage: int = 0  # this instance's index in pipeline.stages
     attempt: int = 0  # see RouteRequest
     num_generated: int = 0  # completion tokens the client has: the first token sampled here is number num_generated
+    predicted_s: float = 0.0  # the conductor's prediction of this task's work (prefill + transfer)
 
     def __post_init__(self) -> None:
         check_token("request_id", self.request_id)

@@ -38,6 +38,7 @@ CONDUCTOR_STATUS = "moonbus.conductor.status"  # anyone -> conductor, request/re
 CONDUCTOR_QUEUE = "conductor"  # queue group: replicated conductors share routes
 REQUEST_CANCEL = "moonbus.requests.cancel"  # gateway -> all workers: stop this request
 INDEX_QUERY = "moonbus.index.query"  # conductor -> cache_index, request/reply
+INDEX_QUEUE = "cache_index"  # queue group: replicated cache indexes share queries (each follows every KV event)
 
 
 def prefill_tasks(instance_id: str) -> str:
@@ -51,6 +52,19 @@ def decode_tasks(instance_id: str) -> str:
 def worker_probe(instance_id: str) -> str:
     """moonbus.workers.<instance>.probe: gateway -> a prefill/decode instance: do you hold this request?"""
     return f"moonbus.workers.{instance_id}.probe"
+
+
+CONTROL_PROGRESS_ALL = "moonbus.control.progress.*"  # conductors: every instance's progress
+
+
+def control_progress(instance_id: str) -> str:
+    """moonbus.control.progress.<instance>: a prefill/decode instance -> conductors (schemas.workers.Progress)."""
+    return f"moonbus.control.progress.{instance_id}"
+
+
+def control_refused(instance_id: str) -> str:
+    """moonbus.control.refused.<instance>: a conductor -> an instance that disagrees with the cluster."""
+    return f"moonbus.control.refused.{instance_id}"
 
 
 def messenger_control(node: str, op: str) -> str:

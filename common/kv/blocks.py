@@ -136,6 +136,11 @@ class KvLayout:
     def block_shape(self) -> tuple[int, int, int, int, int]:
         return (self.num_layers, 2, self.num_kv_heads, self.block_tokens, self.head_dim)
 
+    @property
+    def signature(self) -> str:
+        """What two instances must agree on to exchange KV: "layers x 2 x kv heads x head dim dtype"."""
+        return f"{self.num_layers}x2x{self.num_kv_heads}x{self.head_dim} {self.dtype}"
+
     def request_shape(self, seq_len: int) -> tuple[int, int, int, int, int]:
         return (self.num_layers, 2, self.num_kv_heads, seq_len, self.head_dim)
 

@@ -16,6 +16,8 @@ class CacheIndexConfig:
     home: Path
     log_level: str
     health_file: str  # kept fresh while ready (common/health.py); '' = none
+    metrics_port: int  # Prometheus (common/metrics.py); 0 = off
+    metrics_host: str
     heartbeat_interval_s: float
     node_timeout_s: float  # a node whose messenger stops sending heartbeats is dropped after this
     resync_timeout_s: float

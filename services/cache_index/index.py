@@ -171,6 +171,10 @@ class PrefixIndex:
         """Number of distinct keys held by at least one node."""
         return len(self._masks)
 
+    def num_holdings(self) -> int:
+        """(key, node) pairs held, over every key (O(keys): for metrics, read at scrape time)."""
+        return sum(masks[_ANY].bit_count() for masks in self._masks.values())
+
     def last_seq(self, node: str) -> int:
         return self._last_seq.get(node, 0)
 

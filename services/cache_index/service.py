@@ -15,7 +15,9 @@ import time
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
-from common import bus, health, runner
+from prometheus_client import Counter, Gauge, Histogram
+
+from common import bus, health, metrics, runner
 from schemas import subjects
 from schemas.codec import WireError, check_token
 from schemas.events import Event
@@ -28,12 +30,27 @@ from services.cache_index.index import KINDS, KvEvent, PrefixIndex
 log = logging.getLogger(__name__)
 
 
+class IndexMetrics:
+    def __init__(self, index: PrefixIndex) -> None:
+        self.registry = r = metrics.registry()
+        Gauge("moonbus_cache_index_blocks", "distinct block keys held somewhere", registry=r).set_function(
+            lambda: len(index))
+        Gauge("moonbus_cache_index_holdings", "(block, node) pairs held", registry=r).set_function(index.num_holdings)
+        Gauge("moonbus_cache_index_nodes", "nodes followed", registry=r).set_function(lambda: len(index.nodes))
+        self.resyncs = Counter("moonbus_cache_index_resyncs", "nodes reloaded from their messenger's snapshot",
+                               ["reason"], registry=r)
+        self.query_s = Histogram("moonbus_cache_index_query_seconds", "prefix queries answered",
+                                 buckets=metrics.FAST_BUCKETS, registry=r)
+        self.events = Counter("moonbus_cache_index_kv_events", "KV events applied, by kind", ["kind"], registry=r)
+
+
 class CacheIndexService:
     def __init__(self, cfg: CacheIndexConfig, nc, tasks: runner.TaskGroup) -> None:
         self.cfg = cfg
         self.nc = nc
         self.tasks = tasks
         self.index = PrefixIndex()
+        self.metrics = IndexMetrics(self.index)
         self.events = bus.EventPublisher(nc, "cache_index", cfg.instance_id)
         self.epochs: dict[str, str] = {}  # node -> epoch of the events we applied
         self.last_seen: dict[str, float] = {}  # node -> monotonic time of its messenger's last heartbeat
@@ -53,6 +70,7 @@ class CacheIndexService:
             self.start_resync(data.node, "new epoch")
             return
         result = self.index.apply(kv_event)
+        self.metrics.events.labels(event.kind).inc()
         if result.resync_needed:
             self.start_resync(data.node, f"gap: expected seq {result.expected_seq}, got {data.seq}")
 
@@ -85,6 +103,7 @@ class CacheIndexService:
                 if event.seq > snap.seq:
                     self.index.apply(event)  # a gap here is caught by the next live event
             log.info("node %s resynced (%s): %d blocks at seq %d", node, why, len(snap.keys), snap.seq)
+            self.metrics.resyncs.labels(why.split(":")[0]).inc()
             await self.events.instance("resynced", self.cfg.instance_id, node=node, reason=why,
                                        blocks=len(snap.keys), seq=snap.seq)
         except (NoRespondersError, NatsTimeout, ValueError, WireError) as exc:
@@ -101,10 +120,11 @@ class CacheIndexService:
         self.last_seen.pop(node, None)
 
     async def on_query(self, msg: Msg) -> None:
-        query = IndexQuery.from_bytes(msg.data)  # malformed: logged and dropped (the asker times out)
-        match = self.index.match(query.keys)
-        per_node = {n: NodePrefix(m.prefix_len, m.num_dram, m.num_ssd) for n, m in match.per_node.items()}
-        await msg.respond(IndexReply(per_node, match.best_len, list(match.best_nodes)).to_bytes())
+        with self.metrics.query_s.time():
+            query = IndexQuery.from_bytes(msg.data)  # malformed: logged and dropped (the asker times out)
+            match = self.index.match(query.keys)
+            per_node = {n: NodePrefix(m.prefix_len, m.num_dram, m.num_ssd) for n, m in match.per_node.items()}
+            await msg.respond(IndexReply(per_node, match.best_len, list(match.best_nodes)).to_bytes())
 
     async def on_dump(self, msg: Msg) -> None:
         request = IndexDumpRequest.from_bytes(msg.data)
@@ -133,12 +153,13 @@ async def serve(cfg: CacheIndexConfig, stop: asyncio.Event) -> bool:
     service = CacheIndexService(cfg, nc, tasks)
     await bus.subscribe(nc, subjects.KV_EVENTS_ALL, service.on_kv_event)
     await bus.subscribe(nc, subjects.WORKER_HEARTBEAT, service.on_heartbeat)
-    await bus.subscribe(nc, subjects.INDEX_QUERY, service.on_query)
-    await bus.subscribe(nc, subjects.INDEX_DUMP, service.on_dump)
+    await bus.subscribe(nc, subjects.INDEX_QUERY, service.on_query, queue=subjects.INDEX_QUEUE)
+    await bus.subscribe(nc, subjects.INDEX_DUMP, service.on_dump, queue=subjects.INDEX_QUEUE)
     tasks.spawn(runner.every(cfg.heartbeat_interval_s, stop, service.heartbeat), "heartbeat")
     tasks.spawn(runner.every(1.0, stop, service.sweep), "sweep")
     tasks.spawn(bus.watchdog(nc), "broker-watchdog")
     tasks.spawn(health.beacon(cfg.health_file, nc, stop), "health", essential=False)
+    metrics.serve(cfg.metrics_port, service.metrics.registry, cfg.metrics_host)
     log.info("cache index %s ready", cfg.instance_id)
     await stop.wait()
     await tasks.cancel_all()

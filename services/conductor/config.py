@@ -18,6 +18,8 @@ class ConductorConfig:
     home: Path
     log_level: str
     health_file: str  # kept fresh while ready (common/health.py); '' = none
+    metrics_port: int  # Prometheus (common/metrics.py); 0 = off
+    metrics_host: str
     model: str
     block_tokens: int
     policy: str  # random | load-balancing | cache-aware | kvcache-centric

@@ -5,8 +5,12 @@ a snapshot of every instance (queued prefill seconds, decode batches, bytes bein
 each node) -> the pure policy (services/conductor/policy.py) and admission
 (services/conductor/admission.py) -> a PrefillTask (with a pull plan when the chosen instance
 should fetch a remote prefix) and a `routed` event carrying every candidate and cost term.
-Heartbeats tell who is alive (a `draining` instance gets nothing new); request events move and
-end the load a request puts on instances. When an instance's heartbeats stop or it leaves, every
+The load comes from the instances themselves (common/cluster_state.py): heartbeats every
+~150 ms and a progress message at each change of state carry what each holds, and this
+conductor adds only its own dispatches that have not arrived yet, so any number of conductors
+see the same load. Nothing steers by the audit stream, which is write-only here. Heartbeats also
+tell who is alive (a `draining` instance gets nothing new) and whether it agrees with the
+cluster's model, block size, chunk and KV layout (one that does not is refused). When an instance's heartbeats stop or it leaves, every
 request it held gets a retryable TokenChunk error, so its gateway resumes it elsewhere and no
 client hangs. While the conductor's own broker connection is down, nobody is declared lost: the
 silence is the conductor's, not the instances'.
@@ -23,60 +27,111 @@ import time
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
-from common import bus, health, models, profiles, runner, worker
+from prometheus_client import Counter, Gauge, Histogram
+
+from common import bus, health, metrics, models, profiles, runner, worker
 from common.kv.blocks import block_keys
 from common.perf import Profile
 from schemas import subjects
 from schemas.codec import WireError
-from schemas.events import TERMINAL_KINDS, Event
 from schemas.index import IndexQuery, IndexReply
 from schemas.prefill import PipelineSpec, PrefillTask, PullSpec
 from schemas.route import RouteReply, RouteRequest
 from schemas.tokens import Cancel
-from schemas.workers import StatusReply, WorkerInfo
+from schemas.workers import Layout, Progress, Refused, StatusReply, WorkerInfo
 from services.conductor import admission, policy
 from services.conductor.config import ConductorConfig
-from services.conductor.inflight import InFlight, InFlightTable
-from services.conductor.registry import Registry
+from common.cluster_state import ClusterState, Refusal, Routed
 
 log = logging.getLogger(__name__)
 POLICY_VERSION = "moonbus-conductor/1"
 
 
+class ConductorMetrics:
+    def __init__(self) -> None:
+        self.registry = metrics.registry()
+        r = self.registry
+        self.decisions = Counter("moonbus_conductor_decisions", "route decisions by outcome "
+                                 "(admitted, rejected, unavailable, expired, malformed, error)", ["outcome"], registry=r)
+        self.decide_s = Histogram("moonbus_conductor_decision_seconds", "the pure decision: snapshot, policy, admission",
+                                  buckets=metrics.FAST_BUCKETS, registry=r)
+        self.route_s = Histogram("moonbus_conductor_route_seconds", "a route request end to end at the conductor "
+                                 "(hashing, the cache index round trip, the decision, dispatch)",
+                                 buckets=metrics.FAST_BUCKETS, registry=r)
+        self.prefill_queue = Gauge("moonbus_conductor_prefill_queue_seconds", "predicted queued prefill work",
+                                   ["instance"], registry=r)
+        self.decode_load = Gauge("moonbus_conductor_decode_requests", "requests held by or coming to a decode instance",
+                                 ["instance"], registry=r)
+        self.in_flight = Gauge("moonbus_conductor_in_flight", "requests this conductor routed that have not ended",
+                               registry=r)
+        self.instances = Gauge("moonbus_conductor_instances", "live instances by role", ["role"], registry=r)
+
+
 class ConductorService:
-    def __init__(self, cfg: ConductorConfig, nc, perf: Profile, kv_bytes_per_token: int) -> None:
+    def __init__(self, cfg: ConductorConfig, nc, perf: Profile, kv_bytes_per_token: int, layout: Layout | None = None) -> None:
         self.cfg = cfg
         self.nc = nc
         self.perf = perf
         self.events = bus.EventPublisher(nc, "conductor", cfg.instance_id)
-        self.registry = Registry(cfg.heartbeat_timeout_s)
-        self.inflight = InFlightTable(cfg.lease_s)
+        self.state = ClusterState(cfg.heartbeat_timeout_s, cfg.lease_s, layout)
+        self.metrics = ConductorMetrics()
+        self.refused: set[str] = set()  # instance ids told so, not to repeat it every heartbeat
         self.settings = policy.PolicySettings(cfg.policy, cfg.kvcache_balancing_threshold, cfg.link_bytes_s,
                                               cfg.block_tokens, kv_bytes_per_token, cfg.colocate)
         self.rng = random.Random()
         self.offline = False  # the broker connection was down at the last sweep
 
     async def on_heartbeat(self, msg: Msg) -> None:
-        info = WorkerInfo.from_bytes(msg.data)  # a malformed one raises: logged and dropped by bus.subscribe
-        if self.registry.update(info, time.monotonic()):
+        await self.heard(WorkerInfo.from_bytes(msg.data))  # a malformed one raises: logged and dropped
+
+    async def on_progress(self, msg: Msg) -> None:
+        """A request changed state at an instance: its report, and the change itself."""
+        progress = Progress.from_bytes(msg.data)
+        await self.heard(progress.info)
+        if progress.kind == "prefilled":
+            self.state.prefilled(progress.request_id, progress.attempt)
+        elif progress.kind in ("finished", "failed"):  # it left the cluster (from decode, or ended at prefill)
+            self.state.end(progress.request_id, up_to_attempt=progress.attempt)
+
+    async def heard(self, info: WorkerInfo) -> None:
+        outcome = self.state.heard(info, time.monotonic())
+        if isinstance(outcome, Refusal):
+            await self.refuse(outcome)
+        elif outcome == "joined":
+            self.refused.discard(info.instance_id)
             log.info("instance %s joined (%s on node %s)", info.instance_id, info.role, info.node)
             await self.events.instance("joined", info.instance_id, role=info.role, node=info.node)
-        elif info.leaving:
+        elif outcome == "left":
             log.info("instance %s left", info.instance_id)
             await self.events.instance("left", info.instance_id, role=info.role, node=info.node)
             await self.fail_requests_of(info.instance_id, "left")
 
+    async def refuse(self, refusal: Refusal) -> None:
+        info = refusal.info
+        if info.instance_id in self.refused:
+            return
+        self.refused.add(info.instance_id)
+        reason = "it disagrees with the cluster: " + "; ".join(refusal.differences)
+        log.error("refusing instance %s (%s on node %s): %s", info.instance_id, info.role, info.node, reason)
+        await self.events.instance("refused", info.instance_id, role=info.role, node=info.node, reason=reason)
+        await bus.publish(self.nc, subjects.control_refused(info.instance_id),
+                          Refused(info.instance_id, reason).to_bytes())
+
     async def on_route(self, msg: Msg) -> None:
+        started = time.perf_counter()
         try:
             request = RouteRequest.from_bytes(msg.data)
         except ValueError as exc:
             reply = RouteReply(False, 400, f"malformed route request: {exc}")
+            self.metrics.decisions.labels("malformed").inc()
         else:
             try:
                 reply = await self.route(request)
             except Exception as exc:  # answered, never a hang
                 log.exception("request %s: routing failed", request.request_id)
                 reply = RouteReply(False, 500, f"routing failed: {exc}")
+                self.metrics.decisions.labels("error").inc()
+            self.metrics.route_s.observe(time.perf_counter() - started)
         if msg.reply:
             await bus.publish(self.nc, msg.reply, reply.to_bytes())
 
@@ -87,27 +142,32 @@ class ConductorService:
         except WireError as exc:
             log.warning("dropping a malformed cancel: %s", exc)
             return
-        self.inflight.finish(cancel.request_id, up_to_attempt=cancel.attempt)
+        self.state.end(cancel.request_id, up_to_attempt=cancel.attempt)
 
     async def route(self, request: RouteRequest) -> RouteReply:
         rid, ids = request.request_id, request.prompt_token_ids
         if request.deadline_ts and time.time() > request.deadline_ts:  # the gateway stopped waiting: not dispatched
             log.warning("request %s: route request arrived after its gateway gave up; dropped", rid)
+            self.metrics.decisions.labels("expired").inc()
             return RouteReply(False, 503, "the route request expired before it was served", retry_after_s=1.0)
         # the blocks a prefill instance could reuse: all full blocks but the prompt's last token
         keys = block_keys(ids[:-1], self.cfg.block_tokens)
         holders = await self.prefix_holders(rid, keys)
         now = time.monotonic()
+        decide_started = time.perf_counter()
         snapshot = self.snapshot(now, holders)
         info = policy.RequestInfo(rid, len(ids), len(keys))
         decision = policy.decide(info, snapshot, self.settings, self.perf)
         if isinstance(decision, policy.NoInstances):
             await self.events.request("routed", rid, admitted=False, reason=decision.reason, policy=self.cfg.policy,
                                       policy_version=POLICY_VERSION)
+            self.metrics.decisions.labels("unavailable").inc()
             return RouteReply(False, 503, f"{decision.reason} is available", retry_after_s=1.0)
-        loads = admission.DecodeLoadSnapshot(now, tuple(self.inflight.decode_load(d.instance_id)
+        loads = admission.DecodeLoadSnapshot(now, tuple(self.state.decode_load(d.instance_id, now)
                                                         for d in snapshot.decode))
         verdict = admission.admit(decision.ttft_s, len(ids), loads, self.cfg.admission, self.perf)
+        self.metrics.decide_s.observe(time.perf_counter() - decide_started)
+        self.metrics.decisions.labels("admitted" if verdict.admit else "rejected").inc()
         terms = decision.to_event()
         terms.pop("request_id")
         await self.events.request(
@@ -119,17 +179,16 @@ class ConductorService:
         if not verdict.admit:
             return RouteReply(False, 429, f"rejected at arrival: {verdict.reason}", retry_after_s=verdict.retry_after_s)
         pull = decision.pull
-        self.inflight.add(InFlight(
-            rid, decision.prefill_id, decision.decode_id, request.reply_subject, len(ids), now,
-            predicted_prefill_s=decision.prefill_s + decision.transfer_s, predicted_ttft_s=decision.ttft_s,
-            pull_source=pull.source_node if pull else "", pull_bytes=pull.nbytes if pull else 0,
-            attempt=request.attempt,
-        ))
+        work = decision.prefill_s + decision.transfer_s
         task = PrefillTask(rid, ids, request.sampling, request.reply_subject, decision.decode_id,
                            decision.decode_node, request.arrival_ts,
                            PullSpec(pull.source_node, pull.first_block, pull.num_blocks) if pull else None,
-                           attempt=request.attempt, num_generated=request.num_generated)
+                           attempt=request.attempt, num_generated=request.num_generated, predicted_s=round(work, 6))
         spec = self.pipeline_spec(decision, snapshot, len(ids))
+        self.state.route(Routed(
+            rid, tuple(spec.stages) if spec else (decision.prefill_id,), decision.decode_id, request.reply_subject,
+            len(ids), now, work, decision.ttft_s, pull.source_node if pull else "", pull.nbytes if pull else 0,
+            request.attempt, joins_decode=request.sampling.max_tokens > 1))
         if spec is None:
             sent = await bus.publish(self.nc, subjects.prefill_tasks(decision.prefill_id), task.to_bytes())
         else:
@@ -139,7 +198,7 @@ class ConductorService:
                 staged = dataclasses.replace(task, pipeline=spec, stage=stage)
                 sent &= await bus.publish(self.nc, subjects.prefill_tasks(instance_id), staged.to_bytes())
         if not sent:
-            self.inflight.finish(rid)
+            self.state.end(rid)
             return RouteReply(False, 503, "could not dispatch the request", retry_after_s=1.0)
         # the prefill instance that answers for the request: with a pipeline, the stage of the last chunk
         first_token_by = decision.prefill_id if spec is None else spec.stages[spec.last_stage(len(ids))]
@@ -150,7 +209,7 @@ class ConductorService:
         stages = policy.pipeline_stages(decision, snapshot, self.cfg.pipeline_group, input_tokens, self.cfg.prefill_chunk)
         if stages is None:
             return None
-        addrs = [getattr(self.registry.get(s), "transfer_addr", "") for s in stages]
+        addrs = [getattr(self.state.get(s), "transfer_addr", "") for s in stages]
         if not all(addrs):  # an instance that does not listen for pipeline streams: run alone
             return None
         return PipelineSpec(list(stages), addrs, self.cfg.prefill_chunk)
@@ -169,29 +228,30 @@ class ConductorService:
         return {node: prefix.prefix_len for node, prefix in reply.per_node.items() if prefix.prefix_len}
 
     def snapshot(self, now: float, holders: dict[str, int]) -> policy.ClusterSnapshot:
-        prefills = tuple(policy.PrefillCandidate(p.instance_id, p.node, self.inflight.prefill_queue_s(p.instance_id, now))
-                         for p in self.registry.of_role("prefill"))
-        decodes = []
-        for d in self.registry.of_role("decode"):
-            batch, context = self.inflight.decode_batch(d.instance_id)
-            decodes.append(policy.DecodeCandidate(d.instance_id, d.node, batch, context))
-        return policy.ClusterSnapshot(now, prefills, tuple(decodes), holders, self.inflight.sender_queued_bytes(),
-                                      self.rng.random())
-
-    async def on_request_event(self, msg: Msg) -> None:
-        event = Event.from_bytes(msg.data)
-        if event.kind == "prefilled":
-            self.inflight.mark_prefilled(event.request_id, time.monotonic(), int(event.data.get("attempt", 0)))
-        elif event.kind in TERMINAL_KINDS or event.kind == "rejected_late":
-            self.inflight.finish(event.request_id)
+        return policy.ClusterSnapshot(now, self.state.prefill_candidates(now), self.state.decode_candidates(now),
+                                      holders, self.state.sender_queued_bytes(), self.rng.random())
 
     async def on_status(self, msg: Msg) -> None:
         now = time.monotonic()
-        workers = [i.info for i in self.registry.instances.values()]
-        queues = {w.instance_id: round(self.inflight.prefill_queue_s(w.instance_id, now), 6)
+        workers = [i.info for i in self.state.instances.values()]
+        queues = {w.instance_id: round(self.state.prefill_queue_s(w.instance_id, now), 6)
                   for w in workers if w.role == "prefill"}
-        running = {w.instance_id: self.inflight.decode_batch(w.instance_id)[0] for w in workers if w.role == "decode"}
-        await msg.respond(StatusReply(workers, len(self.inflight.requests), queues, running).to_bytes())
+        running = {w.instance_id: self.state.decode_running(w.instance_id) for w in workers if w.role == "decode"}
+        await msg.respond(StatusReply(workers, len(self.state.routed), queues, running).to_bytes())
+
+    def update_gauges(self) -> None:
+        now, m = time.monotonic(), self.metrics
+        m.in_flight.set(len(self.state.routed))
+        roles: dict[str, int] = {}
+        for known in self.state.instances.values():
+            info = known.info
+            roles[info.role] = roles.get(info.role, 0) + 1
+            if info.role == "prefill":
+                m.prefill_queue.labels(info.instance_id).set(self.state.prefill_queue_s(info.instance_id, now))
+        for d in self.state.decode_candidates(now):
+            m.decode_load.labels(d.instance_id).set(d.num_running)
+        for role in ("prefill", "decode", "messenger", "cache_index"):
+            m.instances.labels(role).set(roles.get(role, 0))
 
     async def sweep(self) -> None:
         now = time.monotonic()
@@ -200,18 +260,19 @@ class ConductorService:
             return
         if self.offline:
             self.offline = False
-            self.registry.refresh(now)
+            self.state.refresh(now)
             log.info("broker connection back; instance expiry resumes")
-        for info in self.registry.expire(now):
+        for info in self.state.expire(now):
             log.warning("instance %s (%s) stopped sending heartbeats", info.instance_id, info.role)
             await self.events.instance("lost", info.instance_id, role=info.role, node=info.node)
             await self.fail_requests_of(info.instance_id, "stopped responding")
-        for request in self.inflight.expire(now):
+        self.update_gauges()
+        for request in self.state.expire_leases(now):
             log.warning("request %s: lease expired, releasing its load", request.request_id)
 
     async def fail_requests_of(self, instance_id: str, why: str) -> None:
         """Every request the instance held gets a retryable error: its gateway resumes it elsewhere."""
-        for request in self.inflight.lost_with(instance_id):
+        for request in self.state.lost_with(instance_id):
             log.warning("request %s: instance %s %s; handing it back to its gateway", request.request_id, instance_id, why)
             await worker.reply(self.nc, request.reply_subject, worker.error_chunk(
                 request.request_id, request.attempt, -1, f"instance {instance_id} {why}", 503, self.cfg.instance_id,
@@ -223,16 +284,19 @@ async def serve(cfg: ConductorConfig, stop: asyncio.Event) -> bool:
     perf, source = profiles.load(cfg.home, cfg.model, cfg.profile)
     nc = await bus.connect(cfg.nats_url, cfg.instance_id)
     await bus.ensure_events_stream(nc)
-    service = ConductorService(cfg, nc, perf, models.read_shape(ref).kv_bytes_per_token)
+    shape = models.read_shape(ref)
+    layout = Layout(ref.name, cfg.block_tokens, cfg.prefill_chunk, shape.kv_layout(cfg.block_tokens).signature)
+    service = ConductorService(cfg, nc, perf, shape.kv_bytes_per_token, layout)
     tasks = runner.TaskGroup(stop)
     await bus.subscribe(nc, subjects.WORKER_HEARTBEAT, service.on_heartbeat)
     await bus.subscribe(nc, subjects.CONDUCTOR_ROUTE, service.on_route, queue=subjects.CONDUCTOR_QUEUE)
     await bus.subscribe(nc, subjects.CONDUCTOR_STATUS, service.on_status)
-    await bus.subscribe(nc, subjects.request_event("*", "*"), service.on_request_event)
+    await bus.subscribe(nc, subjects.CONTROL_PROGRESS_ALL, service.on_progress)
     await bus.subscribe(nc, subjects.REQUEST_CANCEL, service.on_cancel)
     tasks.spawn(runner.every(cfg.sweep_interval_s, stop, service.sweep), "sweep")
     tasks.spawn(bus.watchdog(nc), "broker-watchdog")
     tasks.spawn(health.beacon(cfg.health_file, nc, stop), "health", essential=False)
+    metrics.serve(cfg.metrics_port, service.metrics.registry, cfg.metrics_host)
     log.info("conductor %s ready: policy %s%s, admission %s (ttft slo %gs, tbt slo %gs), profile %s",
              cfg.instance_id, cfg.policy, " (colocated)" if cfg.colocate else "", cfg.admission.mode, cfg.admission.ttft_slo_s, cfg.admission.tbt_slo_s, source)
     await stop.wait()

@@ -18,7 +18,7 @@ import asyncio
 import logging
 
 
-from common import bus, health, models, profiles, runner
+from common import bus, health, metrics, models, profiles, runner
 from services.coupled.config import CoupledConfig
 from services.decode.batch import BatchEngine
 from services.decode.service import DecodeService
@@ -36,13 +36,15 @@ async def serve(cfg: CoupledConfig, stop: runner.Stop) -> bool:
     nc = await bus.connect(pcfg.nats_url, cfg.instance_id)
     tasks = runner.TaskGroup(stop)
     compute_lock = asyncio.Lock()  # a prefill forward and a decode iteration never overlap
-    prefill = PrefillService(pcfg, nc, model, eos, layout, compute_lock)
+    registry = metrics.registry()  # one process, one metrics port: both halves report into it
+    prefill = PrefillService(pcfg, nc, model, eos, layout, compute_lock, registry)
     engine = BatchEngine(model, dcfg.max_batch, dcfg.kv_budget_tokens)
-    decode = DecodeService(dcfg, nc, engine, eos, layout, tasks, perf, compute_lock)
+    decode = DecodeService(dcfg, nc, engine, eos, layout, tasks, perf, compute_lock, registry)
     await prefill.start(tasks, stop, ref.name)
     await decode.start(stop, ref.name, source)
     tasks.spawn(bus.watchdog(nc), "broker-watchdog")
     tasks.spawn(health.beacon(pcfg.health_file, nc, stop), "health", essential=False)
+    metrics.serve(pcfg.metrics_port, registry, pcfg.metrics_host)
     log.info("coupled %s ready on node %s: %s and %s share the model", cfg.instance_id, pcfg.node,
              pcfg.instance_id, dcfg.instance_id)
     await stop.wait()

@@ -20,6 +20,8 @@ class DecodeConfig:
     home: Path
     log_level: str
     health_file: str  # kept fresh while ready (common/health.py); '' = none
+    metrics_port: int  # Prometheus (common/metrics.py); 0 = off
+    metrics_host: str
     threads: int
     heartbeat_interval_s: float
     drain_grace_s: float  # after SIGTERM: time to finish the work held before handing the rest back
@@ -61,7 +63,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     common.add_node_flags(parser)
     common.add_model_flags(parser)
     common.flag(parser, "--threads", "MOONBUS_THREADS", 0, int, help="torch intra-op threads (0 = default)")
-    common.flag(parser, "--heartbeat-interval", "MOONBUS_HEARTBEAT_INTERVAL", 1.0, float, help="seconds", dest="heartbeat_interval_s")
+    common.flag(parser, "--heartbeat-interval", "MOONBUS_HEARTBEAT_INTERVAL", 0.15, float, dest="heartbeat_interval_s",
+                help="seconds between heartbeats, each with this instance's load report")
     common.flag(parser, "--orphan-kv", "MOONBUS_ORPHAN_KV", 30.0, float, dest="orphan_kv_s",
                 help="seconds after which a KV file landed for this instance, whose task never came, is removed")
     common.flag(parser, "--drain-grace", "MOONBUS_DRAIN_GRACE", 30.0, float, dest="drain_grace_s",

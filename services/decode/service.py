@@ -31,13 +31,15 @@ from dataclasses import dataclass, field
 import torch
 from nats.aio.msg import Msg
 
-from common import bus, health, kvfiles, models, profiles, runner, worker
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from common import bus, health, kvfiles, metrics, models, profiles, runner, worker
 from common.pool_client import PoolClient, PoolUnavailable
 from schemas import subjects
 from schemas.codec import WireError
 from schemas.decode import DecodeTask
 from schemas.tokens import Probe, ProbeReply, TokenChunk
-from schemas.workers import WorkerInfo
+from schemas.workers import DecodeReport, Joined, Layout, Progress, WorkerInfo
 from services.decode.batch import BatchEngine
 from services.decode.config import DecodeConfig
 
@@ -59,9 +61,26 @@ class Running:
         return self.task.num_generated + len(self.generated) - 1
 
 
+class DecodeMetrics:
+    def __init__(self, registry: CollectorRegistry, service: "DecodeService") -> None:
+        r = self.registry = registry
+        Gauge("moonbus_decode_batch", "requests in the batch", registry=r).set_function(
+            lambda: service.engine.num_running)
+        Gauge("moonbus_decode_waiting", "requests whose KV arrived, waiting for room", registry=r).set_function(
+            lambda: len(service.waiting) + service.arrived.qsize())
+        Gauge("moonbus_decode_kv_reserved_tokens", "KV tokens reserved by the batch", registry=r).set_function(
+            lambda: service.engine.reserved_tokens)
+        self.step_s = Histogram("moonbus_decode_step_seconds", "one iteration of the whole batch",
+                                buckets=metrics.FAST_BUCKETS + (2.5, 5.0), registry=r)
+        self.tokens = Counter("moonbus_decode_tokens", "tokens generated", registry=r)
+        self.requests = Counter("moonbus_decode_requests", "requests by how they left (finished, failed)",
+                                ["outcome"], registry=r)
+
+
 class DecodeService:
     def __init__(self, cfg: DecodeConfig, nc, engine: BatchEngine, eos_token_id: int | None,
-                 layout, tasks: runner.TaskGroup, perf, compute_lock: asyncio.Lock | None = None) -> None:
+                 layout, tasks: runner.TaskGroup, perf, compute_lock: asyncio.Lock | None = None,
+                 registry: CollectorRegistry | None = None) -> None:
         self.cfg = cfg
         self.nc = nc
         self.engine = engine
@@ -69,6 +88,9 @@ class DecodeService:
         self.tasks = tasks
         self.perf = perf
         self.incarnation = worker.new_incarnation()
+        self.layout = layout  # KvLayout of the model
+        self.model_name = cfg.model
+        self.cluster_layout: Layout | None = None  # set at start: what the conductors check
         self.events = bus.EventPublisher(nc, "decode", cfg.instance_id)
         self.pool = PoolClient(nc, cfg.node, layout, f"{cfg.instance_id}:{self.incarnation}")
         self.arrived: asyncio.Queue[DecodeTask] = asyncio.Queue()
@@ -79,6 +101,7 @@ class DecodeService:
         # request_id -> (task, tokens, finish reason) of requests that ended here lately, so a
         # token lost to a broker outage can be sent again when the gateway probes
         self.recent: collections.OrderedDict[str, tuple[DecodeTask, list[int], str]] = collections.OrderedDict()
+        self.metrics = DecodeMetrics(registry or metrics.registry(), self)
         self.draining = False
         self.wakeup = asyncio.Event()  # set when work arrives
         self.gone = asyncio.Event()  # heartbeats go on while draining (they say so) and end with leave()
@@ -92,6 +115,7 @@ class DecodeService:
             return
         await self.arrived.put(task)
         self.wakeup.set()
+        await self.progress("accepted", task)
 
     @property
     def num_held(self) -> int:
@@ -127,6 +151,7 @@ class DecodeService:
         rid = task.request_id
         if self.cancelled.covers(rid, task.attempt):
             kvfiles.remove(self.cfg.shm_dir, task.kv)
+            await self.progress("finished", task)
             return
         old = self.running.get(rid)
         if old is not None:  # an abandoned attempt of the same request still runs here: the new one wins
@@ -158,11 +183,13 @@ class DecodeService:
         self.running[rid] = Running(task, [task.first_token])
 
     async def drop_cancelled(self) -> None:
-        for rid in [rid for rid, seq in self.running.items() if self.cancelled.covers(rid, seq.task.attempt)]:
-            self.forget(rid)
+        for seq in [seq for rid, seq in self.running.items() if self.cancelled.covers(rid, seq.task.attempt)]:
+            self.forget(seq.request_id)
+            await self.progress("finished", seq.task)
         for task in [t for t in self.waiting if self.cancelled.covers(t.request_id, t.attempt)]:
             self.waiting.remove(task)
             kvfiles.remove(self.cfg.shm_dir, task.kv)
+            await self.progress("finished", task)
 
     def forget(self, request_id: str) -> None:
         self.engine.remove(request_id)
@@ -172,6 +199,9 @@ class DecodeService:
         try:
             async with self.compute_lock:
                 result = await asyncio.to_thread(self.engine.step)
+            if self.engine.last_step is not None:
+                self.metrics.step_s.observe(self.engine.last_step.seconds)
+            self.metrics.tokens.inc(len(result.tokens))
         except Exception as exc:  # the forward itself: no row got a token, so every row is resumed elsewhere
             log.exception("decode iteration failed; resuming its %d requests elsewhere", len(self.running))
             for seq in list(self.running.values()):
@@ -191,6 +221,7 @@ class DecodeService:
                 kv = self.engine.kv_of(rid)
                 self.forget(rid)
                 self.remember(seq, finish)
+                await self.progress("finished", seq.task)
                 await self.events.request("decode_finished", rid, tokens=len(seq.generated),
                                           seconds=round(time.perf_counter() - seq.started, 6), finish_reason=finish,
                                           attempt=seq.task.attempt)
@@ -241,6 +272,27 @@ class DecodeService:
     async def fail(self, task: DecodeTask, why: str, status: int, retryable: bool) -> None:
         await worker.reply(self.nc, task.reply_subject, worker.error_chunk(
             task.request_id, task.attempt, task.num_generated + 1, why, status, self.cfg.instance_id, retryable))
+        await self.progress("failed", task)
+
+    async def progress(self, kind: str, task: DecodeTask) -> None:
+        """Tell the conductors (control, not audit), with this instance's load after the change."""
+        if kind != "accepted":
+            self.metrics.requests.labels(kind).inc()
+        report = Progress(kind, task.request_id, task.attempt, self.info())
+        await bus.publish(self.nc, subjects.control_progress(self.cfg.instance_id), report.to_bytes())
+
+    def report(self) -> DecodeReport:
+        """The batch and the requests waiting for it, as the conductors should see them."""
+        now = time.perf_counter()
+        engine = self.engine
+        joined = [Joined(rid, round(now - seq.started, 6), int(engine.kv_lens[engine.index[rid]]))
+                  for rid, seq in self.running.items() if rid in engine.index]
+        joined += [Joined(t.request_id, 0.0, len(t.prompt_token_ids))
+                   for t in list(self.waiting) + list(self.arrived._queue)]  # noqa: SLF001 - a read-only look
+        context = engine.context_tokens
+        tbt = self.perf.decode.step_seconds(max(1, engine.num_running), context)
+        return DecodeReport(engine.num_running, context, engine.reserved_tokens,
+                            engine.kv_budget_tokens - engine.reserved_tokens, round(tbt, 6), joined)
 
     async def reject_late(self, task: DecodeTask, why: str) -> None:
         rid = task.request_id
@@ -253,6 +305,7 @@ class DecodeService:
         await worker.reply(self.nc, task.reply_subject, worker.error_chunk(
             rid, task.attempt, task.num_generated + 1, why, 429, self.cfg.instance_id, False, retry_after_s=1.0,
             stage="decode", wasted_prefill_tokens=wasted, wasted_prefill_s=task.prefill_s))
+        await self.progress("failed", task)
 
     async def store_kv(self, seq: Running, kv: torch.Tensor) -> None:
         """Keep the prompt's and the completion's KV in the node's pool, so the next turn hits."""
@@ -273,9 +326,10 @@ class DecodeService:
 
     # --- presence and drain ---------------------------------------------------------------------------
     def info(self, leaving: bool = False) -> WorkerInfo:
-        return WorkerInfo(self.cfg.instance_id, "decode", self.cfg.node, self.cfg.model,
+        return WorkerInfo(self.cfg.instance_id, "decode", self.cfg.node, self.model_name,
                           num_queued=self.arrived.qsize() + len(self.waiting), num_running=self.engine.num_running,
-                          leaving=leaving, draining=self.draining, incarnation=self.incarnation)
+                          leaving=leaving, draining=self.draining, incarnation=self.incarnation,
+                          layout=self.cluster_layout, decode=self.report(), sent_at=time.time())
 
     async def heartbeat(self) -> None:
         await bus.publish(self.nc, subjects.WORKER_HEARTBEAT, self.info().to_bytes())
@@ -288,6 +342,9 @@ class DecodeService:
         await bus.subscribe(self.nc, subjects.REQUEST_CANCEL, self.cancelled.on_cancel)
         await self.pool.watch_messenger()
         await bus.subscribe(self.nc, subjects.worker_probe(cfg.instance_id), self.on_probe)
+        await worker.obey_refusal(self.nc, cfg.instance_id, self.tasks)
+        self.model_name = model_name
+        self.cluster_layout = Layout(model_name, cfg.block_tokens, 0, self.layout.signature)
         self.tasks.spawn(self.loop(), f"decode-loop-{cfg.instance_id}")
         self.tasks.spawn(runner.every(cfg.heartbeat_interval_s, self.gone, self.heartbeat), f"heartbeat-{cfg.instance_id}")
         self.tasks.spawn(runner.every(10.0, self.gone, self.sweep_orphans), f"orphans-{cfg.instance_id}")
@@ -340,6 +397,7 @@ async def serve(cfg: DecodeConfig, stop: runner.Stop) -> bool:
     await service.start(stop, worker_model.ref.name, source)
     tasks.spawn(bus.watchdog(nc), "broker-watchdog")
     tasks.spawn(health.beacon(cfg.health_file, nc, stop), "health", essential=False)
+    metrics.serve(cfg.metrics_port, service.metrics.registry, cfg.metrics_host)
     await stop.wait()
     if not tasks.failed:
         await service.drain(stop, cfg.drain_grace_s)

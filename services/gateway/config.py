@@ -16,6 +16,8 @@ class GatewayConfig:
     home: Path
     log_level: str
     health_file: str  # kept fresh while ready (common/health.py); '' = none
+    metrics_port: int  # Prometheus (common/metrics.py); 0 = off
+    metrics_host: str
     host: str
     port: int
     model: str

@@ -19,6 +19,8 @@ class MessengerConfig:
     home: Path
     log_level: str
     health_file: str  # kept fresh while ready (common/health.py); '' = none
+    metrics_port: int  # Prometheus (common/metrics.py); 0 = off
+    metrics_host: str
     model: str
     block_tokens: int
     transfer_host: str  # where the point-to-point link listens

@@ -23,7 +23,9 @@ from typing import Awaitable, Callable
 
 from nats.aio.msg import Msg
 
-from common import bus, health, kvfiles, models, runner
+from prometheus_client import Counter, Gauge, Histogram
+
+from common import bus, health, kvfiles, metrics, models, runner, worker
 from common.kv import blocks as kvblocks
 from common.kv.pool import capacity_in_blocks
 from schemas import subjects
@@ -34,7 +36,7 @@ from schemas.pool import (
     ReleaseRequest, ReserveReply, ReserveRequest, SlotRef, SnapshotReply,
 )
 from schemas.transfer import SendKv, SendKvReply, TransferAck, TransferHeader
-from schemas.workers import WorkerInfo
+from schemas.workers import Layout, WorkerInfo
 from services.messenger import link
 from services.messenger.config import MessengerConfig
 from services.messenger.node_pool import NodePool, PoolEvent
@@ -42,14 +44,36 @@ from services.messenger.node_pool import NodePool, PoolEvent
 log = logging.getLogger(__name__)
 
 
+class MessengerMetrics:
+    def __init__(self, pool: NodePool) -> None:
+        self.registry = r = metrics.registry()
+        self.bytes = Counter("moonbus_messenger_bytes", "KV bytes moved, by peer node, transport and direction",
+                             ["peer", "transport", "direction"], registry=r)
+        self.transfer_s = Histogram("moonbus_messenger_transfer_seconds", "KV transfers (send: a request's handoff; "
+                                    "pull: blocks fetched for replication)", ["op"], buckets=metrics.SLOW_BUCKETS,
+                                    registry=r)
+        blocks = Gauge("moonbus_messenger_pool_blocks", "blocks held, by tier", ["tier"], registry=r)
+        blocks.labels("dram").set_function(lambda: pool.pool.num_dram)
+        blocks.labels("ssd").set_function(lambda: pool.pool.num_ssd)
+        capacity = Gauge("moonbus_messenger_pool_capacity_blocks", "capacity, by tier", ["tier"], registry=r)
+        capacity.labels("dram").set(pool.pool.dram_capacity_blocks)
+        capacity.labels("ssd").set(pool.pool.ssd_capacity_blocks)
+        Gauge("moonbus_messenger_pinned_blocks", "blocks pinned by a reader or writer", registry=r).set_function(
+            lambda: pool.num_pinned)
+        self.pool_events = Counter("moonbus_messenger_pool_events", "pool changes, by kind (stored, evicted, "
+                                   "promoted, demoted, corrupt) and tier", ["kind", "tier"], registry=r)
+
+
 class MessengerService:
     def __init__(self, cfg: MessengerConfig, nc, tasks: runner.TaskGroup, pool: NodePool, max_kv_tokens: int) -> None:
         self.cfg = cfg
         self.max_kv_tokens = max_kv_tokens  # the model's context: no request's KV is longer
+        self.layout = Layout(cfg.model, cfg.block_tokens, 0, pool.layout.signature)  # what the cluster checks
         self.nc = nc
         self.tasks = tasks
         self.pool = pool
         self.events = bus.EventPublisher(nc, "messenger", cfg.instance_id)
+        self.metrics = MessengerMetrics(pool)
         self.outbox: asyncio.Queue[PoolEvent] = asyncio.Queue()  # KV events, published in seq order
         self.transfer_addr = ""
         self.peers: dict[str, tuple[str, float]] = {}  # node -> (host:port, last heartbeat, monotonic)
@@ -190,6 +214,8 @@ class MessengerService:
                 self.publish(self.pool.release(hold))
         finally:  # a failed round must not leave its reservations pinned
             self.publish(self.pool.release(hold))
+        self.metrics.bytes.labels(req.source_node, "tcp", "in").inc(nbytes)
+        self.metrics.transfer_s.labels("pull").observe(time.perf_counter() - started)
         return PoolReply(True, num_blocks=len(fetched), nbytes=nbytes, seconds=time.perf_counter() - started)
 
     async def fetch(self, addr: str, request: FetchBlocks) -> tuple[list[tuple[int, int, bytes]], int]:
@@ -236,6 +262,8 @@ class MessengerService:
         if not ack.ok:
             return SendKvReply(False, error=f"node {request.dest_node} refused the KV: {ack.error}")
         path.unlink(missing_ok=True)  # it lives on the decode node now
+        self.metrics.bytes.labels(request.dest_node, "tcp", "out").inc(len(payload))
+        self.metrics.transfer_s.labels("send").observe(time.perf_counter() - started)
         return SendKvReply(True, ack.dest, nbytes=len(payload), seconds=time.perf_counter() - started)
 
     async def peer_addr(self, node: str) -> str | None:
@@ -280,6 +308,7 @@ class MessengerService:
             dest = await asyncio.to_thread(kvfiles.write_bytes, self.cfg.shm_dir, header.handle, payload, self.cfg.node,
                                            header.dest_instance)
             ack = TransferAck(True, dest)
+            self.metrics.bytes.labels(header.handle.node, "tcp", "in").inc(header.nbytes)
         except (OSError, kvfiles.KvChecksumError) as exc:
             log.error("request %s: cannot land KV: %s", header.request_id, exc)
             ack = TransferAck(False, error=str(exc))
@@ -310,10 +339,13 @@ class MessengerService:
         for payload in payloads:
             writer.write(payload)
             await writer.drain()
+        self.metrics.bytes.labels(str(writer.get_extra_info("peername", ("?",))[0]), "tcp", "out").inc(
+            sum(len(p) for p in payloads))
 
     # --- events and housekeeping -------------------------------------------------------------
     def publish(self, events: list[PoolEvent]) -> None:
         for event in events:
+            self.metrics.pool_events.labels(event.kind, event.data.tier).inc(len(event.data.keys))
             self.outbox.put_nowait(event)
 
     async def publish_loop(self) -> None:
@@ -322,8 +354,8 @@ class MessengerService:
             await self.events.kv(event.kind, self.cfg.node, event.data.to_dict())
 
     async def heartbeat(self) -> None:
-        info = WorkerInfo(self.cfg.instance_id, "messenger", self.cfg.node, transfer_addr=self.transfer_addr,
-                          incarnation=self.pool.epoch)
+        info = WorkerInfo(self.cfg.instance_id, "messenger", self.cfg.node, self.layout.model, transfer_addr=self.transfer_addr,
+                          incarnation=self.pool.epoch, layout=self.layout, sent_at=time.time())
         await bus.publish(self.nc, subjects.WORKER_HEARTBEAT, info.to_bytes())
 
     async def sweep(self) -> None:
@@ -356,6 +388,8 @@ async def serve(cfg: MessengerConfig, stop: asyncio.Event) -> None:
     nc = await bus.connect(cfg.nats_url, cfg.instance_id)
     tasks = runner.TaskGroup(stop)
     service = MessengerService(cfg, nc, tasks, pool, shape.max_context)
+    service.layout = Layout(ref.name, cfg.block_tokens, 0, layout.signature)
+    await worker.obey_refusal(nc, cfg.instance_id, tasks)
     server = await asyncio.start_server(service.on_link, cfg.transfer_host, cfg.transfer_port, limit=1 << 20)
     port = server.sockets[0].getsockname()[1]
     service.transfer_addr = f"{cfg.transfer_addr_host}:{port}"
@@ -366,6 +400,7 @@ async def serve(cfg: MessengerConfig, stop: asyncio.Event) -> None:
     tasks.spawn(runner.every(2.0, stop, service.sweep), "sweep")
     tasks.spawn(bus.watchdog(nc), "broker-watchdog")
     tasks.spawn(health.beacon(cfg.health_file, nc, stop), "health", essential=False)
+    metrics.serve(cfg.metrics_port, service.metrics.registry, cfg.metrics_host)
     await service.events.instance("started", cfg.instance_id, role="messenger", node=cfg.node,
                                   transfer_addr=service.transfer_addr, epoch=pool.epoch,
                                   dram_blocks=pool.pool.dram_capacity_blocks, ssd_blocks=pool.pool.ssd_capacity_blocks,

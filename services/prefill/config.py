@@ -20,6 +20,8 @@ class PrefillConfig:
     home: Path
     log_level: str
     health_file: str  # kept fresh while ready (common/health.py); '' = none
+    metrics_port: int  # Prometheus (common/metrics.py); 0 = off
+    metrics_host: str
     threads: int
     prefill_chunk: int  # prompts longer than this are computed in chunks of it (0 = never)
     heartbeat_interval_s: float
@@ -53,7 +55,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     common.flag(parser, "--prefill-chunk", "MOONBUS_PREFILL_CHUNK", 2048, int,
                 help="compute prompts in chunks of this many tokens (0 = one pass)")
     common.flag(parser, "--threads", "MOONBUS_THREADS", 0, int, help="torch intra-op threads (0 = default)")
-    common.flag(parser, "--heartbeat-interval", "MOONBUS_HEARTBEAT_INTERVAL", 1.0, float, help="seconds", dest="heartbeat_interval_s")
+    common.flag(parser, "--heartbeat-interval", "MOONBUS_HEARTBEAT_INTERVAL", 0.15, float, dest="heartbeat_interval_s",
+                help="seconds between heartbeats, each with this instance's load report")
     common.flag(parser, "--drain-grace", "MOONBUS_DRAIN_GRACE", 30.0, float, dest="drain_grace_s",
                 help="seconds to finish held work after SIGTERM; what is left is resumed elsewhere")
     common.flag(parser, "--transfer-timeout", "MOONBUS_TRANSFER_TIMEOUT", 60.0, float, help="seconds for one KV transfer", dest="transfer_timeout_s")

@@ -27,7 +27,9 @@ import torch
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
-from common import bus, health, kvfiles, models, runner, sampling, worker
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from common import bus, health, kvfiles, metrics, models, runner, sampling, worker
 from common.kv.blocks import block_keys
 from common.pool_client import PoolClient, PoolUnavailable, Prefix
 from schemas import subjects
@@ -36,7 +38,7 @@ from schemas.decode import DecodeTask
 from schemas.prefill import PrefillTask
 from schemas.tokens import Probe, ProbeReply, TokenChunk
 from schemas.transfer import SendKv, SendKvReply
-from schemas.workers import WorkerInfo
+from schemas.workers import Coming, Layout, PrefillReport, Progress, WorkerInfo
 from services.prefill.config import PrefillConfig
 from services.prefill import pipeline
 from services.prefill.layerwise import FileSink, LayerwisePrefill, LayerStreamer
@@ -48,9 +50,24 @@ class TransferFailed(RuntimeError):
     """Raised when the node's messenger could not move a request's KV to the decode node."""
 
 
+class PrefillMetrics:
+    def __init__(self, registry: CollectorRegistry, service: "PrefillService") -> None:
+        r = self.registry = registry
+        Gauge("moonbus_prefill_queue", "requests queued or running", registry=r).set_function(
+            lambda: service.queue.qsize() + service.running)
+        Gauge("moonbus_prefill_queue_seconds", "predicted seconds of work ahead", registry=r).set_function(
+            lambda: service.report().queue_s)
+        self.tokens = Counter("moonbus_prefill_prompt_tokens", "prompt tokens, by how their KV was obtained",
+                              ["source"], registry=r)
+        self.seconds = Histogram("moonbus_prefill_seconds", "a request's prefill, pull and prefix load included",
+                                 buckets=metrics.SLOW_BUCKETS, registry=r)
+        self.requests = Counter("moonbus_prefill_requests", "requests by how they left (prefilled, finished, failed)",
+                                ["outcome"], registry=r)
+
+
 class PrefillService:
     def __init__(self, cfg: PrefillConfig, nc, model, eos_token_id: int | None, layout,
-                 compute_lock: asyncio.Lock | None = None) -> None:
+                 compute_lock: asyncio.Lock | None = None, registry: CollectorRegistry | None = None) -> None:
         self.cfg = cfg
         self.nc = nc
         self.model = model
@@ -64,7 +81,11 @@ class PrefillService:
         self.queue: asyncio.Queue[PrefillTask] = asyncio.Queue()
         self.cancelled = worker.Cancellations()
         self.running = 0
+        self.metrics = PrefillMetrics(registry or metrics.registry(), self)
         self.current: PrefillTask | None = None
+        self.current_started = 0.0  # monotonic
+        self.model_name = cfg.model
+        self.cluster_layout: Layout | None = None  # set at start: what the conductors check
         # request_id -> (attempt, its first token chunk) of requests prefilled here lately: a probe
         # finds them (handed off), and a first token lost to a broker outage is sent again
         self.recent: collections.OrderedDict[str, tuple[int, TokenChunk]] = collections.OrderedDict()
@@ -81,20 +102,24 @@ class PrefillService:
             log.error("dropping a malformed prefill task: %s", exc)
             return
         await self.queue.put(task)
+        await self.progress("accepted", task)
 
     async def work_loop(self) -> None:
         while True:
             task = await self.queue.get()
             if self.cancelled.covers(task.request_id, task.attempt):
                 self.receiver.drop(task.request_id)
+                await self.progress("finished", task)
                 continue
             self.running = 1
             self.current = task
+            self.current_started = time.monotonic()
+            outcome = "failed"
             try:
                 if task.pipeline is not None:
-                    await self.run_stage(task)
+                    outcome = await self.run_stage(task)
                 else:
-                    await self.run_task(task)
+                    outcome = await self.run_task(task)
             except Exception as exc:
                 log.exception("request %s: prefill failed", task.request_id)
                 await self.fail(task, task.num_generated, f"prefill failed: {exc}")
@@ -102,13 +127,41 @@ class PrefillService:
                 self.running = 0
                 self.current = None
                 self.receiver.drop(task.request_id)
+            if outcome is not None:
+                self.metrics.requests.labels(outcome).inc()
+                await self.progress(outcome, task)
+
+    async def progress(self, kind: str, task: PrefillTask) -> None:
+        """Tell the conductors (control, not audit), with this instance's load after the change."""
+        report = Progress(kind, task.request_id, task.attempt, self.info())
+        await bus.publish(self.nc, subjects.control_progress(self.cfg.instance_id), report.to_bytes())
+
+    def report(self) -> PrefillReport:
+        """The queue as the conductors should see it: each request's predicted end, in order."""
+        now = time.monotonic()
+        held = ([self.current] if self.current is not None else []) + list(self.queue._queue)  # noqa: SLF001
+        t, coming, queued_tokens = 0.0, [], 0
+        ids = [task.request_id for task in held]
+        for i, task in enumerate(held):
+            work = task.predicted_s
+            if i == 0 and self.current is not None:
+                work = max(0.0, work - (now - self.current_started))
+            else:
+                queued_tokens += len(task.prompt_token_ids)
+            t += work
+            if task.sampling.max_tokens > 1 and (task.pipeline is None or task.stage == task.pipeline.last_stage(
+                    len(task.prompt_token_ids))):  # it will join its decode instance (one stage says so)
+                coming.append(Coming(task.request_id, task.decode_id, round(t, 6), len(task.prompt_token_ids)))
+        running = len(self.current.prompt_token_ids) if self.current is not None else 0
+        return PrefillReport(round(t, 6), queued_tokens, running, ids, coming)
 
     async def fail(self, task: PrefillTask, index: int, why: str, status: int = 500) -> None:
         """A retryable error: the gateway re-dispatches (before the first token) or resumes (after)."""
         await worker.reply(self.nc, task.reply_subject, worker.error_chunk(
             task.request_id, task.attempt, index, why, status, self.cfg.instance_id, retryable=True))
 
-    async def run_task(self, task: PrefillTask) -> None:
+    async def run_task(self, task: PrefillTask) -> str:
+        """Prefill, answer the first token, hand off; returns how the request left this instance."""
         rid, ids = task.request_id, task.prompt_token_ids
         started = time.perf_counter()
         prefix = await self.reusable_prefix(task)
@@ -124,6 +177,9 @@ class PrefillService:
             sink.discard()
             raise
         prefill_s = time.perf_counter() - started
+        self.metrics.seconds.observe(prefill_s)
+        self.metrics.tokens.labels("cached").inc(cached)
+        self.metrics.tokens.labels("computed").inc(len(ids) - cached)
         finish = self.finish_reason(first, task)
         # NOTE: the event goes first so that the audit log keeps causal order (first_token after it)
         await self.events.request(
@@ -132,14 +188,17 @@ class PrefillService:
         )
         await self.reply(task, TokenChunk(rid, task.num_generated, [first], finish_reason=finish, cached_tokens=cached,
                                           source=self.cfg.instance_id, attempt=task.attempt))
+        outcome = "finished"
         if finish is None and not self.cancelled.covers(rid, task.attempt):
-            await self.hand_off(task, first, sink.handle(self.cfg.node), cached, prefill_s)
+            outcome = await self.hand_off(task, first, sink.handle(self.cfg.node), cached, prefill_s)
         else:
             sink.discard()
         await self.store_prompt(rid, ids, result.kv, prefix.num_blocks)
+        return outcome
 
-    async def run_stage(self, task: PrefillTask) -> None:
-        """One stage of a pipelined prefill (services/prefill/pipeline.py); no cached prefix is used."""
+    async def run_stage(self, task: PrefillTask) -> str | None:
+        """One stage of a pipelined prefill (services/prefill/pipeline.py); no cached prefix is used.
+        Returns how the request left (None from a stage that does not hand off: the last one will)."""
         rid, ids, spec = task.request_id, task.prompt_token_ids, task.pipeline
         started = time.perf_counter()
         kv = self.receiver.assembly(rid, len(ids))
@@ -155,7 +214,7 @@ class PrefillService:
         await self.events.request("prefill_stage", rid, stage=task.stage, stages=spec.stages,
                                   chunks=[list(c) for c in chunks], seconds=round(time.perf_counter() - started, 6))
         if task.stage != pipeline.last_stage(len(ids), spec.chunk_tokens, len(spec.stages)):
-            return
+            return None
         full = await asyncio.to_thread(kv.wait_all, self.cfg.transfer_timeout_s)
         first = sampling.sample(logits, task.sampling, step=task.num_generated)
         prefill_s = time.perf_counter() - started
@@ -165,11 +224,13 @@ class PrefillService:
                                   pipeline=spec.stages, attempt=task.attempt)
         await self.reply(task, TokenChunk(rid, task.num_generated, [first], finish_reason=finish,
                                           source=self.cfg.instance_id, attempt=task.attempt))
+        outcome = "finished"
         if finish is None and not self.cancelled.covers(rid, task.attempt):
             name = kvfiles.outgoing_name(rid, task.attempt)
             handle = await asyncio.to_thread(kvfiles.write, self.cfg.shm_dir, self.cfg.node, name, full)
-            await self.hand_off(task, first, handle, 0, prefill_s)
+            outcome = await self.hand_off(task, first, handle, 0, prefill_s)
         await self.store_prompt(rid, ids, full, 0)
+        return outcome
 
     def compute_stage(self, ids: list[int], chunks: list[tuple[int, int]], kv, streamer) -> torch.Tensor:
         """This stage's chunks, in order, each layer waiting for the chunks before it (worker thread)."""
@@ -200,16 +261,17 @@ class PrefillService:
             log.warning("request %s: KV pool unavailable, recomputing the whole prompt: %s", rid, exc)
             return Prefix(None, 0)
 
-    async def hand_off(self, task: PrefillTask, first: int, handle, cached: int, prefill_s: float) -> None:
-        """Move the KV to the decode node and hand the request over. The first token is already out,
-        so a failure here is answered at the next index: the gateway resumes with that token."""
+    async def hand_off(self, task: PrefillTask, first: int, handle, cached: int, prefill_s: float) -> str:
+        """Move the KV to the decode node and hand the request over ("prefilled"). The first token is
+        already out, so a failure here is answered at the next index: the gateway resumes with that
+        token ("failed")."""
         rid = task.request_id
         try:
             reply = await self.send_kv(SendKv(rid, handle, task.decode_node, task.decode_id))
         except TransferFailed as exc:
             log.error("request %s: %s", rid, exc)
             await self.fail(task, task.num_generated + 1, str(exc), 503)
-            return
+            return "failed"
         await self.events.request(
             "kv_transferred", rid, src_node=self.cfg.node, dest_node=task.decode_node,
             bytes=reply.nbytes, seconds=round(reply.seconds, 6), attempt=task.attempt,
@@ -218,6 +280,8 @@ class PrefillService:
                             task.arrival_ts, cached, prefill_s, task.attempt, task.num_generated)
         if not await bus.publish(self.nc, subjects.decode_tasks(task.decode_id), decode.to_bytes()):
             await self.fail(task, task.num_generated + 1, f"could not hand the request to {task.decode_id}", 503)
+            return "failed"
+        return "prefilled"
 
     async def store_prompt(self, rid: str, ids: list[int], kv: torch.Tensor, num_cached: int) -> None:
         """Keep the prompt's new full blocks in this node's pool, so later requests reuse them.
@@ -280,9 +344,10 @@ class PrefillService:
         await msg.respond(reply.to_bytes())
 
     def info(self, leaving: bool = False) -> WorkerInfo:
-        return WorkerInfo(self.cfg.instance_id, "prefill", self.cfg.node, self.cfg.model, transfer_addr=self.stream_addr,
+        return WorkerInfo(self.cfg.instance_id, "prefill", self.cfg.node, self.model_name, transfer_addr=self.stream_addr,
                           num_queued=self.queue.qsize(), num_running=self.running, leaving=leaving,
-                          draining=self.draining, incarnation=self.incarnation)
+                          draining=self.draining, incarnation=self.incarnation, layout=self.cluster_layout,
+                          prefill=self.report(), sent_at=time.time())
 
     async def heartbeat(self) -> None:
         await bus.publish(self.nc, subjects.WORKER_HEARTBEAT, self.info().to_bytes())
@@ -297,6 +362,9 @@ class PrefillService:
         await bus.subscribe(self.nc, subjects.REQUEST_CANCEL, self.cancelled.on_cancel)
         await self.pool.watch_messenger()
         await bus.subscribe(self.nc, subjects.worker_probe(cfg.instance_id), self.on_probe)
+        await worker.obey_refusal(self.nc, cfg.instance_id, tasks)
+        self.model_name = model_name
+        self.cluster_layout = Layout(model_name, cfg.block_tokens, cfg.prefill_chunk, self.layout.signature)
         tasks.spawn(self.work_loop(), f"prefill-work-{cfg.instance_id}")
         tasks.spawn(runner.every(cfg.heartbeat_interval_s, self.gone, self.heartbeat), f"heartbeat-{cfg.instance_id}")
         await self.heartbeat()
@@ -344,6 +412,7 @@ async def serve(cfg: PrefillConfig, stop: runner.Stop) -> bool:
     await service.start(tasks, stop, loaded.ref.name)
     tasks.spawn(bus.watchdog(nc), "broker-watchdog")
     tasks.spawn(health.beacon(cfg.health_file, nc, stop), "health", essential=False)
+    metrics.serve(cfg.metrics_port, service.metrics.registry, cfg.metrics_host)
     await stop.wait()
     if not tasks.failed:
         await service.drain(stop, cfg.drain_grace_s)

@@ -1,93 +1,148 @@
-"""The conductor's bookkeeping: live instances and the load of dispatched requests."""
+"""common.cluster_state: the load every conductor (and the simulator) sees, from the instances'
+reports plus its own dispatches that have not arrived yet."""
 
 from __future__ import annotations
 
-from schemas.workers import WorkerInfo
-from services.conductor.inflight import InFlight, InFlightTable
-from services.conductor.registry import Registry
+from common.cluster_state import ClusterState, Refusal, Routed
+from schemas.workers import Coming, DecodeReport, Joined, Layout, PrefillReport, WorkerInfo
+
+LAYOUT = Layout("tiny-random", 16, 2048, "4x2x2x16 float32")
 
 
-def make_request(rid, prefill="p0", decode="d0", at=0.0, work=1.0, ttft=1.0, tokens=100, pull=("", 0)):
-    return InFlight(rid, prefill, decode, "reply", tokens, at, predicted_prefill_s=work, predicted_ttft_s=ttft,
-                    pull_source=pull[0], pull_bytes=pull[1])
+def prefill(iid="p0", node="n0", queue_s=0.0, coming=(), held=(), **kw) -> WorkerInfo:
+    held = list(held) + [c.request_id for c in coming]
+    return WorkerInfo(iid, "prefill", node, prefill=PrefillReport(queue_s, 0, 0, held, list(coming)), **kw)
 
 
-def test_registry_forgets_silent_and_leaving_instances():
-    registry = Registry(timeout_s=3.0)
-    assert registry.update(WorkerInfo("p0", "prefill", "n0"), now=0.0) is True
-    assert registry.update(WorkerInfo("d0", "decode", "n1"), now=0.0) is True
-    assert registry.update(WorkerInfo("p0", "prefill", "n0"), now=2.0) is False
-    assert [w.instance_id for w in registry.expire(now=4.0)] == ["d0"]
-    registry.update(WorkerInfo("p0", "prefill", "n0", leaving=True), now=4.5)
-    assert registry.of_role("prefill") == []
+def decode(iid="d0", node="n1", joined=(), kv_free=1000, **kw) -> WorkerInfo:
+    joined = list(joined)
+    return WorkerInfo(iid, "decode", node, decode=DecodeReport(len(joined), sum(j.tokens for j in joined), 0, kv_free,
+                                                               0.01, joined), **kw)
 
 
-def test_prefill_queue_counts_what_is_left_of_the_running_request():
-    table = InFlightTable(lease_s=100)
-    table.add(make_request("a", at=0.0, work=2.0, ttft=2.0))
-    table.add(make_request("b", at=0.5, work=1.0, ttft=2.5))
-    assert table.prefill_queue_s("p0", now=1.5) == 1.5  # 0.5 s left of a, all of b
-    table.mark_prefilled("a", now=2.0)
-    assert table.prefill_queue_s("p0", now=2.0) == 1.0
-    assert table.decode_batch("d0") == (1, 100)
+def routed(rid, p="p0", d="d0", at=0.0, work=1.0, ttft=1.0, tokens=100, pull=("", 0), attempt=0) -> Routed:
+    return Routed(rid, (p,) if isinstance(p, str) else p, d, "reply", tokens, at, work, ttft, pull[0], pull[1], attempt)
 
 
-def test_decode_load_lists_who_decodes_and_who_will_join():
-    table = InFlightTable(lease_s=100)
-    table.add(make_request("a", at=0.0, ttft=1.0, tokens=10))
-    table.add(make_request("b", at=0.0, ttft=3.0, tokens=20))
-    table.mark_prefilled("a", now=1.2)
-    load = table.decode_load("d0")
-    assert (load.decoding_starts, load.decoding_context) == ((1.2,), (10,))
-    assert (load.prefill_finishes, load.prefill_context) == ((3.0,), (20,))
+def cluster(now=0.0) -> ClusterState:
+    state = ClusterState(timeout_s=3.0, lease_s=100.0)
+    state.heard(prefill(), now)
+    state.heard(decode(), now)
+    return state
 
 
-def test_lost_instance_fails_only_the_requests_that_need_it():
-    table = InFlightTable(lease_s=100)
-    table.add(make_request("in-prefill", prefill="p0", decode="d0"))
-    table.add(make_request("decoding", prefill="p0", decode="d1"))
-    table.mark_prefilled("decoding", now=1.0)
-    assert [r.request_id for r in table.lost_with("p0")] == ["in-prefill"]
-    assert [r.request_id for r in table.lost_with("d1")] == ["decoding"]
-    assert table.requests == {}
+def test_instances_join_leave_expire_and_draining_ones_get_nothing_new():
+    state = ClusterState(timeout_s=3.0, lease_s=100.0)
+    assert state.heard(prefill(), 0.0) == "joined"
+    assert state.heard(decode(), 0.0) == "joined"
+    assert state.heard(prefill(), 2.0) is None
+    assert [w.instance_id for w in state.expire(now=4.0)] == ["d0"]
+    assert state.heard(decode("d1", draining=True), 4.0) == "joined"
+    assert state.of_role("decode") == []
+    state.refresh(now=10.0)  # our own broker connection was down until now
+    assert state.expire(now=12.0) == []
+    assert state.heard(prefill(leaving=True), 12.5) == "left"
+    assert state.of_role("prefill") == []
 
 
-def test_pull_bytes_count_as_sender_congestion_until_prefilled():
-    table = InFlightTable(lease_s=100)
-    table.add(make_request("a", pull=("n3", 1000)))
-    table.add(make_request("b", pull=("n3", 500)))
-    assert table.sender_queued_bytes() == {"n3": 1500}
-    table.mark_prefilled("a", now=1.0)
-    assert table.sender_queued_bytes() == {"n3": 500}
+def test_an_instance_that_disagrees_with_the_cluster_is_refused():
+    state = ClusterState(3.0, 100.0, LAYOUT)
+    ok = state.heard(prefill(layout=LAYOUT), 0.0)
+    bad = state.heard(decode(layout=Layout("tiny-random", 32, 0, "4x2x2x16 float32")), 0.0)
+    assert ok == "joined"
+    assert isinstance(bad, Refusal) and bad.differences == ("block_tokens 32 (the cluster's is 16)",)
+    assert state.get("d0") is None
 
 
-def test_leases_release_load_whose_end_was_lost():
-    table = InFlightTable(lease_s=10)
-    table.add(make_request("old", at=0.0))
-    table.add(make_request("new", at=5.0))
-    assert [r.request_id for r in table.expire(now=12.0)] == ["old"]
-    assert list(table.requests) == ["new"]
+def test_prefill_queue_is_the_report_aged_plus_our_requests_not_in_it_yet():
+    state = cluster()
+    state.heard(prefill(queue_s=2.0), now=10.0)
+    assert state.prefill_queue_s("p0", now=10.5) == 1.5  # half a second of the reported work is done
+    state.route(routed("a", at=10.5, work=0.7))
+    assert state.prefill_queue_s("p0", now=10.5) == 2.2
+    # p0 reports it (queued behind the rest): counted once, in the report
+    state.heard(prefill(queue_s=2.2, coming=[Coming("a", "d0", 2.2, 100)]), now=10.5)
+    assert state.prefill_queue_s("p0", now=10.5) == 2.2
 
 
-def test_draining_instances_get_no_new_work_and_an_outage_forgives_silence():
-    registry = Registry(timeout_s=3.0)
-    registry.update(WorkerInfo("d0", "decode", "n0"), now=0.0)
-    registry.update(WorkerInfo("d1", "decode", "n1", draining=True), now=0.0)
-    assert [w.instance_id for w in registry.of_role("decode")] == ["d0"]
-    registry.refresh(now=10.0)  # the conductor's own connection was down until now
-    assert registry.expire(now=12.0) == []
-    assert [w.instance_id for w in registry.expire(now=13.5)] == ["d0", "d1"]
+def test_a_decode_instance_counts_what_is_coming_to_it_exactly_once():
+    state = cluster()
+    state.heard(decode(joined=[Joined("x", 2.0, 50)]), now=1.0)
+    state.route(routed("a", at=1.0, ttft=3.0, tokens=100))  # on the bus
+    [d] = state.decode_candidates(now=1.0)
+    assert (d.num_running, d.context_tokens, d.kv_free_tokens) == (2, 150, 900)
+    state.heard(prefill(coming=[Coming("a", "d0", 2.5, 100)]), now=1.5)  # queued at p0
+    [d] = state.decode_candidates(now=1.5)
+    assert (d.num_running, d.context_tokens) == (2, 150)
+    load = state.decode_load("d0", now=1.5)
+    assert (load.decoding_starts, load.decoding_context) == ((-1.0,), (50,))
+    assert (load.prefill_finishes, load.prefill_context) == ((4.0,), (100,))
+    state.prefilled("a", attempt=0)
+    state.heard(prefill(), now=4.0)  # p0 handed it off: it is in transfer, ours, still counted
+    assert state.decode_candidates(now=4.0)[0].num_running == 2
+    state.heard(decode(joined=[Joined("x", 5.0, 50), Joined("a", 0.0, 100)]), now=4.1)  # d0 holds it
+    [d] = state.decode_candidates(now=4.1)
+    assert (d.num_running, d.context_tokens) == (2, 150)
+
+
+def test_two_conductors_see_the_same_load_once_the_instance_reports():
+    mine, theirs = cluster(), cluster()
+    mine.route(routed("a", at=0.0, work=1.0, ttft=1.0))
+    assert mine.prefill_queue_s("p0", 0.0) == 1.0 and theirs.prefill_queue_s("p0", 0.0) == 0.0
+    report = prefill(queue_s=1.0, coming=[Coming("a", "d0", 1.0, 100)])
+    for state in (mine, theirs):
+        state.heard(report, now=0.1)
+    assert mine.prefill_queue_s("p0", 0.6) == theirs.prefill_queue_s("p0", 0.6) == 0.5
+    assert mine.decode_candidates(0.1) == theirs.decode_candidates(0.1)
+
+
+def test_every_pipeline_stage_is_charged():
+    state = cluster()
+    state.heard(prefill("p1", "n2"), 0.0)
+    state.route(routed("long", p=("p0", "p1"), work=2.0))
+    assert state.prefill_queue_s("p0", 0.0) == state.prefill_queue_s("p1", 0.0) == 2.0
+
+
+def test_a_lost_instance_hands_back_only_the_requests_that_need_it():
+    state = cluster()
+    state.route(routed("in-prefill", p="p0", d="d0"))
+    state.route(routed("decoding", p="p0", d="d1"))
+    state.prefilled("decoding", attempt=0)
+    assert [r.request_id for r in state.lost_with("p0")] == ["in-prefill"]
+    assert [r.request_id for r in state.lost_with("d1")] == ["decoding"]
+    assert state.routed == {}
+
+
+def test_pulls_count_as_sender_congestion_until_prefilled():
+    state = cluster()
+    state.route(routed("a", pull=("n3", 1000)))
+    state.route(routed("b", pull=("n3", 500)))
+    assert state.sender_queued_bytes() == {"n3": 1500}
+    state.prefilled("a", attempt=0)
+    assert state.sender_queued_bytes() == {"n3": 500}
 
 
 def test_a_cancelled_attempt_ends_only_itself_and_older_ones():
-    table = InFlightTable(lease_s=100)
-    resumed = make_request("r")
-    resumed.attempt = 2
-    table.add(resumed)
-    assert table.finish("r", up_to_attempt=1) is None  # a late cancel of an abandoned attempt
-    assert "r" in table.requests
-    table.mark_prefilled("r", now=1.0, attempt=1)  # an old attempt's prefill says nothing
-    assert table.requests["r"].phase == "prefill"
-    table.mark_prefilled("r", now=1.0, attempt=2)
-    assert table.requests["r"].phase == "decode"
-    assert table.finish("r", up_to_attempt=2) is resumed and table.requests == {}
+    state = cluster()
+    state.route(routed("r", attempt=2))
+    assert state.end("r", up_to_attempt=1) is None  # a late cancel of an abandoned attempt
+    state.prefilled("r", attempt=1)  # an old attempt's progress says nothing
+    assert state.routed["r"].prefilled is False
+    assert state.end("r", up_to_attempt=2).attempt == 2 and state.routed == {}
+
+
+def test_leases_release_what_never_ended():
+    state = cluster()
+    state.route(routed("old", at=0.0))
+    state.route(routed("new", at=50.0))
+    assert [r.request_id for r in state.expire_leases(now=120.0)] == ["old"]
+    assert list(state.routed) == ["new"]
+
+
+def test_a_one_token_request_is_charged_to_prefill_only():
+    state = cluster()
+    state.route(Routed("one", ("p0",), "d0", "reply", 100, 0.0, 1.0, 1.0, joins_decode=False))
+    assert state.decode_candidates(0.0)[0].num_running == 0
+    assert state.prefill_queue_s("p0", 0.0) == 1.0
+    state.heard(prefill(queue_s=1.0, held=["one"]), 0.0)  # held, not coming to decode
+    assert state.prefill_queue_s("p0", 0.0) == 1.0 and state.decode_candidates(0.0)[0].num_running == 0

@@ -45,7 +45,7 @@ def test_a_process_that_exits_is_restarted_and_a_crash_loop_is_left_down(tmp_pat
         state = json.loads((tmp_path / "cluster.json").read_text())
         assert state["processes"]["flaky"] | {"pid": 0} == {
             "kind": "decode", "node": "node-d0", "pid": 0, "restarts": 2, "state": "gave_up",
-            "log": str(tmp_path / "logs" / "flaky.log")}
+            "log": str(tmp_path / "logs" / "flaky.log"), "metrics": ""}
         assert state["processes"]["steady"]["state"] == "running"
     finally:
         cluster.procs["steady"].popen.kill()

@@ -32,6 +32,11 @@ class ClusterError(RuntimeError):
     """Raised when the cluster cannot start: a process died or it did not become ready in time."""
 
 
+def replica(kind: str, i: int) -> str:
+    """The first replica of a control-plane service is named after its kind, the others kind-i."""
+    return kind if i == 0 else f"{kind}-{i}"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -57,6 +62,9 @@ class ClusterSpec:
     model: str = "SmolLM2-135M-Instruct"
     prefill: int = 1
     decode: int = 1
+    conductors: int = 1  # replicas in the control plane (a queue group each)
+    cache_indexes: int = 1
+    gateways: int = 1  # on ports port, port + 1, ...
     coupled: int = 0  # > 0: this many coupled instances (prefill + decode in one process) replace both
     host: str = "127.0.0.1"
     port: int = 8000
@@ -74,6 +82,7 @@ class ClusterSpec:
     prefill_chunk: int = 2048
     profile: str = ""  # "" = $home/profiles/<model>.json if it exists, else an analytic guess
     log_level: str = "INFO"
+    metrics: bool = True  # each service serves Prometheus metrics on a free port (in cluster.json)
     extra_env: dict[str, str] = field(default_factory=dict)
     service_args: dict[str, list[str]] = field(default_factory=dict)  # service kind -> extra flags
 
@@ -110,6 +119,7 @@ class Proc:
     kind: str  # nats | conductor | cache_index | gateway | messenger | prefill | decode | coupled
     node: str = ""
     restarts: Restarts = field(default_factory=Restarts)
+    metrics: str = ""  # http://host:port/metrics, "" if none
 
     @property
     def state(self) -> str:
@@ -146,7 +156,8 @@ class Cluster:
             "shm_root": str(self.shm_root), "profile": spec.profile, "prefill": spec.num_prefill,
             "decode": spec.num_decode, "coupled": spec.coupled, "supervisor_pid": os.getpid(),
             "processes": {p.name: {"kind": p.kind, "node": p.node, "pid": p.popen.pid, "restarts": p.restarts.count,
-                                   "state": p.state, "log": str(p.log_path)} for p in self.procs.values()},
+                                   "state": p.state, "log": str(p.log_path), "metrics": p.metrics}
+                          for p in self.procs.values()},
         }
         path = spec.home / "cluster.json"
         tmp = path.with_name(".cluster.json.tmp")
@@ -171,15 +182,19 @@ class Cluster:
     def start_services(self) -> None:
         spec = self.spec
         threads = str(spec.worker_threads())
-        self.service("conductor", "conductor", *self.model_args(), "--policy", spec.policy,
-                     "--ttft-slo", str(spec.ttft_slo_s), *self.slo_args(), *(["--colocate"] if spec.coupled else []),
-                     "--pipeline-group", str(spec.pipeline_group), "--prefill-chunk", str(spec.prefill_chunk))
-        self.service("cache_index", "cache_index")
+        for i in range(spec.conductors):
+            self.service(replica("conductor", i), "conductor", *self.model_args(), "--policy", spec.policy,
+                         "--ttft-slo", str(spec.ttft_slo_s), *self.slo_args(), *(["--colocate"] if spec.coupled else []),
+                         "--pipeline-group", str(spec.pipeline_group), "--prefill-chunk", str(spec.prefill_chunk))
+        for i in range(spec.cache_indexes):
+            self.service(replica("cache_index", i), "cache_index")
         if spec.coupled:
             self.start_coupled(threads)
         else:
             self.start_disaggregated(threads)
-        self.service("gateway", "gateway", "--model", spec.model, "--host", spec.host, "--port", str(spec.port))
+        for i in range(spec.gateways):
+            self.service(replica("gateway", i), "gateway", "--model", spec.model, "--host", spec.host,
+                         "--port", str(spec.port + i))
 
     def start_disaggregated(self, threads: str) -> None:
         spec = self.spec
@@ -206,7 +221,15 @@ class Cluster:
         argv = [sys.executable, "-m", f"services.{kind}", "--nats-url", self.spec.nats_url,
                 "--instance-id", name, "--home", str(self.spec.home), "--log-level", self.spec.log_level, *args,
                 *self.spec.service_args.get(kind, [])]
+        metrics = ""
+        if self.spec.metrics and kind != "gateway":  # the gateway serves /metrics on its API port
+            port = free_port()
+            argv += ["--metrics-port", str(port)]
+            metrics = f"http://127.0.0.1:{port}/metrics"
+        elif kind == "gateway":
+            metrics = f"http://{self.spec.host}:{argv[argv.index('--port') + 1]}/metrics"
         self.spawn(name, kind, argv, node)
+        self.procs[name].metrics = metrics
 
     def model_args(self) -> list[str]:
         return ["--model", self.spec.model, "--block-tokens", str(self.spec.block_tokens)]
@@ -233,6 +256,7 @@ class Cluster:
             proc.popen.terminate()
             proc.popen.wait(30)
         self.spawn(name, proc.kind, proc.popen.args, proc.node, proc.restarts)
+        self.procs[name].metrics = proc.metrics
 
     def spawn(self, name: str, kind: str, argv: list[str], node: str = "", restarts: Restarts | None = None) -> None:
         log_path = self.log_dir / f"{name}.log"

@@ -26,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--coupled", type=int, default=0, metavar="N",
                         help="run N coupled instances (prefill and decode in one process, vLLM-like) "
                              "instead of --prefill/--decode, each on its own node with a messenger")
+    parser.add_argument("--conductors", type=int, default=1, help="conductor replicas (they share one view of load)")
+    parser.add_argument("--cache-indexes", type=int, default=1, help="cache index replicas")
+    parser.add_argument("--gateways", type=int, default=1, help="gateway replicas, on --port, --port + 1, ...")
     parser.add_argument("--host", default="127.0.0.1", help="gateway bind address")
     parser.add_argument("--port", type=int, default=8000, help="gateway port")
     parser.add_argument("--nats-port", type=int, default=4333, help="port of the embedded nats-server")
@@ -63,7 +66,11 @@ def run(args: argparse.Namespace) -> int:
                                 "--home", str(home), "--threads", str(max(1, (os.cpu_count() or 2) // 2))])
         if code != 0:
             print("moonbus up: profiling failed; the conductor will use an analytic guess", file=sys.stderr)
+    if min(args.conductors, args.cache_indexes, args.gateways) < 1:
+        print("moonbus up: --conductors, --cache-indexes and --gateways must be at least 1", file=sys.stderr)
+        return 2
     spec = ClusterSpec(home=home, model=args.model, prefill=args.prefill, decode=args.decode, coupled=args.coupled,
+                       conductors=args.conductors, cache_indexes=args.cache_indexes, gateways=args.gateways,
                        host=args.host, port=args.port, nats_port=args.nats_port, threads=args.threads,
                        log_level=args.log_level,
                        policy=args.policy, admission=args.admission, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,

@@ -1,8 +1,9 @@
 """The event loop: arrivals, prefill ends, KV arrivals at decode, decode segment ends.
 
-    arrive      conductor: index.match -> decide -> admit   (services/conductor: the live code)
+    arrive      conductor: index.match -> decide -> admit   (services/conductor: the live code),
+                on the load the instances report, kept by the live conductor's ClusterState
                 rejected -> done (rejected at arrival); else book the prefix pull on the NICs,
-                queue at p*, reserve room at d*
+                queue at p* (it counts at d* until d* holds it)
     prefill     FIFO per instance; starts when the instance is free and the pulled prefix is in;
                 reuses the prefix still in its pool at that moment (+ the pulled blocks);
                 time = max(compute(n, prefix), prefix bytes / host-to-device) (layer-wise: loading
@@ -24,6 +25,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from common.cluster_state import ClusterState, Routed
 from common.kv.blocks import block_keys_from_hash_ids
 from common.measures import FAILED, OK, REJECTED_ARRIVAL, REJECTED_LATE, RequestResult, summarize
 from common.perf import Profile
@@ -86,7 +88,7 @@ class Simulator:
             for i in range(cfg.coupled):
                 name = f"c{i}"
                 nic = self.nics[name] = Nic(cfg.nic_bytes_s)
-                dec = DecodeInstance(name, nic, self._batch(), cfg.decode_kv_tokens)
+                dec = DecodeInstance(f"{name}-decode", nic, self._batch(), cfg.decode_kv_tokens, node=name)
                 inst = CoupledInstance(name, PoolNode(name, dram_blocks, cfg.eviction, self.index), nic, dec)
                 dec.batch.owner = dec
                 self.prefills.append(inst)
@@ -105,6 +107,11 @@ class Simulator:
         self.prefill_by_id = {p.instance_id: p for p in self.prefills}
         self.decode_by_id = {d.instance_id: d for d in self.decodes}
         self.handlers = (self.on_prefill_done, self.on_kv_arrive, self.on_segment_end)
+        # the live conductor's bookkeeping; reports are taken, like heartbeats, before each decision
+        self.state = ClusterState(float("inf"), float("inf"))
+        self.dirty: set = set(self.prefills) | set(self.decodes)  # instances whose report is due
+        for d in self.decodes:
+            d.on_change = self.dirty.add
 
     def _batch(self) -> DecodeBatch:
         return DecodeBatch(self.perf.decode.step_seconds, self.cfg.segment_steps, self._book_segment)
@@ -137,6 +144,13 @@ class Simulator:
             raise RuntimeError(f"request {r.index} ended twice")
         r.status, r.end_s, r.error = status, t, error
         self.ended += 1
+        self.state.end(str(r.index))
+
+    def report(self, t: float) -> None:
+        """Instances that changed send their report (in the live cluster: a progress message)."""
+        for instance in self.dirty:
+            self.state.heard(instance.info(t), t)
+        self.dirty.clear()
 
     def end_done(self, batch: DecodeBatch) -> None:
         for r, t in batch.take_done():
@@ -149,14 +163,16 @@ class Simulator:
         holders = {node: m.prefix_len for node, m in match.per_node.items() if m.prefix_len}
         nics = self.nics
         queued = {node: nics[node].queued_bytes(t) for node in holders}
-        snapshot = ClusterSnapshot(t, tuple(p.candidate(t) for p in self.prefills),
-                                   tuple(d.candidate() for d in self.decodes), holders, queued, self.rng.random())
+        self.report(t)
+        state = self.state
+        snapshot = ClusterSnapshot(t, state.prefill_candidates(t), state.decode_candidates(t), holders, queued,
+                                   self.rng.random())
         decision = decide(RequestInfo(str(r.index), r.input_tokens, len(r.keys)), snapshot, self.policy, self.perf)
         if isinstance(decision, NoInstances):
             self.end(r, t, REJECTED_ARRIVAL, decision.reason)
             return
         if self.cfg.admission != "none":
-            load = DecodeLoadSnapshot(t, tuple(d.load() for d in self.decodes))
+            load = DecodeLoadSnapshot(t, tuple(state.decode_load(d.instance_id, t) for d in snapshot.decode))
             verdict = admit(decision.ttft_s, r.input_tokens, load, self.admission, self.perf)
             if not verdict.admit:
                 self.end(r, t, REJECTED_ARRIVAL, verdict.reason)
@@ -173,9 +189,11 @@ class Simulator:
             self.pulled_blocks += decision.pull.num_blocks
         p.predicted_free = max(t + decision.transfer_s, p.predicted_free) + decision.prefill_s
         r.predicted_end_s = t + decision.ttft_s
-        if r.output_tokens > 1:
-            r.decode.reserve(r)
+        self.state.route(Routed(str(r.index), (p.instance_id,), r.decode.instance_id, "", r.input_tokens, t,
+                                decision.prefill_s + decision.transfer_s, decision.ttft_s,
+                                joins_decode=r.output_tokens > 1))
         p.queue.append(r)
+        self.dirty.add(p)
         if not p.busy:
             self.start_prefill(p, t)
 
@@ -183,6 +201,7 @@ class Simulator:
 
     def start_prefill(self, p: PrefillInstance, t: float) -> None:
         r = p.queue.popleft()
+        p.current = r
         p.busy = True
         start = max(p.claim_gpu(t), r.ready_s)
         if isinstance(p, CoupledInstance):
@@ -208,6 +227,9 @@ class Simulator:
         p.pool.store(r.keys)
         r.first_token_s = t
         p.busy = False
+        p.current = None
+        self.state.prefilled(str(r.index), 0)
+        self.dirty.add(p)
         coupled = isinstance(p, CoupledInstance)
         if coupled:
             p.release_gpu(t)
@@ -225,7 +247,6 @@ class Simulator:
 
     def on_kv_arrive(self, r: SimRequest, _unused, t: float) -> None:
         d: DecodeInstance = r.decode
-        d.unreserve(r)
         if self.cfg.admission != "none" and not decode_admits(d.own_state(), r.input_tokens, self.perf, self.cfg.tbt_slo_s):
             self.end(r, t, REJECTED_LATE, f"decode {d.instance_id}: tbt or kv room over budget on kv arrival")
             return

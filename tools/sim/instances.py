@@ -2,7 +2,9 @@
 
 Each instance sits on its own node, named after it. Prefill nodes hold the KV pool (a real
 `TieredPool`, so eviction is the live code); their pool actions become `KvEvent`s for the real
-`PrefixIndex`, exactly as messengers publish them.
+`PrefixIndex`, exactly as messengers publish them. Each instance reports its load the way a live
+one does (`info(t)`: a WorkerInfo with its PrefillReport / DecodeReport), and the simulator's
+conductor keeps the live conductor's bookkeeping, common.cluster_state.ClusterState.
 """
 
 from __future__ import annotations
@@ -10,9 +12,9 @@ from __future__ import annotations
 from collections import deque
 
 from common.kv.pool import Demoted, Evicted, NoRoom, Promoted, Stored, TieredPool
+from schemas.workers import Coming, DecodeReport, Joined, PrefillReport, WorkerInfo
 from services.cache_index.index import KvEvent, PrefixIndex
-from services.conductor.admission import DecodeLoad
-from services.conductor.policy import DecodeCandidate, PrefillCandidate
+from services.conductor.policy import DecodeCandidate
 from tools.sim.decode import DecodeBatch
 from tools.sim.request import SimRequest
 
@@ -90,13 +92,20 @@ class PrefillInstance:
         self.pool = pool
         self.nic = nic
         self.queue: deque[SimRequest] = deque()
+        self.current: SimRequest | None = None  # being prefilled
         self.busy = False
         self.predicted_free = 0.0
         self.busy_s = 0.0  # seconds spent prefilling, for utilisation
         self.prefills_done = 0
 
-    def candidate(self, now: float) -> PrefillCandidate:
-        return PrefillCandidate(self.instance_id, self.node, max(0.0, self.predicted_free - now))
+    def info(self, t: float) -> WorkerInfo:
+        """Its report, as a live prefill instance sends it: the booked work ahead and, per request,
+        the decode instance it goes to and when its prefill should end (the conductor's prediction)."""
+        held = ([self.current] if self.current is not None else []) + list(self.queue)
+        coming = [Coming(str(r.index), r.decode.instance_id, r.predicted_end_s - t, r.input_tokens)
+                  for r in held if r.output_tokens > 1]
+        return WorkerInfo(self.instance_id, "prefill", self.node, prefill=PrefillReport(
+            max(0.0, self.predicted_free - t), 0, 0, [str(r.index) for r in held], coming))
 
     def claim_gpu(self, t: float) -> float:
         """When a prefill asked for at t may start (a prefill-only GPU is free at once)."""
@@ -107,57 +116,31 @@ class PrefillInstance:
 
 
 class DecodeInstance:
-    """A decode batch plus the requests routed here whose KV has not arrived (reserved)."""
+    """A decode batch (what is routed here but not arrived yet is the conductor's to count)."""
 
-    def __init__(self, instance_id: str, nic: Nic, batch: DecodeBatch, kv_tokens: int | None) -> None:
+    def __init__(self, instance_id: str, nic: Nic, batch: DecodeBatch, kv_tokens: int | None, node: str = "") -> None:
         self.instance_id = instance_id
-        self.node = instance_id
+        self.node = node or instance_id
         self.nic = nic
         self.batch = batch
         self.kv_tokens = kv_tokens
-        self.pending: dict[int, tuple[float, int]] = {}  # request index -> (predicted prefill end, context)
-        self.reserved = 0  # context tokens of pending requests
-        self._candidate: DecodeCandidate | None = None
-        self._load: DecodeLoad | None = None
+        self.on_change = None  # set by the simulator: the instance's report is due again
 
     def changed(self) -> None:
-        self._candidate = None
-        self._load = None
+        if self.on_change is not None:
+            self.on_change(self)
 
-    def reserve(self, r: SimRequest) -> None:
-        self.pending[r.index] = (r.predicted_end_s, r.input_tokens)
-        self.reserved += r.input_tokens
-        self.changed()
-
-    def unreserve(self, r: SimRequest) -> None:
-        if self.pending.pop(r.index, None) is not None:
-            self.reserved -= r.input_tokens
-            self.changed()
-
-    def kv_free(self, with_reserved: bool = True) -> int | None:
-        if self.kv_tokens is None:
-            return None
-        return self.kv_tokens - self.batch.context - (self.reserved if with_reserved else 0)
-
-    def candidate(self) -> DecodeCandidate:
-        """What the conductor sees: the batch plus the requests already routed here."""
-        if self._candidate is None:
-            b = self.batch
-            self._candidate = DecodeCandidate(self.instance_id, self.node, len(b.members) + len(self.pending),
-                                              b.context + self.reserved, self.kv_free())
-        return self._candidate
+    def kv_free(self) -> int | None:
+        return None if self.kv_tokens is None else self.kv_tokens - self.batch.context
 
     def own_state(self) -> DecodeCandidate:
         """What the decode instance itself checks when a KV arrives: its running batch only."""
         b = self.batch
-        return DecodeCandidate(self.instance_id, self.node, len(b.members), b.context, self.kv_free(False))
+        return DecodeCandidate(self.instance_id, self.node, len(b.members), b.context, self.kv_free())
 
-    def load(self) -> DecodeLoad:
-        """Admission's view: join times and contexts of the batch, predicted ends of pending prefills."""
-        if self._load is None:
-            members = self.batch.members  # in join order, so join times ascend
-            pending = sorted(self.pending.values())
-            self._load = DecodeLoad(self.instance_id, tuple(r.kv_arrival_s for r in members),
-                                    tuple(r.input_tokens for r in members),
-                                    tuple(p[0] for p in pending), tuple(p[1] for p in pending))
-        return self._load
+    def info(self, t: float) -> WorkerInfo:
+        """Its report, as a live decode instance sends it: the batch, each member since its join."""
+        b = self.batch
+        joined = [Joined(str(r.index), t - r.kv_arrival_s, r.input_tokens) for r in b.members]
+        return WorkerInfo(self.instance_id, "decode", self.node, decode=DecodeReport(
+            len(b.members), b.context, 0, self.kv_free(), 0.0, joined))

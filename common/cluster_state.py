@@ -1,0 +1,249 @@
+"""The load of every instance, as any number of conductors (and the simulator) see it.
+
+Instances are the source of truth: each reports what it holds in its heartbeats and at each
+change of state (schemas.workers.PrefillReport / DecodeReport): a prefill instance its queue in
+predicted seconds and, for every request it holds, the decode instance it goes to, when its
+prefill should end and its context; a decode instance its batch, KV room and the requests it
+holds. A conductor adds to the last report only its own dispatches that the instance has not
+reported yet (routed, not arrived), so N conductors see the same load, up to the requests each
+has in flight on the bus:
+
+    prefill p   queue_s = report.queue_s - time since the report  +  own requests routed to p not in it
+    decode d    batch   = report.running + waiting  +  requests held by any prefill that go to d
+                          +  own requests routed to d that no report holds yet (on the bus, in transfer)
+
+Every pipeline stage is charged the request's prefill work. The conductor also keeps, for the
+requests it routed, who holds them (to hand them back when an instance is lost) until they end
+or their lease runs out. Pure: the caller passes the clock; no I/O.
+"""
+
+from __future__ import annotations
+
+from bisect import insort
+from dataclasses import dataclass, field
+
+from schemas.workers import DecodeReport, Layout, PrefillReport, WorkerInfo
+from services.conductor.admission import DecodeLoad
+from services.conductor.policy import DecodeCandidate, PrefillCandidate
+
+
+@dataclass
+class Routed:
+    """One request this conductor routed, from dispatch until its end (or its lease)."""
+
+    request_id: str
+    prefill_ids: tuple[str, ...]  # every stage (one unless pipelined)
+    decode_id: str
+    reply_subject: str
+    prompt_tokens: int
+    routed_at: float
+    prefill_s: float  # predicted work per stage: prefill + transfer
+    ttft_s: float  # predicted queue + work: the prefill ends at routed_at + ttft_s
+    pull_source: str = ""
+    pull_bytes: int = 0
+    attempt: int = 0
+    joins_decode: bool = True  # False when the request ends with its first token (max_tokens 1)
+    prefilled: bool = False  # the prefill is done: it is in transfer or at decode
+    seen_by: set[str] = field(default_factory=set)  # instances whose reports held it
+
+    @property
+    def predicted_prefill_end(self) -> float:
+        return self.routed_at + self.ttft_s
+
+
+@dataclass
+class Instance:
+    info: WorkerInfo
+    seen_at: float
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """An instance that disagrees with the cluster's invariants (it is not used)."""
+
+    info: WorkerInfo
+    differences: tuple[str, ...]
+
+
+class ClusterState:
+    def __init__(self, timeout_s: float, lease_s: float, layout: Layout | None = None) -> None:
+        self.timeout_s = timeout_s
+        self.lease_s = lease_s
+        self.layout = layout  # the cluster's invariants; None = not checked
+        self.instances: dict[str, Instance] = {}  # instance_id -> Instance
+        self.routed: dict[str, Routed] = {}  # request_id -> Routed (this conductor's)
+        # NOTE: who will join each decode instance is derived from every prefill report and our own
+        # requests; it is rebuilt lazily, once per change, since each decision reads it per candidate
+        self._coming: dict[str, list[tuple[float, int]]] | None = None  # decode_id -> sorted (finish, context)
+
+    def changed(self) -> None:
+        self._coming = None
+
+    # --- what instances say ------------------------------------------------------------------------
+    def heard(self, info: WorkerInfo, now: float) -> str | Refusal | None:
+        """A heartbeat or a report: "joined" for a new instance, "left" for a leaving one, a
+        Refusal for one whose invariants differ from the cluster's, else None."""
+        self.changed()
+        if info.leaving:
+            return "left" if self.instances.pop(info.instance_id, None) is not None else None
+        if self.layout is not None and info.layout is not None:
+            differences = self.layout.differences(info.layout)
+            if differences:
+                self.instances.pop(info.instance_id, None)
+                return Refusal(info, tuple(differences))
+        known = self.instances.get(info.instance_id)
+        self.instances[info.instance_id] = Instance(info, now)
+        for rid in self._held_ids(info):
+            request = self.routed.get(rid)
+            if request is not None:
+                request.seen_by.add(info.instance_id)
+        return "joined" if known is None else None
+
+    @staticmethod
+    def _held_ids(info: WorkerInfo) -> list[str]:
+        if info.prefill is not None:
+            return info.prefill.held
+        if info.decode is not None:
+            return [j.request_id for j in info.decode.joined]
+        return []
+
+    def refresh(self, now: float) -> None:
+        """Count every instance as just heard from (the silence was our own broker connection's)."""
+        for known in self.instances.values():
+            known.seen_at = now
+
+    def expire(self, now: float) -> list[WorkerInfo]:
+        """Forget instances whose heartbeats stopped; returns them."""
+        gone = [i.info for i in self.instances.values() if now - i.seen_at > self.timeout_s]
+        for info in gone:
+            del self.instances[info.instance_id]
+        if gone:
+            self.changed()
+        return gone
+
+    def of_role(self, role: str) -> list[WorkerInfo]:
+        """Instances of a role that take new work (a draining one finishes what it holds, nothing more)."""
+        return sorted((i.info for i in self.instances.values() if i.info.role == role and not i.info.draining),
+                      key=lambda w: w.instance_id)
+
+    def get(self, instance_id: str) -> WorkerInfo | None:
+        known = self.instances.get(instance_id)
+        return known.info if known else None
+
+    # --- what this conductor did, and what ended ------------------------------------------------------
+    def route(self, request: Routed) -> None:
+        self.routed[request.request_id] = request
+        self.changed()
+
+    def prefilled(self, request_id: str, attempt: int) -> None:
+        request = self.routed.get(request_id)
+        if request is not None and request.attempt == attempt:
+            request.prefilled = True
+            request.pull_bytes = 0
+            self.changed()
+
+    def end(self, request_id: str, up_to_attempt: int | None = None) -> Routed | None:
+        """The request ended (or, with up_to_attempt, those of its attempts were abandoned)."""
+        request = self.routed.get(request_id)
+        if request is None or (up_to_attempt is not None and request.attempt > up_to_attempt):
+            return None
+        self.changed()
+        return self.routed.pop(request_id)
+
+    def lost_with(self, instance_id: str) -> list[Routed]:
+        """Our requests that cannot finish because `instance_id` is gone; they are removed."""
+        lost = [r for r in self.routed.values()
+                if (not r.prefilled and instance_id in r.prefill_ids) or r.decode_id == instance_id]
+        for request in lost:
+            del self.routed[request.request_id]
+        self.changed()
+        return lost
+
+    def expire_leases(self, now: float) -> list[Routed]:
+        old = [r for r in self.routed.values() if now - r.routed_at > self.lease_s]
+        for request in old:
+            del self.routed[request.request_id]
+        if old:
+            self.changed()
+        return old
+
+    # --- the views the policy and admission take ----------------------------------------------------
+    def _report(self, instance_id: str) -> tuple[WorkerInfo | None, float]:
+        known = self.instances.get(instance_id)
+        return (known.info, known.seen_at) if known else (None, 0.0)
+
+    def _in_transit(self, r: Routed, instance_id: str) -> bool:
+        """Routed to the instance by us and not (yet) in its report."""
+        return instance_id not in r.seen_by
+
+    def prefill_queue_s(self, instance_id: str, now: float) -> float:
+        info, seen_at = self._report(instance_id)
+        reported = 0.0
+        if info is not None and info.prefill is not None:
+            reported = max(0.0, info.prefill.queue_s - (now - seen_at))
+        own = sum(r.prefill_s for r in self.routed.values()
+                  if not r.prefilled and instance_id in r.prefill_ids and self._in_transit(r, instance_id))
+        return reported + own
+
+    def prefill_candidates(self, now: float) -> tuple[PrefillCandidate, ...]:
+        return tuple(PrefillCandidate(p.instance_id, p.node, self.prefill_queue_s(p.instance_id, now))
+                     for p in self.of_role("prefill"))
+
+    def coming_to(self, decode_id: str) -> list[tuple[float, int]]:
+        """(predicted prefill end, context), in time order, of every request that will join
+        `decode_id` and that it does not hold yet: those held by a prefill instance, and ours on
+        the bus or in transfer (a prefilled one counts from its predicted prefill end)."""
+        if self._coming is None:
+            coming: dict[str, list[tuple[float, int]]] = {}
+            held_by_prefill: set[str] = set()
+            for known in self.instances.values():
+                report: PrefillReport | None = known.info.prefill
+                if report is not None:
+                    for c in report.coming:
+                        held_by_prefill.add(c.request_id)
+                        coming.setdefault(c.decode_id, []).append((known.seen_at + c.finish_in_s, c.tokens))
+            for r in self.routed.values():
+                if r.joins_decode and r.request_id not in held_by_prefill and self._in_transit(r, r.decode_id):
+                    coming.setdefault(r.decode_id, []).append((r.predicted_prefill_end, r.prompt_tokens))
+            for entries in coming.values():
+                entries.sort()
+            self._coming = coming
+        return self._coming.get(decode_id, [])
+
+    def decode_candidates(self, now: float) -> tuple[DecodeCandidate, ...]:
+        out = []
+        for d in self.of_role("decode"):
+            report: DecodeReport | None = d.decode
+            coming = self.coming_to(d.instance_id)
+            coming_tokens = sum(c for _, c in coming)
+            held, context, kv_free = 0, 0, None
+            if report is not None:  # the batch, then those waiting for room in it
+                held = len(report.joined)
+                context = report.context_tokens + sum(j.tokens for j in report.joined[report.running:])
+                if report.kv_free_tokens is not None:
+                    kv_free = report.kv_free_tokens - coming_tokens
+            out.append(DecodeCandidate(d.instance_id, d.node, held + len(coming), context + coming_tokens, kv_free))
+        return tuple(out)
+
+    def decode_load(self, decode_id: str, now: float) -> DecodeLoad:
+        """Admission's view: who decodes there since when, who will join and when."""
+        info, seen_at = self._report(decode_id)
+        decoding: list[tuple[float, int]] = []
+        if info is not None and info.decode is not None:
+            for j in info.decode.joined:  # waiting ones count as joining now
+                insort(decoding, (seen_at - j.ago_s, j.tokens))
+        coming = self.coming_to(decode_id)
+        return DecodeLoad(decode_id, tuple(t for t, _ in decoding), tuple(c for _, c in decoding),
+                          tuple(t for t, _ in coming), tuple(c for _, c in coming))
+
+    def sender_queued_bytes(self) -> dict[str, int]:
+        """node -> bytes our requests still in prefill are pulling from it."""
+        out: dict[str, int] = {}
+        for r in self.routed.values():
+            if not r.prefilled and r.pull_bytes:
+                out[r.pull_source] = out.get(r.pull_source, 0) + r.pull_bytes
+        return out
+
+    def decode_running(self, decode_id: str) -> int:
+        info, _ = self._report(decode_id)
+        return info.decode.running if info is not None and info.decode is not None else 0
