@@ -12,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 
 from schemas.events import Event
 from services.gateway import openapi, protocol
+from services.gateway.dashboard import Dashboard
 from services.gateway.protocol import ApiError
 from services.gateway.service import Gateway, Generation
 
@@ -66,6 +67,7 @@ class Api:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
         self.metrics = Metrics()
+        self.dashboard = Dashboard(gateway)  # GET /dashboard: the live status page and its collectors
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[errors_middleware], client_max_size=64 * 1024**2)
@@ -75,6 +77,7 @@ class Api:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_page)
         app.router.add_get("/openapi.json", self.openapi_document)
+        self.dashboard.add_routes(app)
         return app
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -96,6 +99,9 @@ class Api:
             self.metrics.requests.labels(kind, str(err.status)).inc()
             if err.status == 429:
                 self.metrics.rejections.labels("arrival").inc()
+                self.dashboard.record("rejected_arrival")
+            elif err.status >= 500:
+                self.dashboard.record("failed")
             raise
         if req.stream:
             return await self.stream(request, gen)
@@ -165,12 +171,14 @@ class Api:
         kind = "rejected" if err.status == 429 else "failed"
         if kind == "rejected":
             self.metrics.rejections.labels(err.detail.get("stage", "decode")).inc()
+        self.dashboard.record("rejected_late" if kind == "rejected" else "failed")
         await self.gateway.end(gen, kind, status=err.status, reason=err.message, **err.detail)
         self.metrics.requests.labels(gen.request.kind, str(err.status)).inc()
 
     async def finish_ok(self, gen: Generation) -> None:
         await self.gateway.end(gen, "completed", finish_reason=gen.finish_reason)
         self.metrics.requests.labels(gen.request.kind, "200").inc()
+        self.dashboard.record("completed")
         self.metrics.tokens.inc(gen.completion_tokens)
         if gen.ttft_s is not None:
             self.metrics.ttft.observe(gen.ttft_s)

@@ -65,6 +65,10 @@ def document(served_model: str, max_context: int, vocab_size: int, default_chat_
             "/health": {"get": _health()},
             "/metrics": {"get": _get_operation("metrics", "Prometheus metrics.", {"text/plain": {"schema": {"type": "string"}}})},
             "/openapi.json": {"get": _get_operation("openapi", "This document.", _json({"type": "object"}))},
+            "/dashboard": {"get": _get_operation("dashboard", "The live status page (HTML; it polls /dashboard/state).",
+                                                 {"text/html": {"schema": {"type": "string"}}})},
+            "/dashboard/state": {"get": _get_operation("dashboardState", "What the status page shows, now.",
+                                                       _json(_dashboard_state()))},
         },
         "components": {"schemas": components},
     }
@@ -256,6 +260,24 @@ def _health() -> Schema:
     return {"operationId": "health", "responses": {
         "200": {"description": "A prefill and a decode instance are up.", "content": _json(up)},
         "503": {"description": "The cluster cannot serve yet.", "content": _json(down)}}}
+
+
+def _dashboard_state() -> Schema:
+    """services/gateway/dashboard.py builds it; a conductor or messenger that did not answer is
+    `available: false` with an `error`."""
+    service = {"type": "object", "required": ["available"],
+               "properties": {"available": {"type": "boolean"}, "error": {"type": "string"}}}
+    listed = {"type": "array", "items": {"type": "object"}}
+    outcomes = _object({"start": {"type": "integer", "description": "The wall-clock second of the first point."},
+                        "window_s": {"type": "integer"},
+                        "points": {"type": "object", "description": "outcome -> one count per second, oldest first",
+                                   "additionalProperties": {"type": "array", "items": {"type": "integer"}}},
+                        "totals": {"type": "object", "additionalProperties": {"type": "integer"}}})
+    return _object({"now": {"type": "number"}, "gateway": {"type": "string"}, "model": {"type": "string"},
+                    "conductor": service, "instances": listed | {"description": "Every live instance."},
+                    "nodes": listed | {"description": "Each messenger node's KV pool tiers."},
+                    "decisions": listed | {"description": "Recent routing decisions, newest first."},
+                    "outcomes": outcomes})
 
 
 def _json(schema: Schema) -> Schema:

@@ -348,6 +348,7 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event) -> bool:
     api = Api(gateway)
     for kind in ("prefilled", "kv_pulled"):
         await bus.subscribe(nc, subjects.request_event(kind, "*"), api.on_request_event)
+    await bus.subscribe(nc, subjects.request_event("routed", "*"), api.dashboard.on_routed)
     runner = web.AppRunner(api.app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
