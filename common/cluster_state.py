@@ -19,7 +19,6 @@ or their lease runs out. Pure: the caller passes the clock; no I/O.
 
 from __future__ import annotations
 
-from bisect import insort
 from dataclasses import dataclass, field
 
 from schemas.workers import DecodeReport, Layout, PrefillReport, WorkerInfo
@@ -75,9 +74,13 @@ class ClusterState:
         # NOTE: who will join each decode instance is derived from every prefill report and our own
         # requests; it is rebuilt lazily, once per change, since each decision reads it per candidate
         self._coming: dict[str, list[tuple[float, int]]] | None = None  # decode_id -> sorted (finish, context)
+        self._transit_s: dict[str, float] | None = None  # prefill_id -> predicted work of ours not reported yet
+        self._decode_loads: dict[str, DecodeLoad] = {}  # decode_id -> admission's view, until the next change
 
     def changed(self) -> None:
         self._coming = None
+        self._transit_s = None
+        self._decode_loads = {}
 
     # --- what instances say ------------------------------------------------------------------------
     def heard(self, info: WorkerInfo, now: float) -> str | Refusal | None:
@@ -181,9 +184,15 @@ class ClusterState:
         reported = 0.0
         if info is not None and info.prefill is not None:
             reported = max(0.0, info.prefill.queue_s - (now - seen_at))
-        own = sum(r.prefill_s for r in self.routed.values()
-                  if not r.prefilled and instance_id in r.prefill_ids and self._in_transit(r, instance_id))
-        return reported + own
+        if self._transit_s is None:
+            transit: dict[str, float] = {}
+            for r in self.routed.values():
+                if not r.prefilled:
+                    for p in r.prefill_ids:
+                        if self._in_transit(r, p):
+                            transit[p] = transit.get(p, 0.0) + r.prefill_s
+            self._transit_s = transit
+        return reported + self._transit_s.get(instance_id, 0.0)
 
     def prefill_candidates(self, now: float) -> tuple[PrefillCandidate, ...]:
         return tuple(PrefillCandidate(p.instance_id, p.node, self.prefill_queue_s(p.instance_id, now))
@@ -226,12 +235,18 @@ class ClusterState:
         return tuple(out)
 
     def decode_load(self, decode_id: str, now: float) -> DecodeLoad:
-        """Admission's view: who decodes there since when, who will join and when."""
+        """Admission's view: who decodes there since when, who will join and when (times are
+        absolute, so the view stays valid until the next change)."""
+        load = self._decode_loads.get(decode_id)
+        if load is None:
+            load = self._decode_loads[decode_id] = self._build_decode_load(decode_id)
+        return load
+
+    def _build_decode_load(self, decode_id: str) -> DecodeLoad:
         info, seen_at = self._report(decode_id)
         decoding: list[tuple[float, int]] = []
-        if info is not None and info.decode is not None:
-            for j in info.decode.joined:  # waiting ones count as joining now
-                insort(decoding, (seen_at - j.ago_s, j.tokens))
+        if info is not None and info.decode is not None:  # waiting ones count as joining now
+            decoding = sorted((seen_at - j.ago_s, j.tokens) for j in info.decode.joined)
         coming = self.coming_to(decode_id)
         return DecodeLoad(decode_id, tuple(t for t, _ in decoding), tuple(c for _, c in decoding),
                           tuple(t for t, _ in coming), tuple(c for _, c in coming))

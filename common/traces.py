@@ -80,6 +80,32 @@ def parse_row(line: bytes | str, path: str | Path = "<trace>", line_no: int = 0)
     return TraceRow(values[0], values[1], values[2], tuple(hash_ids))
 
 
+NAMED_TRACES = {"conversation": "conversation_trace.jsonl", "synthetic": "synthetic_trace.jsonl"}
+
+
+def trace_dirs() -> list[Path]:
+    """Where the released traces are looked for: $MOONBUS_TRACES, then a `shared/data/traces` beside
+    or inside the repository, or beside the working directory."""
+    import os
+
+    repo = Path(__file__).resolve().parents[1]
+    dirs = [Path(os.environ["MOONBUS_TRACES"])] if os.environ.get("MOONBUS_TRACES") else []
+    for base in (repo.parent, repo, Path.cwd().parent, Path.cwd()):
+        dirs.append(base / "shared" / "data" / "traces")
+    return dirs
+
+
+def resolve_trace(name: str | Path) -> Path:
+    """A released trace by name (conversation, synthetic), found in `trace_dirs()`, or any path as given."""
+    name = str(name)
+    if name not in NAMED_TRACES:
+        return Path(name)
+    for directory in trace_dirs():
+        if (directory / NAMED_TRACES[name]).exists():
+            return directory / NAMED_TRACES[name]
+    return trace_dirs()[0] / NAMED_TRACES[name]  # does not exist: the caller reports it
+
+
 def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
     """The `--trace FILE` and `--limit N` flags every trace-reading command shares."""
     parser.add_argument("--trace", required=True, type=Path, help="Mooncake-format JSONL trace")

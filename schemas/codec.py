@@ -108,7 +108,10 @@ def _convert(hint: Any, value: Any) -> Any:
             raise WireError(f"expected an array, got {type(value).__name__}")
         args = typing.get_args(hint)
         inner = args[0] if args else Any
-        items = [_convert(inner, v) for v in value]
+        if inner in (int, str) and all(type(v) is inner for v in value):
+            items = value  # NOTE: token ids and block keys: one type check per item, not a call
+        else:
+            items = [_convert(inner, v) for v in value]
         return tuple(items) if origin is tuple else items
     if origin is dict:
         if not isinstance(value, dict):

@@ -14,7 +14,9 @@ Algorithm, `kvcache-centric` (ARCHITECTURE.md section 3, Mooncake's Conductor):
         ttft[p] = p.queue_s + t_prefill(input_tokens, prefix tokens) + t_transfer
     p* = argmin ttft (ties: lowest instance id)
     d* = decode instance with the lowest predicted TBT once this request joins its batch
-         (ties: lowest instance id); instances without KV room for the prompt are skipped
+         (ties: fewer requests there, then lowest instance id; a predictor that prices batch
+         size at nothing makes every instance tie, and they must still share the load);
+         instances without KV room for the prompt are skipped
     if p* pulls: Decision.pull = (best_holder, first block p*.local, best_len - p*.local blocks);
     p* keeps the pulled blocks, which is how hot prefixes get replicated (no prediction needed).
 
@@ -321,7 +323,7 @@ def price_decode(request: RequestInfo, decode: tuple[DecodeCandidate, ...], perf
 # Sort keys, ties broken by instance id (C-level itemgetter: no Python call per candidate).
 _by_ttft = itemgetter(PrefillCost._fields.index("ttft_s"), 0)
 _by_queue = itemgetter(PrefillCost._fields.index("queue_s"), 0)
-_by_tbt = itemgetter(DecodeCost._fields.index("tbt_s"), 0)
+_by_tbt = itemgetter(DecodeCost._fields.index("tbt_s"), DecodeCost._fields.index("num_running"), 0)
 
 
 def _random_pick(draw: float, prefill: tuple[PrefillCost, ...], decode: list[DecodeCost],

@@ -277,3 +277,10 @@ def test_best_holder_is_least_queued_then_name_among_longest():
         best = max(held.values(), default=0)
         expected = (0, None) if best <= 0 else (best, min((n for n in held if held[n] == best), key=lambda n: (queued.get(n, 0), n)))
         assert best_prefix(snap) == expected
+
+
+def test_decode_instances_that_tie_on_tbt_share_the_load():
+    flat = Profile(PrefillModel((0.01, 0.001, 0.0, 0.0)), DecodeModel((0.02, 0.0, 0.0)))  # batch costs nothing
+    decode = (make_decode("d0", running=5), make_decode("d1", running=2), make_decode("d2", running=3))
+    decision = decide(make_request(), make_snapshot([make_prefill("p0", "n0")], decode), make_settings(), flat)
+    assert decision.decode_id == "d1"

@@ -41,11 +41,14 @@ class LinearPrefill:
 # --------------------------------------------------------------------------- load
 
 
-def test_resolve_trace_names_and_paths():
-    assert sl.resolve_trace("conversation") == sl.TRACE_DIR / "conversation_trace.jsonl"
-    assert sl.resolve_trace("synthetic") == sl.TRACE_DIR / "synthetic_trace.jsonl"
-    assert sl.resolve_trace("/tmp/x.jsonl") == Path("/tmp/x.jsonl")
-    assert sl.TRACE_DIR.parts[-3:] == ("shared", "data", "traces")
+def test_resolve_trace_names_and_paths(tmp_path, monkeypatch):
+    from common.traces import resolve_trace
+
+    monkeypatch.setenv("MOONBUS_TRACES", str(tmp_path))
+    (tmp_path / "synthetic_trace.jsonl").write_text("")
+    assert resolve_trace("synthetic") == tmp_path / "synthetic_trace.jsonl"
+    assert resolve_trace("conversation").name == "conversation_trace.jsonl"
+    assert resolve_trace("/tmp/x.jsonl") == Path("/tmp/x.jsonl")
 
 
 def test_schedule_wraps_around_keeping_the_trace_rate():

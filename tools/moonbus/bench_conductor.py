@@ -21,6 +21,10 @@ snapshot and runs the same admission. Policies are timed interleaved, on the sam
 pairs, so machine noise hits them alike. Goal: p99 < 200 us for kvcache-centric. Single thread;
 by default the collector runs, with the setup frozen out of it (gc.freeze(), as a long-running
 conductor should do after loading), so that a full collection does not walk 155k index entries.
+
+Then, unless --no-live, the live-route rows (tools/moonbus/bench_route.py): a route request sent
+end to end through a real nats-server, a real cache index holding 200k blocks and 1, then 3, real
+conductor processes, 16P+16D fake instances; p50/p99 with one route in flight, routes/s with many.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import orjson
 
 from common.kv.blocks import block_keys_from_hash_ids
 from common.perf import A800_X8, LLAMA3_70B, Profile, analytic_profile
-from common.traces import TRACE_BLOCK_TOKENS, load_trace
+from common.traces import TRACE_BLOCK_TOKENS, load_trace, resolve_trace
 from services.cache_index.index import KvEvent, PrefixIndex
 from services.conductor.admission import AdmissionSettings, DecodeLoad, DecodeLoadSnapshot, Verdict, admit
 from services.conductor.policy import (
@@ -51,6 +55,7 @@ from services.conductor.policy import (
     RequestInfo,
     decide,
 )
+from tools.moonbus import bench_route, bench_route_report
 
 GOAL_P99_US = 200.0
 NUM_PREFILL = NUM_DECODE = 16
@@ -61,17 +66,8 @@ DECODE_IDS = tuple(f"decode-{i:02d}" for i in range(NUM_DECODE))
 STAGES = ("match", "snapshot", "decide", "admit")
 
 
-def _default_trace() -> Path:
-    root = Path(__file__).resolve().parents[2]
-    for base in (root / "shared", root.parent / "shared", Path.cwd() / "shared"):
-        path = base / "data" / "traces" / "conversation_trace.jsonl"
-        if path.exists():
-            return path
-    return root.parent / "shared" / "data" / "traces" / "conversation_trace.jsonl"
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", type=Path, default=_default_trace(), help="conversation trace (JSONL)")
+    parser.add_argument("--trace", type=Path, default=resolve_trace("conversation"), help="conversation trace (JSONL)")
     parser.add_argument("--fill-rows", type=int, default=10_000, help="trace rows stored in the index")
     parser.add_argument("--decisions", type=int, default=20_000, help="timed decisions per policy")
     parser.add_argument("--policies", default="kvcache-centric,random",
@@ -82,6 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "moved out of its reach by gc.freeze(), as a long-running conductor would; off")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    bench_route.add_arguments(parser)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,11 +141,20 @@ def run(args: argparse.Namespace) -> int:
         "ratio_p99": results[ours]["p99_us"] / results["random"]["p99_us"],
         "results": results,
     }
+    del index, queries, states  # freed before the live part, whose collector must not walk them
+    report["live"], status = None, 0
+    if args.live:
+        try:
+            report["live"] = bench_route.run_live(bench_route.LiveConfig.from_args(args), rows)
+        except (bench_route.LiveBenchError, ValueError) as exc:
+            report["live"], status = {"error": str(exc)}, 1
     if args.json:
         sys.stdout.write(orjson.dumps(report).decode() + "\n")
     else:
         _print_table(report, policies)
-    return 0
+        if report["live"] is not None:
+            bench_route_report.print_rows(report["live"])
+    return status
 
 
 def _fill_index(rows) -> tuple[PrefixIndex, int]:

@@ -28,8 +28,6 @@ from common.perf import PrefillPredictor
 from common.traces import TRACE_BLOCK_TOKENS, TraceRow, scaled_input_length
 
 # `--trace conversation` and `--trace synthetic` name the released traces beside the repository.
-TRACE_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "traces"
-NAMED_TRACES = {"conversation": "conversation_trace.jsonl", "synthetic": "synthetic_trace.jsonl"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,12 +38,6 @@ class Arrival:
     row_index: int
     at_s: float
     row: TraceRow
-
-
-def resolve_trace(name: str | Path) -> Path:
-    """A named trace (conversation, synthetic) in TRACE_DIR, or any path as given."""
-    name = str(name)
-    return TRACE_DIR / NAMED_TRACES[name] if name in NAMED_TRACES else Path(name)
 
 
 def cycle_ms(rows: Sequence[TraceRow]) -> float:

@@ -22,7 +22,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from common import bus
 from common.measures import FAILED, RequestResult, summarize
-from common.traces import load_trace, prompt_token_ids
+from common.traces import load_trace, prompt_token_ids, resolve_trace
 from schemas import subjects
 from schemas.codec import WireError
 from schemas.events import Event
@@ -60,7 +60,7 @@ class Soak:
         self.shm_root = self.state.shm_root or sc.guess_shm_root(self.nats_url)
         if not self.state.shm_root:
             self.notes.append(f"shm directory guessed from the NATS port: {self.shm_root}")
-        self.trace = sl.resolve_trace(args.trace)
+        self.trace = resolve_trace(args.trace)
         self.rows = load_trace(self.trace, args.limit)
         self.events = EventLog()
         self.rng = random.Random(args.seed)

@@ -1,0 +1,74 @@
+"""`moonbus bench conductor`'s live-route rows, run small: real nats-server, cache index and
+conductors, 2P+2D fake instances, a few thousand blocks, a few hundred routes, 1 then 2 conductors.
+Checks the report's structure and that the real conductors answered every route from the real
+index; speed is printed by the benchmark, never asserted here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.traces import load_trace, prompt_token_ids
+from tools.moonbus.bench_conductor import _default_trace
+from tools.moonbus.bench_fleet import PromptBuilder
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+LATENCY_ROUTES, THROUGHPUT_ROUTES, BLOCKS = 150, 300, 3_000
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    argv = [sys.executable, "-m", "tools.moonbus.cli", "bench", "conductor", "--json",
+            "--fill-rows", "300", "--decisions", "200", "--states", "16",
+            "--live-prefill", "2", "--live-decode", "2", "--live-blocks", str(BLOCKS), "--live-queries", "200",
+            "--live-warmup", "20", "--live-latency-routes", str(LATENCY_ROUTES),
+            "--live-throughput-routes", str(THROUGHPUT_ROUTES), "--live-concurrency", "8",
+            "--live-conductors", "1,2", "--live-model-home", str(tmp_path_factory.mktemp("model-home"))]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_live_rows_have_the_promised_fields(report):
+    live = report["live"]
+    assert "results" in report and report["results"]["kvcache-centric"]["p99_us"] > 0  # the pure rows stay
+    assert [r["conductors"] for r in live["rows"]] == [1, 2]
+    for row in live["rows"]:
+        assert row["case"] == "live_route"
+        assert row["blocks_indexed"] >= BLOCKS
+        assert 0 < row["p50_us"] <= row["p99_us"] <= row["max_us"]
+        assert row["routes_per_s"] > 0 and 0.0 <= row["admitted_share"] <= 1.0
+        assert row["cpu_us_per_route"]["conductor"] > 0 and row["cpu_us_per_route"]["total"] > 0
+    first, second = live["rows"]
+    assert live["ratio_routes_per_s"] == pytest.approx(second["routes_per_s"] / first["routes_per_s"])
+    assert live["ratio_of"] == "2 vs 1 conductors"
+    assert isinstance(live["goal_p99_met"], bool) and isinstance(live["goal_ratio_met"], bool)
+    assert live["setup"]["prefill_instances"] == 2 and live["setup"]["decode_instances"] == 2
+    assert "nats-server" in live["shares_cores_with"]
+
+
+def test_every_route_was_answered_by_the_real_conductors_from_the_real_index(report):
+    first, second = report["live"]["rows"]
+    for row in (first, second):
+        assert row["unanswered"] == 0
+        assert (row["latency_routes"], row["throughput_routes"]) == (LATENCY_ROUTES, THROUGHPUT_ROUTES)
+        assert set(row["statuses"]) <= {"200", "429"} and row["admitted_share"] > 0
+        # each timed route left the conductor's `routed` event, found prefixes in the index
+        assert row["routed_events"] == LATENCY_ROUTES + THROUGHPUT_ROUTES
+        assert row["index_hit_share"] > 0 and row["mean_best_prefix_blocks"] > 0
+        assert row["index_timeouts"] >= 0
+    assert first["answered_by"] == {"conductor-0": LATENCY_ROUTES + THROUGHPUT_ROUTES}
+    # the queue group spreads routes over both conductors (all on one: odds 2^-449)
+    assert set(second["answered_by"]) == {"conductor-0", "conductor-1"}
+    assert sum(second["answered_by"].values()) == LATENCY_ROUTES + THROUGHPUT_ROUTES
+
+
+def test_prompt_builder_gives_replays_prompts():
+    rows = load_trace(_default_trace(), limit=200)
+    build = PromptBuilder()
+    assert all(build(r) == prompt_token_ids(r, 16, vocab_size=259) for r in rows)
