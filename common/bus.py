@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 import weakref
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import nats
 from nats.aio.client import Client
@@ -25,6 +25,9 @@ from nats.js.errors import BadRequestError
 from schemas import subjects
 from schemas.events import Event
 
+if TYPE_CHECKING:
+    from common.config import NatsAuth
+
 log = logging.getLogger(__name__)
 
 PENDING_BYTES = 64 << 20  # published while the broker is away, sent once it is back
@@ -34,11 +37,19 @@ _reconnected_at: "weakref.WeakKeyDictionary[Client, float]" = weakref.WeakKeyDic
 _on_reconnect: "weakref.WeakKeyDictionary[Client, list[Callable[[], None]]]" = weakref.WeakKeyDictionary()
 
 
-async def connect(url: str, name: str, first_connect_timeout_s: float = 60.0) -> Client:
+async def connect(url: str, name: str, auth: "NatsAuth | None" = None, first_connect_timeout_s: float = 60.0) -> Client:
     """Connect, retrying for a while: services may start before the server is up.
 
     Once connected, the client reconnects forever (a broker restart must not kill workers).
+    `auth`: the role's user and password, and the CA of a tls:// server.
     """
+    options: dict[str, Any] = {}
+    if auth is not None and auth.user:
+        options.update(user=auth.user, password=auth.password())
+    if auth is not None and auth.ca_file:
+        import ssl
+
+        options["tls"] = ssl.create_default_context(cafile=auth.ca_file)
     deadline = time.monotonic() + first_connect_timeout_s
     holder: list[Client] = []
 
@@ -64,6 +75,7 @@ async def connect(url: str, name: str, first_connect_timeout_s: float = 60.0) ->
                 reconnect_time_wait=0.5, allow_reconnect=True, pending_size=PENDING_BYTES,
                 disconnected_cb=disconnected, reconnected_cb=reconnected, error_cb=error,
                 drain_timeout=5,  # shutdown must not hang on a broker that is already gone
+                **options,
             )
             holder.append(nc)
             return nc

@@ -36,12 +36,28 @@ def flag(
     parser.add_argument(name, type=type, default=value, help=f"{help} (env {env}; default: %(default)s)", **kwargs)
 
 
+@dataclasses.dataclass(frozen=True)
+class NatsAuth:
+    """How a service proves who it is to NATS (a per-role user of the cluster, see
+    tools/moonbus/security.py) and whom it trusts for TLS. Empty = no authentication."""
+
+    user: str = ""
+    password_file: str = ""  # the password is read from a file (0600), never passed as a flag
+    ca_file: str = ""  # for tls:// URLs: the CA that signed the server's certificate
+
+    def password(self) -> str:
+        return Path(self.password_file).read_text().strip() if self.password_file else ""
+
+
 def build(cls: type[T], args: argparse.Namespace, **computed: Any) -> T:
     """A service's config dataclass from parsed flags: each field takes the flag of the same
-    name (its dest), except those given in `computed`."""
+    name (its dest), except those given in `computed`; a `nats_auth` field is made from the
+    common NATS credential flags."""
     values = dict(computed)
     for field in dataclasses.fields(cls):
-        if field.name not in values:
+        if field.name == "nats_auth" and field.name not in values:
+            values["nats_auth"] = NatsAuth(args.nats_user, args.nats_password_file, args.nats_ca)
+        elif field.name not in values:
             values[field.name] = getattr(args, field.name)
     return cls(**values)
 
@@ -53,6 +69,11 @@ def add_common_flags(parser: argparse.ArgumentParser, role: str) -> None:
     flag(parser, "--home", "MOONBUS_HOME", str(default_home()), help="state directory (model cache)")
     flag(parser, "--health-file", "MOONBUS_HEALTH_FILE", "",
          help="a file kept fresh while the service is ready, for container health checks ('' = none)")
+    flag(parser, "--nats-user", "MOONBUS_NATS_USER", "", help="NATS user of this service's role ('' = none)")
+    flag(parser, "--nats-password-file", "MOONBUS_NATS_PASSWORD_FILE", "", help="file holding that user's password")
+    flag(parser, "--nats-ca", "MOONBUS_NATS_CA", "", help="CA file for a tls:// NATS URL")
+    flag(parser, "--cluster-secret-file", "MOONBUS_CLUSTER_SECRET_FILE", "",
+         help="the cluster secret (point-to-point links, the audit chain); '' = none")
     flag(parser, "--metrics-port", "MOONBUS_METRICS_PORT", 0, int, help="Prometheus metrics port (0 = off)")
     flag(parser, "--metrics-host", "MOONBUS_METRICS_HOST", "127.0.0.1", help="bind address of the metrics port")
 

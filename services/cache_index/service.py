@@ -148,7 +148,7 @@ class CacheIndexService:
 
 
 async def serve(cfg: CacheIndexConfig, stop: asyncio.Event) -> bool:
-    nc = await bus.connect(cfg.nats_url, cfg.instance_id)
+    nc = await bus.connect(cfg.nats_url, cfg.instance_id, cfg.nats_auth)
     tasks = runner.TaskGroup(stop)
     service = CacheIndexService(cfg, nc, tasks)
     await bus.subscribe(nc, subjects.KV_EVENTS_ALL, service.on_kv_event)

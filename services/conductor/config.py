@@ -14,6 +14,8 @@ from services.conductor.policy import POLICIES
 @dataclass(frozen=True)
 class ConductorConfig:
     nats_url: str
+    nats_auth: common.NatsAuth  # this role's NATS credentials
+    cluster_secret_file: str  # '' = no cluster secret
     instance_id: str
     home: Path
     log_level: str

@@ -33,7 +33,7 @@ async def serve(cfg: CoupledConfig, stop: runner.Stop) -> bool:
     model, eos, ref = worker.model, worker.eos_token_id, worker.ref
     layout = worker.shape.kv_layout(pcfg.block_tokens)
     perf, source = profiles.load(dcfg.home, dcfg.model, dcfg.profile)
-    nc = await bus.connect(pcfg.nats_url, cfg.instance_id)
+    nc = await bus.connect(pcfg.nats_url, cfg.instance_id, pcfg.nats_auth)
     tasks = runner.TaskGroup(stop)
     compute_lock = asyncio.Lock()  # a prefill forward and a decode iteration never overlap
     registry = metrics.registry()  # one process, one metrics port: both halves report into it

@@ -390,7 +390,7 @@ async def serve(cfg: DecodeConfig, stop: runner.Stop) -> bool:
     worker_model = await asyncio.to_thread(models.load_for_worker, cfg.model, cfg.home, cfg.threads)
     perf, source = profiles.load(cfg.home, cfg.model, cfg.profile)
     engine = BatchEngine(worker_model.model, cfg.max_batch, cfg.kv_budget_tokens)
-    nc = await bus.connect(cfg.nats_url, cfg.instance_id)
+    nc = await bus.connect(cfg.nats_url, cfg.instance_id, cfg.nats_auth)
     tasks = runner.TaskGroup(stop)
     service = DecodeService(cfg, nc, engine, worker_model.eos_token_id,
                             worker_model.shape.kv_layout(cfg.block_tokens), tasks, perf)

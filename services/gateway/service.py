@@ -341,7 +341,7 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event) -> bool:
     ref = models.prepare(cfg.model, cfg.home)
     tokenizer = await asyncio.to_thread(models.load_tokenizer, ref)
     shape = models.read_shape(ref)
-    nc = await bus.connect(cfg.nats_url, cfg.instance_id)
+    nc = await bus.connect(cfg.nats_url, cfg.instance_id, cfg.nats_auth)
     gateway = Gateway(cfg, nc, tokenizer, ref.name, shape.max_context)
     await bus.subscribe(nc, gateway.reply_subject, gateway.on_tokens)
     bus.on_reconnect(nc, gateway.probe_all)  # chunks may have been lost while the broker was away

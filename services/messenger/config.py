@@ -13,6 +13,8 @@ from common.kv.eviction import POLICIES
 @dataclass(frozen=True)
 class MessengerConfig:
     nats_url: str
+    nats_auth: common.NatsAuth  # this role's NATS credentials
+    cluster_secret_file: str  # '' = no cluster secret
     instance_id: str
     node: str
     shm_dir: Path

@@ -385,7 +385,7 @@ async def serve(cfg: MessengerConfig, stop: asyncio.Event) -> None:
     dram_blocks = cfg.dram_blocks if cfg.dram_blocks > 0 else max(1, capacity_in_blocks(cfg.dram_bytes, layout))
     ssd_blocks = cfg.ssd_blocks if cfg.ssd_blocks >= 0 else capacity_in_blocks(cfg.ssd_bytes, layout)
     pool = NodePool(cfg.node, layout, cfg.shm_dir, dram_blocks, cfg.ssd_dir, ssd_blocks, cfg.eviction)
-    nc = await bus.connect(cfg.nats_url, cfg.instance_id)
+    nc = await bus.connect(cfg.nats_url, cfg.instance_id, cfg.nats_auth)
     tasks = runner.TaskGroup(stop)
     service = MessengerService(cfg, nc, tasks, pool, shape.max_context)
     service.layout = Layout(ref.name, cfg.block_tokens, 0, layout.signature)

@@ -12,6 +12,8 @@ from common import config as common
 @dataclass(frozen=True)
 class PrefillConfig:
     nats_url: str
+    nats_auth: common.NatsAuth  # this role's NATS credentials
+    cluster_secret_file: str  # '' = no cluster secret
     instance_id: str
     node: str
     shm_dir: Path

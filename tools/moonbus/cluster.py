@@ -23,6 +23,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tools.moonbus.security import ClusterSecrets, nats_config
 from tools.moonbus.supervisor import Action, RestartPolicy, Restarts
 
 PR_SET_PDEATHSIG = 1
@@ -83,12 +84,22 @@ class ClusterSpec:
     profile: str = ""  # "" = $home/profiles/<model>.json if it exists, else an analytic guess
     log_level: str = "INFO"
     metrics: bool = True  # each service serves Prometheus metrics on a free port (in cluster.json)
+    auth: bool = True  # a closed bus: one NATS user per role (tools/moonbus/security.py), a cluster secret
     extra_env: dict[str, str] = field(default_factory=dict)
     service_args: dict[str, list[str]] = field(default_factory=dict)  # service kind -> extra flags
 
     @property
-    def nats_url(self) -> str:
+    def nats_addr(self) -> str:
+        """The broker's address, as the services get it (their credentials come apart)."""
         return f"nats://127.0.0.1:{self.nats_port}"
+
+    @property
+    def nats_url(self) -> str:
+        """An operator's URL: the admin user's credentials in it when the bus is closed (for tools
+        and tests run by whoever started the cluster)."""
+        if not self.auth:
+            return self.nats_addr
+        return ClusterSecrets.create(self.home / "secrets").url(self.nats_addr, "admin")
 
     @property
     def url(self) -> str:
@@ -133,6 +144,7 @@ class Cluster:
         self.spec = spec
         self.procs: dict[str, Proc] = {}  # name -> Proc, in start order
         self.log_dir = spec.home / "logs"
+        self.secrets = ClusterSecrets.create(spec.home / "secrets") if spec.auth else None
         self.shm_root = Path("/dev/shm") / f"moonbus-{spec.nats_port}"
 
     # --- start ----------------------------------------------------------------------------
@@ -152,7 +164,9 @@ class Cluster:
         """<home>/cluster.json, rewritten atomically: what `moonbus tap`, `soak` and operators read."""
         spec = self.spec
         state = {
-            "url": spec.url, "nats_url": spec.nats_url, "model": spec.model, "home": str(spec.home),
+            "url": spec.url, "nats_url": spec.nats_addr, "model": spec.model, "home": str(spec.home),
+            "nats_credentials": {user: str(self.secrets.password_file(user)) for user in ("admin", "auditor", "supervisor")}
+            if self.secrets else {},
             "shm_root": str(self.shm_root), "profile": spec.profile, "prefill": spec.num_prefill,
             "decode": spec.num_decode, "coupled": spec.coupled, "supervisor_pid": os.getpid(),
             "processes": {p.name: {"kind": p.kind, "node": p.node, "pid": p.popen.pid, "restarts": p.restarts.count,
@@ -167,8 +181,14 @@ class Cluster:
     def start_nats(self) -> None:
         store = self.spec.home / "nats"
         store.mkdir(parents=True, exist_ok=True)
-        args = [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(self.spec.nats_port), "-sd", str(store),
-                "-n", "moonbus-local"]
+        if self.secrets is not None:  # the closed bus: only the cluster's users, each limited to its subjects
+            conf = self.spec.home / "nats.conf"
+            conf.write_text(nats_config(self.secrets, "127.0.0.1", self.spec.nats_port, store, "moonbus-local"))
+            conf.chmod(0o600)
+            args = [nats_server_binary(), "-c", str(conf)]
+        else:
+            args = [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(self.spec.nats_port), "-sd", str(store),
+                    "-n", "moonbus-local"]
         self.spawn("nats", "nats", args)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
@@ -218,9 +238,12 @@ class Cluster:
                          *self.slo_args(), node=node)
 
     def service(self, name: str, kind: str, *args: str, node: str = "") -> None:
-        argv = [sys.executable, "-m", f"services.{kind}", "--nats-url", self.spec.nats_url,
-                "--instance-id", name, "--home", str(self.spec.home), "--log-level", self.spec.log_level, *args,
-                *self.spec.service_args.get(kind, [])]
+        argv = [sys.executable, "-m", f"services.{kind}", "--nats-url", self.spec.nats_addr,
+                "--instance-id", name, "--home", str(self.spec.home), "--log-level", self.spec.log_level, *args]
+        if self.secrets is not None:  # the role's own user, and the cluster secret
+            argv += ["--nats-user", kind, "--nats-password-file", str(self.secrets.password_file(kind)),
+                     "--cluster-secret-file", str(self.secrets.cluster_key)]
+        argv += self.spec.service_args.get(kind, [])
         metrics = ""
         if self.spec.metrics and kind != "gateway":  # the gateway serves /metrics on its API port
             port = free_port()

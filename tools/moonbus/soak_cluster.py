@@ -59,6 +59,7 @@ class ClusterState:
     coupled: int = 0
     processes: dict[str, ProcInfo] = field(default_factory=dict)  # name -> ProcInfo
     missing: tuple[str, ...] = ()
+    nats_credentials: dict[str, str] = field(default_factory=dict)  # NATS user -> its password file (a closed bus)
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> ClusterState:
@@ -73,7 +74,7 @@ class ClusterState:
         return cls(str(obj.get("url") or ""), str(obj.get("nats_url") or ""), str(obj.get("model") or ""),
                    str(obj.get("home") or ""), str(obj.get("shm_root") or ""), str(obj.get("profile") or ""),
                    int(obj.get("prefill") or 0), int(obj.get("decode") or 0), int(obj.get("coupled") or 0), procs,
-                   tuple(k for k in wanted if k not in obj))
+                   tuple(k for k in wanted if k not in obj), dict(obj.get("nats_credentials") or {}))
 
     @property
     def num_prefill(self) -> int:

@@ -21,6 +21,7 @@ import aiohttp
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from common import bus
+from common.config import NatsAuth
 from common.measures import FAILED, RequestResult, summarize
 from common.traces import load_trace, prompt_token_ids, resolve_trace
 from schemas import subjects
@@ -43,6 +44,8 @@ class Soak:
         self.state = sc.read_state(self.state_path) or ClusterState(missing=("the whole file",))
         self.url = (args.url or self.state.url).rstrip("/")
         self.nats_url = args.nats_url or self.state.nats_url
+        admin = self.state.nats_credentials.get("admin", "")  # a closed bus: the operator's own user
+        self.nats_auth = NatsAuth("admin", admin) if admin and not args.nats_url else None
         if not self.url or not self.nats_url:
             raise SoakError(f"no cluster: {self.state_path} is missing or lacks url/nats_url; start `moonbus up` "
                             "or give --url and --nats-url")
@@ -120,7 +123,7 @@ class Soak:
             scalings = sl.scaling_lines(self.trace, len(self.rows), args.tokens_per_block, args.output_scale,
                                         args.max_output, args.max_input, load["time_scale"], load["target_rps"])
             print("moonbus soak: " + "; ".join(scalings), file=self.say, flush=True)
-            nc = await bus.connect(self.nats_url, "moonbus-soak", first_connect_timeout_s=10)
+            nc = await bus.connect(self.nats_url, "moonbus-soak", self.nats_auth, first_connect_timeout_s=10)
             sampler = None
             try:
                 subs = await self.subscribe(nc)

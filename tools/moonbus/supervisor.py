@@ -59,8 +59,9 @@ class Action:
 class SupervisorEvents:
     """Publishes instance events for the supervisor (best effort: never blocks or raises)."""
 
-    def __init__(self, nats_url: str) -> None:
+    def __init__(self, nats_url: str, auth=None) -> None:
         self.nats_url = nats_url
+        self.auth = auth  # the supervisor's NATS user (it may only write restart events)
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
         self.publisher = None
@@ -80,7 +81,7 @@ class SupervisorEvents:
         # the supervisor prints its own lines; the client's reconnect chatter would only add noise
         logging.getLogger("common.bus").setLevel(logging.ERROR)
         try:
-            self.nc = await bus.connect(self.nats_url, "supervisor", first_connect_timeout_s=30)
+            self.nc = await bus.connect(self.nats_url, "supervisor", self.auth, first_connect_timeout_s=30)
             self.publisher = bus.EventPublisher(self.nc, "supervisor", "supervisor")
         except ConnectionError as exc:
             log.warning("supervisor events are off: %s", exc)

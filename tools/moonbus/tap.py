@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 import signal
+from pathlib import Path
 
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
@@ -23,17 +24,21 @@ from schemas import subjects
 from schemas.events import TERMINAL_KINDS, Event
 
 
-def default_nats_url() -> str:
+def default_access(home=None):
+    """(NATS URL, credentials): $MOONBUS_NATS_URL, else the local cluster's, as its read-only auditor."""
     if os.environ.get("MOONBUS_NATS_URL"):
-        return os.environ["MOONBUS_NATS_URL"]
-    state = default_home() / "cluster.json"
+        return os.environ["MOONBUS_NATS_URL"], None
+    state = (home or default_home()) / "cluster.json"
     if state.exists():
-        return json.loads(state.read_text())["nats_url"]
-    return "nats://127.0.0.1:4333"
+        from tools.moonbus.security import local_access
+
+        return local_access(json.loads(state.read_text()), "auditor")
+    return "nats://127.0.0.1:4333", None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nats-url", default=None, help="default: $MOONBUS_NATS_URL, else the local cluster's")
+    parser.add_argument("--home", type=Path, default=None, help="the local cluster's state directory (default ./.moonbus)")
     parser.add_argument("--kind", help="only events of this kind (e.g. routed, failed, stored)")
     parser.add_argument("--request-id", help="one request's events, from the start of the stream")
     parser.add_argument("--all", action="store_true", help="replay the stream from its start, then follow")
@@ -61,7 +66,8 @@ def format_event(event: Event) -> str:
 
 
 async def tap(args: argparse.Namespace) -> int:
-    nc = await bus.connect(args.nats_url or default_nats_url(), "moonbus-tap")
+    url, auth = (args.nats_url, None) if args.nats_url else default_access(args.home)
+    nc = await bus.connect(url, "moonbus-tap", auth)
     js = nc.jetstream()
     deliver = DeliverPolicy.ALL if (args.all or args.request_id) else DeliverPolicy.NEW
     sub = await js.subscribe(filter_subject(args), ordered_consumer=True, config=ConsumerConfig(deliver_policy=deliver))
@@ -77,7 +83,11 @@ async def tap(args: argparse.Namespace) -> int:
                 if args.timeout:
                     break
                 continue
-            event = Event.from_bytes(msg.data)
+            try:
+                event = Event.from_bytes(msg.data)
+            except ValueError as exc:  # someone published something else on an events subject
+                print(f"(malformed event on {msg.subject}: {exc})", flush=True)
+                continue
             print(msg.data.decode() if args.json else format_event(event), flush=True)
             if args.until_terminal and event.kind in TERMINAL_KINDS:
                 break

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from common import models, profiles
-from common.config import default_home
+from common.config import NatsAuth, default_home
 from tools.moonbus.cluster import Cluster, ClusterError, ClusterSpec
 from tools.moonbus.supervisor import Action, RestartPolicy, SupervisorEvents
 
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     workers = f"{args.coupled} coupled" if args.coupled else f"{args.prefill} prefill + {args.decode} decode"
-    print(f"starting NATS on {spec.nats_url} and {workers} instances ...", flush=True)
+    print(f"starting NATS on {spec.nats_addr} and {workers} instances ...", flush=True)
     try:
         cluster.start()
     except ClusterError as exc:
@@ -103,7 +103,10 @@ def run(args: argparse.Namespace) -> int:
 
 def supervise(cluster: Cluster, stopping, policy: RestartPolicy = RestartPolicy()) -> None:
     """Restart what exits until Ctrl-C/SIGTERM; say what happened, as text and as events."""
-    events = SupervisorEvents(cluster.spec.nats_url)
+    auth = None
+    if cluster.secrets is not None:
+        auth = NatsAuth("supervisor", str(cluster.secrets.password_file("supervisor")))
+    events = SupervisorEvents(cluster.spec.nats_addr, auth)
     try:
         while not stopping():
             for action in cluster.supervise(time.monotonic(), policy):
@@ -140,7 +143,7 @@ def print_ready(spec: ClusterSpec, model: str, cluster: Cluster) -> None:
 moonbus is ready: {spec.url}   (model {model})
   processes: {', '.join(cluster.procs)}
   logs:      {cluster.log_dir}
-  events:    moonbus tap --nats-url {spec.nats_url}
+  events:    moonbus tap --home {spec.home}   (as the read-only auditor)
 
 try:
   curl {spec.url}/v1/chat/completions -H 'Content-Type: application/json' \\

@@ -1,0 +1,151 @@
+"""A cluster's secrets and its closed bus: one NATS user per role, each limited to its subjects.
+
+`ClusterSecrets.create(dir)` makes, once per cluster (0600 files under `<home>/secrets`):
+  cluster.key          the cluster secret (point-to-point links, the audit chain)
+  nats-<role>.pw       a random password per NATS user
+and `nats_config(...)` writes the nats-server configuration that admits exactly those users,
+each with the permissions its role needs (ROLES below). Who may do what on the bus:
+
+  gateway      route, status, cancel, probe; reads its tokens; writes the events it owns
+               (received, first_token, migrated and the terminal ones). No heartbeats, no KV events.
+  conductor    reads heartbeats, progress, cancels, route requests; dispatches prefill tasks;
+               answers status; asks the index; creates the events stream; writes routed events
+  cache_index  reads KV events and heartbeats; answers queries; asks messengers for snapshots
+  messenger    the only role that writes KV events; answers its node's pool ops
+  prefill      reads its tasks, cancels, probes; sends tokens, progress, decode tasks, pool ops
+  decode       reads its tasks, cancels, probes; sends tokens, progress, pool ops
+  supervisor   writes restart events
+  auditor      reads the events stream (JetStream consumers), live or from its start; writes nothing
+  admin        everything (operators' tools and tests)
+Workers cannot write terminal events; nobody but a messenger writes a KV event; only the
+gateway reads tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.security import new_secret_file
+
+_SERVICE = {"subscribe": ["_INBOX.>"], "allow_responses": True}
+_HEARTBEAT = "moonbus.workers.heartbeat"
+_STARTED = "moonbus.events.instance.started.*"
+
+
+def _events(*kinds: str) -> list[str]:
+    return [f"moonbus.events.request.{kind}.*" for kind in kinds]
+
+
+# role -> (publish, subscribe): every service role also subscribes to _INBOX.> and answers requests
+ROLES: dict[str, tuple[list[str], list[str]]] = {
+    "gateway": (
+        ["moonbus.conductor.route", "moonbus.conductor.status", "moonbus.requests.cancel", "moonbus.workers.*.probe",
+         "moonbus.messenger.*.status",
+         *_events("received", "first_token", "migrated", "completed", "failed", "rejected", "cancelled")],
+        ["moonbus.tokens.*", *_events("prefilled", "kv_pulled", "routed")],
+    ),
+    "conductor": (
+        ["moonbus.prefill.*.tasks", "moonbus.tokens.*", "moonbus.control.refused.*", "moonbus.index.query",
+         *_events("routed", "pipelined"), "moonbus.events.instance.*.*",
+         "$JS.API.INFO", "$JS.API.STREAM.CREATE.MOONBUS_EVENTS", "$JS.API.STREAM.INFO.MOONBUS_EVENTS"],
+        [_HEARTBEAT, "moonbus.conductor.route", "moonbus.conductor.status", "moonbus.control.progress.*",
+         "moonbus.requests.cancel"],
+    ),
+    "cache_index": (
+        [_HEARTBEAT, "moonbus.messenger.*.snapshot", "moonbus.events.instance.resynced.*"],
+        ["moonbus.events.kv.>", _HEARTBEAT, "moonbus.index.query", "moonbus.index.dump"],
+    ),
+    "messenger": (
+        [_HEARTBEAT, "moonbus.events.kv.>", _STARTED],
+        [_HEARTBEAT, "moonbus.messenger.*.*", "moonbus.control.refused.*"],
+    ),
+    "prefill": (
+        [_HEARTBEAT, "moonbus.tokens.*", "moonbus.decode.*.tasks", "moonbus.messenger.*.lookup",
+         "moonbus.messenger.*.reserve", "moonbus.messenger.*.commit", "moonbus.messenger.*.release",
+         "moonbus.messenger.*.pull", "moonbus.messenger.*.send", "moonbus.control.progress.*",
+         *_events("prefilled", "kv_pulled", "kv_transferred", "prefill_stage"), _STARTED],
+        ["moonbus.prefill.*.tasks", "moonbus.requests.cancel", "moonbus.workers.*.probe", _HEARTBEAT,
+         "moonbus.control.refused.*"],
+    ),
+    "decode": (
+        [_HEARTBEAT, "moonbus.tokens.*", "moonbus.messenger.*.reserve", "moonbus.messenger.*.commit",
+         "moonbus.messenger.*.release", "moonbus.control.progress.*", *_events("decode_finished", "rejected_late"),
+         _STARTED],
+        ["moonbus.decode.*.tasks", "moonbus.requests.cancel", "moonbus.workers.*.probe", _HEARTBEAT,
+         "moonbus.control.refused.*"],
+    ),
+    "supervisor": (["moonbus.events.instance.restarted.*", "moonbus.events.instance.crash_loop.*"], []),
+    "auditor": (
+        ["$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.INFO.MOONBUS_EVENTS", "$JS.API.STREAM.MSG.GET.MOONBUS_EVENTS",
+         "$JS.API.CONSUMER.CREATE.MOONBUS_EVENTS", "$JS.API.CONSUMER.CREATE.MOONBUS_EVENTS.>",
+         "$JS.API.CONSUMER.INFO.MOONBUS_EVENTS.>", "$JS.API.CONSUMER.DELETE.MOONBUS_EVENTS.>",
+         "$JS.API.CONSUMER.MSG.NEXT.MOONBUS_EVENTS.>", "$JS.FC.MOONBUS_EVENTS.>", "$JS.ACK.MOONBUS_EVENTS.>"],
+        ["moonbus.events.>"],
+    ),
+}
+# a coupled instance is a prefill and a decode instance in one process
+ROLES["coupled"] = tuple(sorted(set(ROLES["prefill"][i]) | set(ROLES["decode"][i])) for i in range(2))  # type: ignore[assignment]
+SERVICE_ROLES = ("gateway", "conductor", "cache_index", "messenger", "prefill", "decode", "coupled")
+ALL_USERS = (*ROLES, "admin")
+
+
+@dataclass(frozen=True)
+class ClusterSecrets:
+    directory: Path
+
+    @classmethod
+    def create(cls, directory: Path) -> "ClusterSecrets":
+        """The cluster's secrets, made once and kept (a restarted process finds them again)."""
+        directory.mkdir(parents=True, exist_ok=True)
+        directory.chmod(0o700)
+        secrets = cls(directory)
+        for path in [secrets.cluster_key] + [secrets.password_file(user) for user in ALL_USERS]:
+            if not path.exists():
+                new_secret_file(path, 24)
+        return secrets
+
+    @property
+    def cluster_key(self) -> Path:
+        return self.directory / "cluster.key"
+
+    def password_file(self, user: str) -> Path:
+        return self.directory / f"nats-{user}.pw"
+
+    def password(self, user: str) -> str:
+        return self.password_file(user).read_text().strip()
+
+    def url(self, address: str, user: str) -> str:
+        """nats://user:password@host:port, for a tool run by an operator (never logged)."""
+        scheme, rest = address.split("://", 1)
+        return f"{scheme}://{user}:{self.password(user)}@{rest}"
+
+
+def nats_config(secrets: ClusterSecrets, host: str, port: int, store_dir: Path, name: str) -> str:
+    """The nats-server configuration: JetStream on, and only the cluster's users, each limited."""
+    users = []
+    for user in ALL_USERS:
+        entry: dict = {"user": user, "password": secrets.password(user)}
+        if user != "admin":
+            publish, subscribe = ROLES[user]
+            permissions: dict = {"publish": {"allow": list(publish)}, "subscribe": {"allow": list(subscribe)}}
+            if user in SERVICE_ROLES or user == "auditor":
+                permissions["subscribe"]["allow"] = sorted(set(subscribe) | set(_SERVICE["subscribe"]))
+            if user in SERVICE_ROLES:
+                permissions["allow_responses"] = True
+            entry["permissions"] = permissions
+        users.append(entry)
+    # JSON is valid nats-server configuration syntax
+    config = {"server_name": name, "host": host, "port": port,
+              "jetstream": {"store_dir": str(store_dir)}, "authorization": {"users": users}}
+    return json.dumps(config, indent=1)
+
+
+def local_access(state: dict, user: str):
+    """(NATS address, NatsAuth) for an operator's tool on the machine of a local cluster, from its
+    cluster.json: `moonbus tap` connects as the read-only auditor, `moonbus soak` as admin."""
+    from common.config import NatsAuth
+
+    password_file = state.get("nats_credentials", {}).get(user, "")
+    return state["nats_url"], NatsAuth(user, password_file) if password_file else None
