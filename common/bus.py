@@ -10,7 +10,9 @@ it is logged.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import secrets
 import time
 import weakref
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
@@ -22,6 +24,7 @@ from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 from nats.js.api import StorageType, StreamConfig
 from nats.js.errors import BadRequestError
 
+from common.audit import Chain
 from schemas import subjects
 from schemas.events import Event
 
@@ -183,12 +186,20 @@ async def ensure_events_stream(nc: Client, max_age_s: float = 24 * 3600) -> None
 
 
 class EventPublisher:
-    """Publishes audit events for one service instance (fire and forget, captured by JetStream)."""
+    """Publishes audit events for one service instance (fire and forget, captured by JetStream).
 
-    def __init__(self, nc: Client, service: str, instance_id: str) -> None:
+    With the cluster secret, every event is numbered and sealed into this publisher's chain
+    (common/audit.py); a new publisher (a restarted process) starts a new chain.
+    """
+
+    def __init__(self, nc: Client, service: str, instance_id: str, secret: bytes | None = None,
+                 incarnation: str = "") -> None:
         self._nc = nc
         self._service = service
         self._instance_id = instance_id
+        self._chain = None
+        if secret is not None:
+            self._chain = Chain(secret, f"{service}/{instance_id}/{incarnation or secrets.token_hex(6)}")
 
     # NOTE: positional-only, so that the data may itself carry a "kind" (e.g. a process's kind)
     async def request(self, kind: str, request_id: str, /, **data: Any) -> None:
@@ -203,8 +214,16 @@ class EventPublisher:
     async def _publish(self, subject: str, kind: str, request_id: str, data: dict[str, Any]) -> None:
         event = Event(kind, time.time(), self._service, self._instance_id, request_id, data)
         try:
-            await self._nc.publish(subject, event.to_bytes())
+            if self._chain is None:
+                payload = event.to_bytes()
+            else:
+                # NOTE: nothing awaits between sealing and nc.publish queueing the bytes, so the
+                # order of seals is the order on the wire and in the stream
+                fields = {f.name: getattr(event, f.name) for f in dataclasses.fields(event)}
+                payload = self._chain.seal(subject, fields)
+            await self._nc.publish(subject, payload)
         except Exception:  # the audit log must never take a request down
+            # a sealed event that is lost shows as a gap in its chain: that is the truth
             log.exception("could not publish event %s", subject)
 
 

@@ -109,3 +109,13 @@ def check_subject_token(name: str, value: str) -> None:
     """Ids end up inside NATS subjects: no dots, spaces or wildcards."""
     if not value or any(c in value for c in ". *>\t\n"):
         raise ValueError(f"{name} {value!r} must be non-empty with no '.', '*', '>' or spaces")
+
+
+def boolean(text: str) -> bool:
+    """1/true/yes/on or 0/false/no/off (a boolean flag's value or its environment variable)."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")

@@ -123,9 +123,10 @@ class PoolClient:
             parts.append(slab.tensor(ref.slot, self.layout).clone())
         return parts, []
 
-    async def store(self, request_id: str, token_ids: list[int], kv: torch.Tensor) -> int:
-        """Store the full blocks of `token_ids` (whose KV is `kv`) that the node lacks; returns how many."""
-        keys = kvblocks.block_keys(token_ids, self.layout.block_tokens)
+    async def store(self, request_id: str, token_ids: list[int], kv: torch.Tensor, seed: int = 0) -> int:
+        """Store the full blocks of `token_ids` (whose KV is `kv`) that the node lacks; returns how many.
+        `seed`: the request's key seed (its cache namespace; 0 = the common one)."""
+        keys = kvblocks.block_keys(token_ids, self.layout.block_tokens, seed or kvblocks.DEFAULT_SEED)
         stored = 0
         # NOTE: reserved blocks stay pinned until written, so a prompt longer than the DRAM tier is
         # stored in rounds: each round's blocks, once committed, may be demoted by the next round.

@@ -22,6 +22,7 @@ class DecodeTask(Wire):
     prefill_s: float = 0.0  # what a late rejection wastes
     attempt: int = 0  # see schemas.route.RouteRequest
     num_generated: int = 0  # completion tokens the client had before this attempt's first token
+    key_seed: int = 0  # see schemas.route.RouteRequest
 
     def __post_init__(self) -> None:
         check_token("request_id", self.request_id)

@@ -34,3 +34,9 @@ class Event(Wire):
     instance_id: str
     request_id: str = ""
     data: dict[str, Any] = field(default_factory=dict)
+    # the audit chain (common/audit.py), set when the publisher holds the cluster secret
+    publisher: str = ""  # <service>/<instance_id>/<incarnation>
+    seq: int = 0  # 1, 2, 3, ... per publisher
+    prev: str = ""  # the previous event's digest, hex
+    prev_ts: float = 0.0  # the previous event's ts
+    digest: str = ""  # HMAC-SHA256 keyed with the cluster secret, hex

@@ -53,6 +53,7 @@ class PrefillTask(Wire):
     attempt: int = 0  # see RouteRequest
     num_generated: int = 0  # completion tokens the client has: the first token sampled here is number num_generated
     predicted_s: float = 0.0  # the conductor's prediction of this task's work (prefill + transfer)
+    key_seed: int = 0  # see schemas.route.RouteRequest
 
     def __post_init__(self) -> None:
         check_token("request_id", self.request_id)

@@ -32,6 +32,7 @@ class RouteRequest(Wire):
     attempt: int = 0  # 0, then +1 per migration or re-dispatch; workers tag every chunk with it
     num_generated: int = 0  # completion tokens already delivered (index and sampling step of the next)
     deadline_ts: float = 0.0  # wall clock after which the gateway stopped waiting: do not dispatch (0 = none)
+    key_seed: int = 0  # seed of the request's block keys: its cache namespace (0 = the common one)
 
     def __post_init__(self) -> None:
         check_token("request_id", self.request_id)

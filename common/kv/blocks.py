@@ -86,6 +86,14 @@ def block_keys(token_ids: Sequence[int], block_tokens: int, seed: int = DEFAULT_
     return keys
 
 
+def namespace_seed(namespace: str) -> int:
+    """The block-key seed of a cache namespace ("" = the common one): different namespaces never
+    share a key, so their requests never share a block (tenant isolation)."""
+    if not namespace:
+        return DEFAULT_SEED
+    return xxhash.xxh3_64_intdigest(b"namespace|" + namespace.encode(), seed=DEFAULT_SEED)
+
+
 def block_keys_from_hash_ids(hash_ids: Sequence[int], seed: int = DEFAULT_SEED) -> list[int]:
     """Chained keys over a trace's per-block hash ids: equal id prefixes give equal key prefixes."""
     keys: list[int] = []

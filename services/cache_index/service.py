@@ -17,7 +17,7 @@ from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from common import bus, health, metrics, runner
+from common import bus, health, metrics, runner, security
 from schemas import subjects
 from schemas.codec import WireError, check_token
 from schemas.events import Event
@@ -51,7 +51,8 @@ class CacheIndexService:
         self.tasks = tasks
         self.index = PrefixIndex()
         self.metrics = IndexMetrics(self.index)
-        self.events = bus.EventPublisher(nc, "cache_index", cfg.instance_id)
+        self.events = bus.EventPublisher(nc, "cache_index", cfg.instance_id,
+                                          secret=security.read_secret(cfg.cluster_secret_file))
         self.epochs: dict[str, str] = {}  # node -> epoch of the events we applied
         self.last_seen: dict[str, float] = {}  # node -> monotonic time of its messenger's last heartbeat
         self.syncing: dict[str, list[KvEvent]] = {}  # node -> events held back while its resync is in flight

@@ -53,7 +53,7 @@ def load(argv: list[str] | None = None) -> ConductorConfig:
     common.flag(parser, "--kvcache-balancing-threshold", "MOONBUS_KVCACHE_BALANCING_THRESHOLD", 1.25, float,
                 help="pull a remote prefix only if it is this many times longer than the local one")
     common.flag(parser, "--link-bandwidth", "MOONBUS_LINK_BANDWIDTH", 1.0e9, float, help="bytes/s between nodes", dest="link_bytes_s")
-    common.flag(parser, "--colocate", "MOONBUS_COLOCATE", False, _boolean,
+    common.flag(parser, "--colocate", "MOONBUS_COLOCATE", False, common.boolean,
                 help="decode each request on its prefill instance's node (coupled instances)", nargs="?", const=True)
     common.flag(parser, "--admission", "MOONBUS_ADMISSION", "predictive", help=", ".join(MODES))
     common.flag(parser, "--ttft-slo", "MOONBUS_TTFT_SLO", 30.0, float, help="seconds")
@@ -72,13 +72,3 @@ def load(argv: list[str] | None = None) -> ConductorConfig:
     admission = AdmissionSettings(mode=args.admission, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
                                   t_d_s=args.decode_time)
     return common.build(ConductorConfig, args, home=Path(args.home), admission=admission)
-
-
-def _boolean(text: str) -> bool:
-    """1/true/yes/on or 0/false/no/off (the flag's value or $MOONBUS_COLOCATE)."""
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")

@@ -29,8 +29,8 @@ from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from common import bus, health, metrics, models, profiles, runner, worker
-from common.kv.blocks import block_keys
+from common import bus, health, metrics, models, profiles, runner, security, worker
+from common.kv.blocks import DEFAULT_SEED, block_keys
 from common.perf import Profile
 from schemas import subjects
 from schemas.codec import WireError
@@ -72,7 +72,8 @@ class ConductorService:
         self.cfg = cfg
         self.nc = nc
         self.perf = perf
-        self.events = bus.EventPublisher(nc, "conductor", cfg.instance_id)
+        self.events = bus.EventPublisher(nc, "conductor", cfg.instance_id,
+                                          secret=security.read_secret(cfg.cluster_secret_file))
         self.state = ClusterState(cfg.heartbeat_timeout_s, cfg.lease_s, layout)
         self.metrics = ConductorMetrics()
         self.refused: set[str] = set()  # instance ids told so, not to repeat it every heartbeat
@@ -151,7 +152,7 @@ class ConductorService:
             self.metrics.decisions.labels("expired").inc()
             return RouteReply(False, 503, "the route request expired before it was served", retry_after_s=1.0)
         # the blocks a prefill instance could reuse: all full blocks but the prompt's last token
-        keys = block_keys(ids[:-1], self.cfg.block_tokens)
+        keys = block_keys(ids[:-1], self.cfg.block_tokens, request.key_seed or DEFAULT_SEED)
         holders = await self.prefix_holders(rid, keys)
         now = time.monotonic()
         decide_started = time.perf_counter()
@@ -183,7 +184,8 @@ class ConductorService:
         task = PrefillTask(rid, ids, request.sampling, request.reply_subject, decision.decode_id,
                            decision.decode_node, request.arrival_ts,
                            PullSpec(pull.source_node, pull.first_block, pull.num_blocks) if pull else None,
-                           attempt=request.attempt, num_generated=request.num_generated, predicted_s=round(work, 6))
+                           attempt=request.attempt, num_generated=request.num_generated, predicted_s=round(work, 6),
+                           key_seed=request.key_seed)
         spec = self.pipeline_spec(decision, snapshot, len(ids))
         self.state.route(Routed(
             rid, tuple(spec.stages) if spec else (decision.prefill_id,), decision.decode_id, request.reply_subject,

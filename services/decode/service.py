@@ -33,7 +33,7 @@ from nats.aio.msg import Msg
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from common import bus, health, kvfiles, metrics, models, profiles, runner, worker
+from common import bus, health, kvfiles, metrics, models, profiles, runner, security, worker
 from common.pool_client import PoolClient, PoolUnavailable
 from schemas import subjects
 from schemas.codec import WireError
@@ -91,7 +91,8 @@ class DecodeService:
         self.layout = layout  # KvLayout of the model
         self.model_name = cfg.model
         self.cluster_layout: Layout | None = None  # set at start: what the conductors check
-        self.events = bus.EventPublisher(nc, "decode", cfg.instance_id)
+        self.events = bus.EventPublisher(nc, "decode", cfg.instance_id, incarnation=self.incarnation,
+                                          secret=security.read_secret(cfg.cluster_secret_file))
         self.pool = PoolClient(nc, cfg.node, layout, f"{cfg.instance_id}:{self.incarnation}")
         self.arrived: asyncio.Queue[DecodeTask] = asyncio.Queue()
         self.waiting: collections.deque[DecodeTask] = collections.deque()  # passed the TBT check, no KV room yet
@@ -312,7 +313,7 @@ class DecodeService:
         # the KV covers every token but the last one sampled (it was never fed back)
         tokens = seq.task.prompt_token_ids + seq.generated[:-1]
         try:
-            await self.pool.store(seq.request_id, tokens, kv)
+            await self.pool.store(seq.request_id, tokens, kv, seq.task.key_seed)
         except PoolUnavailable as exc:
             log.warning("request %s: KV not stored: %s", seq.request_id, exc)
 

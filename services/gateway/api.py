@@ -70,7 +70,7 @@ class Api:
         self.dashboard = Dashboard(gateway)  # GET /dashboard: the live status page and its collectors
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[errors_middleware], client_max_size=64 * 1024**2)
+        app = web.Application(middlewares=[errors_middleware], client_max_size=self.gateway.cfg.max_body_bytes)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -88,13 +88,23 @@ class Api:
 
     async def generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         try:
-            body = orjson.loads(await request.read())
+            tenant = self.gateway.authenticate(request.headers.get("Authorization"))
+            raw = await request.read()
+        except ApiError as err:
+            self.metrics.requests.labels(kind, str(err.status)).inc()
+            raise
+        except web.HTTPRequestEntityTooLarge:
+            self.metrics.requests.labels(kind, "413").inc()
+            raise ApiError(413, f"the request body is larger than {self.gateway.cfg.max_body_bytes} bytes",
+                           code="request_too_large")
+        try:
+            body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
             self.metrics.requests.labels(kind, "400").inc()
             raise ApiError(400, f"the request body is not valid JSON: {exc}")
         try:
             req = protocol.parse(body, kind, self.gateway.served_model)
-            gen = await self.gateway.start(req)
+            gen = await self.gateway.start(req, tenant)
         except ApiError as err:
             self.metrics.requests.labels(kind, str(err.status)).inc()
             if err.status == 429:
@@ -184,6 +194,7 @@ class Api:
             self.metrics.ttft.observe(gen.ttft_s)
 
     async def models(self, request: web.Request) -> web.Response:
+        self.gateway.authenticate(request.headers.get("Authorization"))
         return json_response(protocol.models_list(self.gateway.served_model))
 
     async def health(self, request: web.Request) -> web.Response:

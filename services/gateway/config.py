@@ -31,6 +31,8 @@ class GatewayConfig:
     migration_timeout_s: float  # how long a resumption waits for an instance to take it
     probe_after_s: float  # a request quiet this long asks its instances whether they still hold it
     max_inflight: int  # requests this gateway holds at once; beyond, 429 (a backstop to admission)
+    api_keys: str  # the key file (services/gateway/tenants.py); "" = open: no key needed
+    max_body_bytes: int  # a bigger request body is answered 413
 
     def __post_init__(self) -> None:
         common.check_subject_token("instance id", self.instance_id)
@@ -40,6 +42,8 @@ class GatewayConfig:
             raise ValueError("timeouts must be > 0")
         if self.max_migrations < 0 or self.prefill_retries < 0 or min(self.migration_timeout_s, self.probe_after_s) <= 0:
             raise ValueError("migration limits must be >= 0 and the migration timeout > 0")
+        if self.max_body_bytes < 1024:
+            raise ValueError("max body bytes must be >= 1024")
         if self.max_inflight < 1:
             raise ValueError("max in-flight must be >= 1")
         if self.default_chat_max_tokens < 1:
@@ -63,6 +67,9 @@ def load(argv: list[str] | None = None) -> GatewayConfig:
                 help="seconds a resumed request waits for an instance to take it")
     common.flag(parser, "--probe-after", "MOONBUS_PROBE_AFTER", 5.0, float, dest="probe_after_s",
                 help="seconds without progress after which a request checks that an instance still holds it")
+    common.flag(parser, "--api-keys", "MOONBUS_API_KEYS_FILE", "",
+                help="file of hashed API keys and their tenants (moonbus keys); '' = open, no key needed")
+    common.flag(parser, "--max-body-bytes", "MOONBUS_MAX_BODY_BYTES", 4 << 20, int, help="larger bodies get 413")
     common.flag(parser, "--max-inflight", "MOONBUS_MAX_INFLIGHT", 256, int,
                 help="requests this gateway holds at once; more are answered 429 with Retry-After")
     args = parser.parse_args(argv)

@@ -215,6 +215,8 @@ class Dashboard:
                             headers={"Cache-Control": "no-cache"})
 
     async def state(self, request: web.Request) -> web.Response:
+        """The JSON the page polls; with API keys configured it takes one (the page asks for it)."""
+        self.gateway.authenticate(request.headers.get("Authorization"))
         view = await self.cache.get()
         now = time.time()
         body = {"now": now, "gateway": self.gateway.cfg.instance_id, "model": self.gateway.served_model, **view,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.gateway.protocol import MAX_STOP_SEQUENCES
+from services.gateway.protocol import MAX_CACHE_SALT_CHARS, MAX_STOP_CHARS, MAX_STOP_SEQUENCES
 from services.gateway.service import COMPLETION_DEFAULT_MAX_TOKENS
 
 # NOTE: the gateway parses JSON with orjson, which reads integers in [-2**63, 2**64) and turns any
@@ -70,7 +70,10 @@ def document(served_model: str, max_context: int, vocab_size: int, default_chat_
             "/dashboard/state": {"get": _get_operation("dashboardState", "What the status page shows, now.",
                                                        _json(_dashboard_state()))},
         },
-        "components": {"schemas": components},
+        "components": {"schemas": components, "securitySchemes": {"apiKey": {
+            "type": "http", "scheme": "bearer",
+            "description": "A key from `moonbus keys add` (only when the gateway runs with --api-keys)."}}},
+        "security": [{"apiKey": []}, {}],  # {}: an open gateway takes requests without a key
     }
 
 
@@ -110,7 +113,7 @@ def _chat_request(model: str, max_new: int, default_max_tokens: int) -> Schema:
 
 def _request(model: str, required: list[str], props: Schema) -> Schema:
     """The fields both generation endpoints share, plus `props`. null means 'not set' for each optional field."""
-    stop_text = {"type": "string", "minLength": 1}
+    stop_text = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
     shared = {
         "model": {"type": "string", "enum": [model]},
         "n": _nullable({"type": "integer", "enum": [1]}),
@@ -127,6 +130,9 @@ def _request(model: str, required: list[str], props: Schema) -> Schema:
                                  "description": "Extension (as in vLLM): generate max_tokens even past EOS."}),
         "return_token_ids": _nullable({"type": "boolean", "default": False,
                                        "description": "Extension (as in vLLM): also return the completion's token ids."}),
+        "cache_salt": _nullable({"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT_CHARS,
+                                 "description": "Extension (as in vLLM): a cache namespace shared by whoever sends "
+                                                "the same salt; without it, a tenant's cache is its own."}),
     }
     return {"type": "object", "required": required, "properties": shared | props}
 
@@ -241,7 +247,10 @@ def _errors() -> Schema:
     return {
         "400": {"description": "Bad input: malformed JSON, a missing or wrong-typed field, an unknown model, "
                                "an empty prompt, or a prompt or max_tokens beyond the context.", "content": error},
-        "429": {"description": "Admission rejected the request.", "headers": retry, "content": error},
+        "401": {"description": "No valid API key (when the cluster takes keys).", "content": error},
+        "413": {"description": "The body is larger than the gateway's limit.", "content": error},
+        "429": {"description": "Admission rejected the request, or its tenant is over a limit (requests in flight, "
+                               "tokens per minute).", "headers": retry, "content": error},
         "503": {"description": "No instance is available.", "headers": retry, "content": error},
         "504": {"description": "The request made no progress for the stall timeout.", "content": error},
         "default": {"description": "Any other failure (404, 405, 413, ...), in the same shape.", "content": error},

@@ -13,6 +13,8 @@ from typing import Any
 from schemas.route import SamplingParams
 
 MAX_STOP_SEQUENCES = 4
+MAX_STOP_CHARS = 256  # each stop string
+MAX_CACHE_SALT_CHARS = 256
 
 
 class ApiError(Exception):
@@ -60,6 +62,7 @@ class GenerateRequest:
     include_usage: bool = False
     ignore_eos: bool = False  # extension (as in vLLM): generate max_tokens even past EOS
     return_token_ids: bool = False  # extension (as in vLLM): also return the completion's token ids
+    cache_salt: str | None = None  # extension (as in vLLM): a cache namespace shared by whoever sends it
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_p, max_tokens, self.seed, self.ignore_eos)
@@ -106,7 +109,15 @@ def parse(body: Any, kind: str, served_model: str) -> GenerateRequest:
         include_usage=bool(stream_options.get("include_usage", False)),
         ignore_eos=_get(body, "ignore_eos", bool, default=False),
         return_token_ids=_get(body, "return_token_ids", bool, default=False),
+        cache_salt=_parse_cache_salt(body),
     )
+
+
+def _parse_cache_salt(body: dict[str, Any]) -> str | None:
+    salt = _get(body, "cache_salt", str)
+    if salt is not None and not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise ApiError(400, f"cache_salt must have 1 to {MAX_CACHE_SALT_CHARS} characters", param="cache_salt")
+    return salt
 
 
 def _get(body: dict[str, Any], name: str, kind: type, required: bool = False, default: Any = None) -> Any:
@@ -208,6 +219,8 @@ def _parse_stop(body: dict[str, Any]) -> list[str]:
         raise ApiError(400, "stop must be a non-empty string or an array of non-empty strings", param="stop")
     if len(stop) > MAX_STOP_SEQUENCES:
         raise ApiError(400, f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed", param="stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise ApiError(400, f"a stop sequence may have at most {MAX_STOP_CHARS} characters", param="stop")
     return stop
 
 

@@ -34,7 +34,7 @@ from typing import AsyncIterator
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
-from common import bus, health
+from common import bus, health, security
 from schemas import subjects
 from schemas.codec import WireError
 from schemas.route import RouteReply, RouteRequest
@@ -43,6 +43,7 @@ from schemas.workers import StatusReply
 from services.gateway.config import GatewayConfig
 from services.gateway.detokenize import Detokenizer
 from services.gateway.protocol import ApiError, GenerateRequest
+from services.gateway.tenants import OPEN, KeyBook, Tenant, TenantLimits, cache_seed
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,9 @@ class Generation:
     attempt: int = 0
     migrations: int = 0  # resumptions after the first token
     redispatches: int = 0  # re-dispatches before it
+    tenant: Tenant = field(default_factory=lambda: Tenant(OPEN, shared_cache=True))
+    booking: list | None = None  # what it booked against its tenant's limits
+    key_seed: int = 0  # its cache namespace (tenants.cache_seed)
     prefill_id: str = ""  # where the current attempt was routed
     decode_id: str = ""
     handed_off_unseen: int = 0  # probes in a row where prefill handed it off and decode did not know it
@@ -97,9 +101,14 @@ class Gateway:
         self.served_model = served_model
         self.max_context = max_context
         self.vocab_size = len(tokenizer)
-        self.events = bus.EventPublisher(nc, "gateway", cfg.instance_id)
+        self.events = bus.EventPublisher(nc, "gateway", cfg.instance_id,
+                                          secret=security.read_secret(cfg.cluster_secret_file))
         self.reply_subject = subjects.gateway_tokens(cfg.instance_id)
         self.states: dict[str, RequestState] = {}  # request_id -> RequestState
+        self.keys = KeyBook(cfg.api_keys)
+        self.limits = TenantLimits()
+        # a prompt this many characters long cannot fit the context, whatever the tokenizer does
+        self.max_prompt_chars = 32 * max_context
 
     async def on_tokens(self, msg: Msg) -> None:
         try:
@@ -141,18 +150,37 @@ class Gateway:
                                 f"context of {self.max_context} tokens", param="max_tokens", code="context_length_exceeded")
         return req.max_tokens
 
-    async def start(self, req: GenerateRequest) -> Generation:
+    def authenticate(self, authorization: str | None) -> Tenant:
+        """The caller's tenant, or 401 (in the OpenAI error shape)."""
+        tenant = self.keys.tenant_of(authorization)
+        if tenant is None:
+            raise ApiError(401, "Incorrect API key provided. Send `Authorization: Bearer <key>` with a key of this "
+                                "cluster (moonbus keys).", code="invalid_api_key", type_="invalid_request_error")
+        return tenant
+
+    async def start(self, req: GenerateRequest, tenant: Tenant | None = None) -> Generation:
         """Validate against the model, route, and return the admitted generation (or raise ApiError)."""
+        tenant = tenant or Tenant(OPEN, shared_cache=True)
         arrival = time.time()
+        chars = len(req.prompt) if isinstance(req.prompt, str) else sum(len(m["content"]) for m in req.messages or [])
+        if chars > self.max_prompt_chars:
+            raise ApiError(400, f"the prompt has {chars} characters; this model's context of {self.max_context} tokens "
+                                f"cannot hold it", param="messages" if req.kind == "chat" else "prompt",
+                           code="context_length_exceeded")
         prompt_ids = await asyncio.to_thread(self.tokenize, req)
         if not prompt_ids:
             raise ApiError(400, "the prompt is empty after tokenization", param="prompt")
         max_tokens = self.max_tokens_for(req, len(prompt_ids))
         rid = ("cmpl-" if req.kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
-        gen = Generation(rid, req, prompt_ids, max_tokens, arrival, RequestState())
+        gen = Generation(rid, req, prompt_ids, max_tokens, arrival, RequestState(), tenant=tenant,
+                         key_seed=cache_seed(tenant, req.cache_salt))
         await self.events.request("received", rid, endpoint=req.kind, prompt_tokens=len(prompt_ids),
-                                  max_tokens=max_tokens, stream=req.stream, gateway=self.cfg.instance_id)
-        if len(self.states) >= self.cfg.max_inflight:  # a backstop in front of the conductor's admission
+                                  max_tokens=max_tokens, stream=req.stream, gateway=self.cfg.instance_id,
+                                  tenant=tenant.name)
+        gen.booking, why, retry = self.limits.admit(tenant, len(prompt_ids) + max_tokens, time.monotonic())
+        if gen.booking is None:
+            reply = RouteReply(False, 429, why, retry_after_s=retry)
+        elif len(self.states) >= self.cfg.max_inflight:  # a backstop in front of the conductor's admission
             reply = RouteReply(False, 429, f"this gateway already holds {len(self.states)} requests", retry_after_s=1.0)
         else:
             self.states[rid] = gen.state
@@ -164,6 +192,7 @@ class Gateway:
                 raise
         if not reply.admitted:
             self.states.pop(rid, None)
+            self.release(gen)
             kind = "rejected" if reply.status == 429 else "failed"
             await self.events.request(kind, rid, status=reply.status, reason=reply.reason, stage="arrival")
             err = ApiError(reply.status, reply.reason, retry_after_s=reply.retry_after_s,
@@ -178,7 +207,7 @@ class Gateway:
         request = RouteRequest(gen.request_id, gen.prompt_ids + gen.token_ids,
                                gen.request.sampling(gen.max_tokens - done), self.reply_subject, gen.arrival,
                                attempt=gen.attempt, num_generated=done,
-                               deadline_ts=time.time() + self.cfg.route_timeout_s)
+                               deadline_ts=time.time() + self.cfg.route_timeout_s, key_seed=gen.key_seed)
         try:
             msg = await self.nc.request(subjects.CONDUCTOR_ROUTE, request.to_bytes(), timeout=self.cfg.route_timeout_s)
             reply = RouteReply.from_bytes(msg.data)
@@ -315,6 +344,7 @@ class Gateway:
             return
         gen.ended = True
         self.states.pop(gen.request_id, None)
+        self.release(gen)
         if kind != "completed" or gen.finish_reason == "stop":
             # the workers may still be generating (client gone, stop string, failure elsewhere)
             await self.cancel(gen)
@@ -322,6 +352,12 @@ class Gateway:
                                   completion_tokens=gen.completion_tokens, cached_tokens=gen.cached_tokens,
                                   ttft_s=gen.ttft_s, seconds=round(time.time() - gen.arrival, 6),
                                   attempts=gen.attempt + 1, migrations=gen.migrations, **data)
+
+    def release(self, gen: Generation) -> None:
+        """The request no longer counts against its tenant's limits (it used what it used)."""
+        if gen.booking is not None:
+            self.limits.release(gen.tenant, gen.booking, len(gen.prompt_ids) + gen.completion_tokens)
+            gen.booking = None
 
     async def cluster_status(self) -> StatusReply | None:
         try:

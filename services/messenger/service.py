@@ -25,7 +25,7 @@ from nats.aio.msg import Msg
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from common import bus, health, kvfiles, metrics, models, runner, worker
+from common import bus, health, kvfiles, metrics, models, runner, security, worker
 from common.kv import blocks as kvblocks
 from common.kv.pool import capacity_in_blocks
 from schemas import subjects
@@ -42,6 +42,7 @@ from services.messenger.config import MessengerConfig
 from services.messenger.node_pool import NodePool, PoolEvent
 
 log = logging.getLogger(__name__)
+MAX_LINKS = 64  # link connections served at once
 
 
 class MessengerMetrics:
@@ -68,11 +69,14 @@ class MessengerService:
     def __init__(self, cfg: MessengerConfig, nc, tasks: runner.TaskGroup, pool: NodePool, max_kv_tokens: int) -> None:
         self.cfg = cfg
         self.max_kv_tokens = max_kv_tokens  # the model's context: no request's KV is longer
+        self.secret = security.read_secret(cfg.cluster_secret_file)  # peers on the link must prove they hold it
+        self.links = asyncio.Semaphore(MAX_LINKS)
         self.layout = Layout(cfg.model, cfg.block_tokens, 0, pool.layout.signature)  # what the cluster checks
         self.nc = nc
         self.tasks = tasks
         self.pool = pool
-        self.events = bus.EventPublisher(nc, "messenger", cfg.instance_id)
+        self.events = bus.EventPublisher(nc, "messenger", cfg.instance_id,
+                                          secret=security.read_secret(cfg.cluster_secret_file))
         self.metrics = MessengerMetrics(pool)
         self.outbox: asyncio.Queue[PoolEvent] = asyncio.Queue()  # KV events, published in seq order
         self.transfer_addr = ""
@@ -223,6 +227,7 @@ class MessengerService:
         host, port = addr.rsplit(":", 1)
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), self.cfg.connect_timeout_s)
         try:
+            await link.client_handshake(reader, writer, self.secret)
             await link.write_frame(writer, request, op=link.OP_FETCH)
             reply = await link.read_header(reader, FetchReply)
             if reply.error:
@@ -254,6 +259,7 @@ class MessengerService:
         host, port = addr.rsplit(":", 1)
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), self.cfg.connect_timeout_s)
         try:
+            await link.client_handshake(reader, writer, self.secret)
             await link.write_frame(writer, TransferHeader(request.request_id, request.src, len(payload),
                                                           request.dest_instance), payload, op=link.OP_TRANSFER)
             ack = await link.read_header(reader, TransferAck)
@@ -281,7 +287,17 @@ class MessengerService:
 
     # --- the link (TCP server side) -------------------------------------------------------
     async def on_link(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        if self.links.locked():  # at the limit: refuse rather than queue (a flood must not pile up)
+            log.warning("link from %s refused: %d connections already open", peer, MAX_LINKS)
+            writer.close()
+            return
+        async with self.links:
+            await self.serve_link(reader, writer, peer)
+
+    async def serve_link(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer) -> None:
         try:
+            await link.server_handshake(reader, writer, self.secret)
             op = await link.read_op(reader)
             if op == link.OP_TRANSFER:
                 await self.serve_transfer(reader, writer)
@@ -289,10 +305,14 @@ class MessengerService:
                 await self.serve_fetch(reader, writer)
             else:
                 log.warning("link from %s: unknown op %r", writer.get_extra_info("peername"), op)
+        except link.LinkRefused as exc:
+            log.warning("link from %s refused: %s", peer, exc)
+            await self.events.instance("link_refused", self.cfg.instance_id, node=self.cfg.node, peer=str(peer),
+                                       reason=str(exc))
         except (link.LinkError, ValueError, OSError) as exc:  # a broken peer or a malformed frame
-            log.warning("link from %s broke: %s", writer.get_extra_info("peername"), exc)
+            log.warning("link from %s broke: %s", peer, exc)
         except Exception:
-            log.exception("link from %s failed", writer.get_extra_info("peername"))
+            log.exception("link from %s failed", peer)
         finally:
             writer.close()
 

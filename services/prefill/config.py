@@ -31,6 +31,7 @@ class PrefillConfig:
     transfer_timeout_s: float
     stream_host: str  # where this instance listens for pipeline stages' KV slices
     advertise_host: str  # how other instances reach that listener ("" = stream_host)
+    pipeline_listener: bool  # listen for pipeline stages' KV (only when the conductor pipelines)
 
     def __post_init__(self) -> None:
         common.check_subject_token("instance id", self.instance_id)
@@ -64,6 +65,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     common.flag(parser, "--transfer-timeout", "MOONBUS_TRANSFER_TIMEOUT", 60.0, float, help="seconds for one KV transfer", dest="transfer_timeout_s")
     common.flag(parser, "--stream-host", "MOONBUS_STREAM_HOST", "127.0.0.1", help="bind address for pipeline KV streams")
     common.flag(parser, "--advertise-host", "MOONBUS_ADVERTISE_HOST", "", help="host other instances connect to")
+    common.flag(parser, "--pipeline-listener", "MOONBUS_PIPELINE_LISTENER", False, common.boolean, nargs="?", const=True,
+                help="listen for pipeline stages' KV slices (needed when the conductor's --pipeline-group >= 2)")
 
 
 def from_args(args: argparse.Namespace) -> PrefillConfig:

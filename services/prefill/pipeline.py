@@ -34,12 +34,25 @@ _LEN = struct.Struct(">I")
 
 
 class SliceReceiver:
-    """The TCP listener of one prefill instance: peer stages' slices -> per-request assemblies."""
+    """The TCP listener of one prefill instance: peer stages' slices -> per-request assemblies.
 
-    def __init__(self, new_assembly: Callable[[int], KvAssembly]) -> None:
+    Nothing from the network is trusted: a peer proves it holds the cluster secret first
+    (services/messenger/link.py), a slice must belong to a pipelined task this instance holds
+    (`expect`, from the task on the bus: its length comes from there, not from the sender), and its
+    layer and token range must fit that request's KV.
+    """
+
+    WAIT_FOR_TASK_S = 5.0  # a peer stage may start streaming a moment before our task arrives
+
+    def __init__(self, new_assembly: Callable[[int], KvAssembly], secret: bytes | None = None) -> None:
         self.new_assembly = new_assembly  # total tokens -> an empty assembly for this model
+        self.secret = secret
+        self.expected: dict[str, int] = {}  # request_id -> prompt tokens, for pipelined tasks held here
         self.assemblies: dict[str, KvAssembly] = {}  # request_id -> its KV being assembled
         self.held: dict[tuple[str, int], dict[int, torch.Tensor]] = {}  # (request_id, layer) -> start -> slice
+
+    def expect(self, request_id: str, total_tokens: int) -> None:
+        self.expected[request_id] = total_tokens
 
     def assembly(self, request_id: str, total_tokens: int) -> KvAssembly:
         if request_id not in self.assemblies:
@@ -47,25 +60,43 @@ class SliceReceiver:
         return self.assemblies[request_id]
 
     def drop(self, request_id: str) -> None:
+        self.expected.pop(request_id, None)
         self.assemblies.pop(request_id, None)
         for key in [k for k in self.held if k[0] == request_id]:
             del self.held[key]
 
     async def on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
         try:
+            await link.server_handshake(reader, writer, self.secret)
             while True:
                 try:
                     header = await link.read_header(reader, KvSlice)
                 except link.LinkError:
                     return  # the peer finished its stream
-                kv = self.assembly(header.request_id, header.total_tokens)
+                kv = await self.checked_assembly(header)
                 shape = (2, kv.kv.shape[2], header.num_tokens, kv.kv.shape[4])
                 payload = await link.read_payload(reader, 4 * shape[0] * shape[1] * shape[2] * shape[3])
                 self.deliver(header, torch.frombuffer(bytearray(payload), dtype=torch.float32).view(shape))
-        except (link.LinkError, ValueError) as exc:
-            log.warning("pipeline stream from %s broke: %s", writer.get_extra_info("peername"), exc)
+        except (link.LinkError, ValueError) as exc:  # refused, broken, or a slice that does not fit
+            log.warning("pipeline stream from %s refused or broke: %s", peer, exc)
         finally:
             writer.close()
+
+    async def checked_assembly(self, header: KvSlice) -> KvAssembly:
+        waited = 0.0
+        while header.request_id not in self.expected:
+            if waited >= self.WAIT_FOR_TASK_S:
+                raise ValueError(f"request {header.request_id} is not a pipelined task of this instance")
+            await asyncio.sleep(0.05)
+            waited += 0.05
+        total = self.expected[header.request_id]
+        kv = self.assembly(header.request_id, total)
+        if not (0 <= header.layer < kv.kv.shape[0] and header.num_tokens > 0 and 0 <= header.start
+                and header.start + header.num_tokens <= total):
+            raise ValueError(f"slice layer {header.layer} tokens [{header.start}, {header.start + header.num_tokens}) "
+                             f"does not fit request {header.request_id} ({total} tokens)")
+        return kv
 
     def deliver(self, header: KvSlice, kv_slice: torch.Tensor) -> None:
         kv = self.assemblies[header.request_id]
@@ -84,7 +115,8 @@ class PeerSink:
     it) and by the last stage (it hands the whole KV to decode).
     """
 
-    def __init__(self, request_id: str, total_tokens: int, spec: PipelineSpec, stage: int, timeout_s: float) -> None:
+    def __init__(self, request_id: str, total_tokens: int, spec: PipelineSpec, stage: int, timeout_s: float,
+                 secret: bytes | None = None) -> None:
         self.request_id = request_id
         self.total_tokens = total_tokens
         self.chunk_tokens = spec.chunk_tokens
@@ -95,7 +127,13 @@ class PeerSink:
                 continue
             last_chunk = max(i for i in range(num_chunks(total_tokens, spec.chunk_tokens)) if i % num_stages == peer)
             host, port = addr.rsplit(":", 1)
-            self.peers.append((last_chunk, socket.create_connection((host, int(port)), timeout=timeout_s)))
+            sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+            try:
+                link.client_handshake_blocking(sock, secret)
+            except BaseException:
+                sock.close()
+                raise
+            self.peers.append((last_chunk, sock))
 
     def write_layer(self, layer: int, start: int, kv: torch.Tensor) -> None:
         header = KvSlice(self.request_id, layer, start, kv.shape[2], self.total_tokens).to_bytes()

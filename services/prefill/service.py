@@ -29,8 +29,8 @@ from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from common import bus, health, kvfiles, metrics, models, runner, sampling, worker
-from common.kv.blocks import block_keys
+from common import bus, health, kvfiles, metrics, models, runner, sampling, security, worker
+from common.kv.blocks import DEFAULT_SEED, block_keys
 from common.pool_client import PoolClient, PoolUnavailable, Prefix
 from schemas import subjects
 from schemas.codec import WireError
@@ -75,7 +75,8 @@ class PrefillService:
         self.layout = layout
         self.eos_token_id = eos_token_id
         self.incarnation = worker.new_incarnation()
-        self.events = bus.EventPublisher(nc, "prefill", cfg.instance_id)
+        self.events = bus.EventPublisher(nc, "prefill", cfg.instance_id, incarnation=self.incarnation,
+                                          secret=security.read_secret(cfg.cluster_secret_file))
         self.pool = PoolClient(nc, cfg.node, layout, f"{cfg.instance_id}:{self.incarnation}")
         self.block_tokens = layout.block_tokens
         self.queue: asyncio.Queue[PrefillTask] = asyncio.Queue()
@@ -92,7 +93,8 @@ class PrefillService:
         self.draining = False
         self.gone = asyncio.Event()  # heartbeats go on while draining (they say so) and end with leave()
         self.compute_lock = compute_lock or contextlib.nullcontext()
-        self.receiver = pipeline.SliceReceiver(self.engine.new_assembly)
+        self.secret = security.read_secret(cfg.cluster_secret_file)  # for the pipeline's links
+        self.receiver = pipeline.SliceReceiver(self.engine.new_assembly, self.secret)
         self.stream_addr = ""  # host:port of the pipeline KV listener, announced in heartbeats
 
     async def on_task(self, msg: Msg) -> None:
@@ -101,6 +103,8 @@ class PrefillService:
         except WireError as exc:
             log.error("dropping a malformed prefill task: %s", exc)
             return
+        if task.pipeline is not None:
+            self.receiver.expect(task.request_id, len(task.prompt_token_ids))
         await self.queue.put(task)
         await self.progress("accepted", task)
 
@@ -193,7 +197,7 @@ class PrefillService:
             outcome = await self.hand_off(task, first, sink.handle(self.cfg.node), cached, prefill_s)
         else:
             sink.discard()
-        await self.store_prompt(rid, ids, result.kv, prefix.num_blocks)
+        await self.store_prompt(rid, ids, result.kv, prefix.num_blocks, task.key_seed)
         return outcome
 
     async def run_stage(self, task: PrefillTask) -> str | None:
@@ -203,7 +207,8 @@ class PrefillService:
         started = time.perf_counter()
         kv = self.receiver.assembly(rid, len(ids))
         chunks = pipeline.my_chunks(len(ids), spec.chunk_tokens, task.stage, len(spec.stages))
-        sink = await asyncio.to_thread(pipeline.PeerSink, rid, len(ids), spec, task.stage, self.cfg.transfer_timeout_s)
+        sink = await asyncio.to_thread(pipeline.PeerSink, rid, len(ids), spec, task.stage, self.cfg.transfer_timeout_s,
+                                       self.secret)
         streamer = LayerStreamer(sink)
         work = asyncio.ensure_future(asyncio.to_thread(self.compute_stage, ids, chunks, kv, streamer))
         try:
@@ -229,7 +234,7 @@ class PrefillService:
             name = kvfiles.outgoing_name(rid, task.attempt)
             handle = await asyncio.to_thread(kvfiles.write, self.cfg.shm_dir, self.cfg.node, name, full)
             outcome = await self.hand_off(task, first, handle, 0, prefill_s)
-        await self.store_prompt(rid, ids, full, 0)
+        await self.store_prompt(rid, ids, full, 0, task.key_seed)
         return outcome
 
     def compute_stage(self, ids: list[int], chunks: list[tuple[int, int]], kv, streamer) -> torch.Tensor:
@@ -247,7 +252,7 @@ class PrefillService:
         """Pull what the conductor asked for, then load the longest prefix held on this node."""
         rid = task.request_id
         # reusable blocks must leave at least one prompt token to compute (it yields the logits)
-        keys = block_keys(task.prompt_token_ids[:-1], self.block_tokens)
+        keys = block_keys(task.prompt_token_ids[:-1], self.block_tokens, task.key_seed or DEFAULT_SEED)
         try:
             if task.pull is not None and task.pull.num_blocks > 0:
                 spec = task.pull
@@ -277,19 +282,19 @@ class PrefillService:
             bytes=reply.nbytes, seconds=round(reply.seconds, 6), attempt=task.attempt,
         )
         decode = DecodeTask(rid, task.prompt_token_ids, first, task.sampling, task.reply_subject, reply.dest,
-                            task.arrival_ts, cached, prefill_s, task.attempt, task.num_generated)
+                            task.arrival_ts, cached, prefill_s, task.attempt, task.num_generated, task.key_seed)
         if not await bus.publish(self.nc, subjects.decode_tasks(task.decode_id), decode.to_bytes()):
             await self.fail(task, task.num_generated + 1, f"could not hand the request to {task.decode_id}", 503)
             return "failed"
         return "prefilled"
 
-    async def store_prompt(self, rid: str, ids: list[int], kv: torch.Tensor, num_cached: int) -> None:
+    async def store_prompt(self, rid: str, ids: list[int], kv: torch.Tensor, num_cached: int, seed: int) -> None:
         """Keep the prompt's new full blocks in this node's pool, so later requests reuse them.
         Best effort: the request is already answered, so nothing here may fail it."""
         if len(ids) // self.block_tokens <= num_cached:
             return
         try:
-            stored = await self.pool.store(rid, ids, kv)
+            stored = await self.pool.store(rid, ids, kv, seed)
         except Exception as exc:  # PoolUnavailable, a slab that went away with its messenger, ...
             log.warning("request %s: prompt KV not stored: %r", rid, exc)
             return
@@ -356,8 +361,9 @@ class PrefillService:
         """Subscribe, start the work loop and the heartbeats, announce the instance."""
         cfg = self.cfg
         kvfiles.sweep_outgoing(cfg.shm_dir)  # written by a predecessor that died before sending them
-        server = await asyncio.start_server(self.receiver.on_connection, cfg.stream_host, 0, limit=1 << 20)
-        self.stream_addr = f"{self.advertised_host()}:{server.sockets[0].getsockname()[1]}"
+        if cfg.pipeline_listener:  # only a cluster that pipelines long prompts needs the listener open
+            server = await asyncio.start_server(self.receiver.on_connection, cfg.stream_host, 0, limit=1 << 20)
+            self.stream_addr = f"{self.advertised_host()}:{server.sockets[0].getsockname()[1]}"
         await bus.subscribe(self.nc, subjects.prefill_tasks(cfg.instance_id), self.on_task)
         await bus.subscribe(self.nc, subjects.REQUEST_CANCEL, self.cancelled.on_cancel)
         await self.pool.watch_messenger()

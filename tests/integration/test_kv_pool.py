@@ -108,7 +108,7 @@ async def messenger_entries(cluster, node: str) -> dict[int, str]:
 async def run_prefill_task(cluster, task_fields: dict, prefill_id: str) -> list[TokenChunk]:
     """Dispatch a PrefillTask by hand (as the conductor would) and collect its tokens."""
     nc = await bus.connect(cluster.spec.nats_url, "test-dispatch")
-    inbox = nc.new_inbox()
+    inbox = subjects.gateway_tokens("test-dispatch")  # workers may send tokens only where gateways listen
     sub = await nc.subscribe(inbox)
     try:
         task = PrefillTask(reply_subject=inbox, arrival_ts=time.time(), **task_fields)

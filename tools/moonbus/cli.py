@@ -14,7 +14,9 @@ import sys
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("tools.moonbus.up", "start a local cluster (embedded NATS and every service)"),
+    "keys": ("tools.moonbus.keys", "API keys of the cluster, stored hashed (add, list, revoke)"),
     "tap": ("tools.moonbus.tap", "print the event stream live, filtered by kind or request id"),
+    "audit": ("tools.moonbus.audit", "prove the audit log complete and unaltered (verify), or show one request's record"),
     "cachesim": ("tools.moonbus.cachesim", "replay a trace through the KV pool's eviction and index code"),
     "bench": ("tools.moonbus.bench", "side-by-side benchmarks (store, conductor, engine)"),
     "profile": ("tools.moonbus.profile", "measure the model's prefill/decode times and fit the predictors"),

@@ -85,6 +85,7 @@ class ClusterSpec:
     log_level: str = "INFO"
     metrics: bool = True  # each service serves Prometheus metrics on a free port (in cluster.json)
     auth: bool = True  # a closed bus: one NATS user per role (tools/moonbus/security.py), a cluster secret
+    api_keys: str = ""  # the gateways' key file ("" = open: no key needed, one shared cache)
     extra_env: dict[str, str] = field(default_factory=dict)
     service_args: dict[str, list[str]] = field(default_factory=dict)  # service kind -> extra flags
 
@@ -214,7 +215,7 @@ class Cluster:
             self.start_disaggregated(threads)
         for i in range(spec.gateways):
             self.service(replica("gateway", i), "gateway", "--model", spec.model, "--host", spec.host,
-                         "--port", str(spec.port + i))
+                         "--port", str(spec.port + i), *(["--api-keys", spec.api_keys] if spec.api_keys else []))
 
     def start_disaggregated(self, threads: str) -> None:
         spec = self.spec
@@ -222,7 +223,8 @@ class Cluster:
             node = f"node-p{i}"
             self.messenger(f"messenger-p{i}", node)
             self.service(f"prefill-{i}", "prefill", *self.node_args(node), "--threads", threads, *self.model_args(),
-                         "--prefill-chunk", str(spec.prefill_chunk), node=node)
+                         "--prefill-chunk", str(spec.prefill_chunk),
+                         *(["--pipeline-listener"] if spec.pipeline_group >= 2 else []), node=node)
         for i in range(spec.decode):
             node = f"node-d{i}"
             self.messenger(f"messenger-d{i}", node)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from common import models, profiles
 from common.config import NatsAuth, default_home
+from common.security import read_secret
 from tools.moonbus.cluster import Cluster, ClusterError, ClusterSpec
 from tools.moonbus.supervisor import Action, RestartPolicy, SupervisorEvents
 
@@ -30,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-indexes", type=int, default=1, help="cache index replicas")
     parser.add_argument("--gateways", type=int, default=1, help="gateway replicas, on --port, --port + 1, ...")
     parser.add_argument("--host", default="127.0.0.1", help="gateway bind address")
+    parser.add_argument("--api-keys", default="", metavar="FILE",
+                        help="require API keys from this file (moonbus keys add); default: open, for a local start")
     parser.add_argument("--port", type=int, default=8000, help="gateway port")
     parser.add_argument("--nats-port", type=int, default=4333, help="port of the embedded nats-server")
     parser.add_argument("--home", type=Path, default=default_home(), help="state directory (logs, NATS store, model cache)")
@@ -71,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     spec = ClusterSpec(home=home, model=args.model, prefill=args.prefill, decode=args.decode, coupled=args.coupled,
                        conductors=args.conductors, cache_indexes=args.cache_indexes, gateways=args.gateways,
+                       api_keys=str(Path(args.api_keys).resolve()) if args.api_keys else "",
                        host=args.host, port=args.port, nats_port=args.nats_port, threads=args.threads,
                        log_level=args.log_level,
                        policy=args.policy, admission=args.admission, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
@@ -103,10 +107,11 @@ def run(args: argparse.Namespace) -> int:
 
 def supervise(cluster: Cluster, stopping, policy: RestartPolicy = RestartPolicy()) -> None:
     """Restart what exits until Ctrl-C/SIGTERM; say what happened, as text and as events."""
-    auth = None
+    auth, secret = None, None
     if cluster.secrets is not None:
         auth = NatsAuth("supervisor", str(cluster.secrets.password_file("supervisor")))
-    events = SupervisorEvents(cluster.spec.nats_addr, auth)
+        secret = read_secret(cluster.secrets.cluster_key)
+    events = SupervisorEvents(cluster.spec.nats_addr, auth, secret)
     try:
         while not stopping():
             for action in cluster.supervise(time.monotonic(), policy):
@@ -139,14 +144,23 @@ def say(line: str) -> None:
 
 
 def print_ready(spec: ClusterSpec, model: str, cluster: Cluster) -> None:
+    if spec.api_keys:
+        doors = f"API keys required (from {spec.api_keys}; add one with `moonbus keys add --tenant NAME --file ...`)"
+        auth = " -H 'Authorization: Bearer <your key>'"
+    else:
+        doors = ("NO API KEYS: anyone who can reach the port can use it, and all callers share one prefix cache "
+                 "(start with --api-keys FILE to require keys)")
+        auth = ""
     print(f"""
 moonbus is ready: {spec.url}   (model {model})
   processes: {', '.join(cluster.procs)}
   logs:      {cluster.log_dir}
   events:    moonbus tap --home {spec.home}   (as the read-only auditor)
+  doors:     {doors}
+             the bus is closed: per-role NATS users, secrets in {spec.home / "secrets"}
 
 try:
-  curl {spec.url}/v1/chat/completions -H 'Content-Type: application/json' \\
+  curl {spec.url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32}}'
 
 Ctrl-C stops every process.""", flush=True)

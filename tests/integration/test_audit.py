@@ -1,0 +1,130 @@
+"""The tamper-evident audit log on a real cluster: `moonbus audit verify` passes on the stream as the
+services wrote it, then names a forged, a dropped and an edited event (publisher and seq)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+from common import bus
+from common.audit import Stored
+from schemas import subjects
+from schemas.events import Event
+from tests.integration.conftest import collect_request_events, post, start_cluster
+from tools.moonbus.audit import read_stream
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).parents[2]
+
+
+@pytest.fixture(scope="module")
+def audited(tmp_path_factory, tiny_profile):
+    cluster = start_cluster(tmp_path_factory.mktemp("audit"), profile=tiny_profile)
+    yield cluster
+    cluster.stop()
+
+
+def moonbus_audit(cluster, *args: str) -> subprocess.CompletedProcess:
+    """`moonbus audit ...` as an operator runs it: the local cluster's auditor and secret, by --home."""
+    return subprocess.run([sys.executable, "-m", "tools.moonbus.cli", "audit", *args, "--home", str(cluster.spec.home)],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+async def complete(cluster, prompt: str) -> str:
+    status, body, _ = await post(f"{cluster.spec.url}/v1/completions",
+                                 {"model": "tiny-random", "prompt": prompt, "max_tokens": 4, "temperature": 0})
+    assert status == 200, body
+    await collect_request_events(cluster.spec.nats_url, body["id"])  # its terminal event is stored
+    return body["id"]
+
+
+def find(records: list[Stored], kind: str, request_id: str) -> tuple[Stored, dict]:
+    subject = subjects.request_event(kind, request_id)
+    record = next(r for r in records if r.subject == subject)
+    return record, json.loads(record.payload)
+
+
+async def test_audit_verify_names_forged_dropped_and_edited_events(audited):
+    cluster = audited
+    first = await complete(cluster, "Hello there, how are you?")
+    mid = time.time()
+    others = [await complete(cluster, prompt) for prompt in ("Once upon a time", "The quick brown fox")]
+
+    clean = moonbus_audit(cluster, "verify")
+    print(clean.stdout)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    assert "OK: every chain is complete and unaltered" in clean.stdout
+    for service in ("gateway/gateway/", "conductor/conductor/", "prefill/prefill-0/", "decode/decode-0/"):
+        assert service in clean.stdout
+    everything = json.loads(moonbus_audit(cluster, "verify", "--json").stdout)
+    window = moonbus_audit(cluster, "verify", "--since", datetime.datetime.fromtimestamp(mid).isoformat(), "--json")
+    assert window.returncode == 0, window.stdout + window.stderr
+    assert 0 < json.loads(window.stdout)["events"] < everything["events"]  # chains start mid-way: fine
+
+    # tamper, as the admin
+    records = (await read_stream(cluster.spec.nats_url, None, None)).records
+    nc = await bus.connect(cluster.spec.nats_url, "test-tamper")
+    js = nc.jetstream()
+    try:
+        # (1) forged: an event nobody sealed, and a sealed event's altered copy beside it
+        forged = Event("completed", time.time(), "gateway", "gateway", first, {"completion_tokens": 999})
+        forged_ack = await js.publish(subjects.request_event("completed", first), forged.to_bytes())
+        real, body = find(records, "completed", others[0])
+        altered = body | {"data": body["data"] | {"completion_tokens": 0}}  # the digest stays its last member
+        copy_ack = await js.publish(real.subject, orjson.dumps(altered))
+        # (2) dropped: delete the first request's `received` (the gateway published more after it)
+        dropped, dropped_body = find(records, "received", first)
+        await js.delete_msg(subjects.EVENTS_STREAM, dropped.stream_seq)
+        # (3) edited: change a field of its `routed`, delete the original, publish the changed copy
+        routed, routed_body = find(records, "routed", first)
+        msg = await js.get_msg(subjects.EVENTS_STREAM, routed.stream_seq)
+        changed = json.loads(msg.data)
+        changed["data"]["decode"] = "decode-evil"
+        await js.delete_msg(subjects.EVENTS_STREAM, routed.stream_seq)
+        edited_ack = await js.publish(routed.subject, json.dumps(changed).encode())
+    finally:
+        await nc.drain()
+
+    tampered = moonbus_audit(cluster, "verify")
+    print(tampered.stdout)
+    assert tampered.returncode == 1, tampered.stdout + tampered.stderr
+    report = json.loads(moonbus_audit(cluster, "verify", "--json").stdout)
+    named = sorted((p["kind"], p["publisher"], p["seq"], p["stream_seq"]) for p in report["problems"])
+    after_dropped = find(records, "first_token", first)[0].stream_seq  # the gateway's next event
+    # the stream's own seqs show both deletions too (one run when they were neighbours)
+    lo, hi = sorted((dropped.stream_seq, routed.stream_seq))
+    deleted = [("deleted", "", 0, lo)] + ([("deleted", "", 0, hi)] if hi > lo + 1 else [])
+    assert named == sorted([
+        ("forged", "", 0, forged_ack.seq),
+        ("forged", body["publisher"], body["seq"], copy_ack.seq),
+        ("dropped", dropped_body["publisher"], dropped_body["seq"], after_dropped),
+        ("edited", routed_body["publisher"], routed_body["seq"], edited_ack.seq),
+        *deleted,
+    ])
+    for kind, publisher, seq, stream_seq in named:
+        if publisher:
+            assert f"{kind.upper():<10} {publisher} seq {seq}  stream seq {stream_seq}" in tampered.stdout
+    assert f"FORGED     (no publisher)  stream seq {forged_ack.seq}" in tampered.stdout
+
+    record = moonbus_audit(cluster, "request", first)
+    print(record.stdout)
+    assert record.returncode == 1
+    lines = record.stdout.splitlines()
+    assert lines[0].startswith(f"request {first}: ")
+    completed = find(records, "completed", first)[0].stream_seq
+    assert any(line.split()[:2] == ["verified", f"#{completed}"] for line in lines)
+    assert any(line.split()[:2] == ["FORGED", f"#{forged_ack.seq}"] for line in lines)
+    assert any(line.split()[:2] == ["EDITED", f"#{edited_ack.seq}"] for line in lines)
+    assert f"DROPPED    {dropped_body['publisher']} seq {dropped_body['seq']}" in record.stdout
+    assert f"DELETED    (the stream)  stream seq {lo}" in record.stdout
+    assert not any(f"#{dropped.stream_seq} " in line for line in lines)  # it is gone
+    untouched = moonbus_audit(cluster, "request", others[1])
+    assert untouched.returncode == 0, untouched.stdout

@@ -1,0 +1,78 @@
+"""API keys, tenants, their limits and their cache namespaces (services/gateway/tenants.py)."""
+
+import json
+
+import pytest
+
+from common.kv.blocks import DEFAULT_SEED, block_keys
+from common.security import hash_key
+from services.gateway.tenants import KeyBook, KeyFileError, Tenant, TenantLimits, cache_seed, parse_key_file
+
+
+def key_file(tmp_path, *entries):
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"keys": list(entries)}))
+    return path
+
+
+def test_a_key_names_its_tenant_and_only_its_hash_is_stored(tmp_path):
+    path = key_file(tmp_path, {"hash": hash_key("mb-secret-a"), "tenant": "acme", "max_concurrent": 2})
+    book = KeyBook(str(path))
+    assert "mb-secret-a" not in path.read_text()
+    assert book.tenant_of("Bearer mb-secret-a") == Tenant("acme", 2, None, False)
+    assert book.tenant_of("Bearer mb-secret-b") is None
+    assert book.tenant_of(None) is None and book.tenant_of("Basic xyz") is None
+    assert KeyBook("").tenant_of(None).name == "default"  # open gateway
+
+
+def test_the_key_file_is_reread_when_it_changes(tmp_path):
+    import os
+
+    path = key_file(tmp_path, {"hash": hash_key("old"), "tenant": "acme"})
+    book = KeyBook(str(path))
+    assert book.tenant_of("Bearer old").name == "acme"
+    path.write_text(json.dumps({"keys": [{"hash": hash_key("new"), "tenant": "acme"}]}))
+    os.utime(path, (1e9, 1e9))  # a different mtime, whatever the clock's resolution
+    assert book.tenant_of("Bearer old") is None and book.tenant_of("Bearer new").name == "acme"
+
+
+@pytest.mark.parametrize("entry", [{"hash": "abc", "tenant": "x"}, {"tenant": "x"},
+                                   {"hash": "a" * 64, "tenant": "x", "max_concurrent": 0}])
+def test_a_malformed_key_file_is_refused(entry):
+    with pytest.raises(KeyFileError):
+        parse_key_file(json.dumps({"keys": [entry]}))
+
+
+def test_requests_in_flight_are_limited_per_tenant():
+    limits, acme = TenantLimits(), Tenant("acme", max_concurrent=2)
+    first, _, _ = limits.admit(acme, 10, now=0.0)
+    second, _, _ = limits.admit(acme, 10, now=0.0)
+    third, why, retry = limits.admit(acme, 10, now=0.0)
+    assert first and second and third is None and "2 requests in flight" in why and retry == 1.0
+    assert limits.admit(Tenant("other", max_concurrent=2), 10, now=0.0)[0] is not None  # another tenant
+    limits.release(acme, first, 10)
+    assert limits.admit(acme, 10, now=0.0)[0] is not None
+
+
+def test_tokens_per_minute_book_at_admission_and_correct_at_the_end():
+    limits, acme = TenantLimits(), Tenant("acme", tokens_per_minute=1000)
+    a, _, _ = limits.admit(acme, 600, now=0.0)  # prompt + max_tokens
+    refused, why, retry = limits.admit(acme, 600, now=10.0)
+    assert refused is None and "used 600 of its 1000" in why and retry == 50.0  # a's booking expires at 60 s
+    limits.release(acme, a, 150)  # it used 150 (prompt + completion)
+    assert limits.admit(acme, 600, now=11.0)[0] is not None
+    assert limits.admit(acme, 600, now=72.0)[0] is not None  # the window moved on
+    assert "may use 1000 per minute" in limits.admit(acme, 5000, now=200.0)[1]
+
+
+def test_equal_prompts_of_two_tenants_never_share_a_block():
+    prompt = list(range(64))
+    a, b = Tenant("a"), Tenant("b")
+    keys = {name: block_keys(prompt, 16, seed) for name, seed in [
+        ("a", cache_seed(a, None)), ("b", cache_seed(b, None)), ("open", cache_seed(None, None)),
+        ("salt-a", cache_seed(a, "sys-prompt-v1")), ("salt-b", cache_seed(b, "sys-prompt-v1")),
+        ("shared", cache_seed(Tenant("c", shared_cache=True), None))]}
+    assert not set(keys["a"]) & set(keys["b"])
+    assert keys["salt-a"] == keys["salt-b"]  # the same salt: deliberate sharing
+    assert not set(keys["salt-a"]) & set(keys["a"])
+    assert keys["open"] == keys["shared"] == block_keys(prompt, 16, DEFAULT_SEED)
