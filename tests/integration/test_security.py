@@ -1,0 +1,198 @@
+"""Every door, tried as an outsider (or a compromised service) would: the API, the bus, the KV link.
+
+One cluster (tiny-random) with API keys for three tenants and the closed bus `moonbus up` runs:
+acme and globex are ordinary tenants, tiny may have one request in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import struct
+
+import aiohttp
+import nats
+import pytest
+
+from common.security import LINK_NONCE_BYTES, link_proof, read_secret
+from schemas import subjects
+from schemas.workers import WorkerInfo
+from tests.integration.conftest import start_cluster
+from tools.moonbus import keys as keys_tool
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory, tiny_profile):
+    home = tmp_path_factory.mktemp("security")
+    key_file = home / "api-keys.json"
+    issued = {}
+    for tenant, extra in (("acme", []), ("globex", []), ("tiny", ["--max-concurrent", "1"])):
+        issued[tenant] = add_key(key_file, tenant, extra)
+    cluster = start_cluster(home, profile=tiny_profile, api_keys=str(key_file))
+    yield cluster, issued
+    cluster.stop()
+
+
+def add_key(key_file, tenant: str, extra: list[str]) -> str:
+    import argparse
+    import contextlib
+    import io
+
+    parser = argparse.ArgumentParser()
+    keys_tool.add_arguments(parser)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert keys_tool.run(parser.parse_args(["add", "--tenant", tenant, "--file", str(key_file), *extra])) == 0
+    return out.getvalue().strip()
+
+
+async def call(cluster, body: dict | bytes, key: str | None = None, path="/v1/completions"):
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with aiohttp.ClientSession() as session:
+        async with session.post(cluster.spec.url + path, data=data, headers=headers) as resp:
+            return resp.status, await resp.json(content_type=None), resp.headers
+
+
+def completion(prompt: str, **extra) -> dict:
+    return {"model": "tiny-random", "prompt": prompt, "max_tokens": 4, "temperature": 0, **extra}
+
+
+async def test_no_key_or_a_wrong_key_is_401_in_the_openai_shape(guarded):
+    cluster, issued = guarded
+    for key in (None, "mb-not-a-key"):
+        status, body, _ = await call(cluster, completion("hello"), key)
+        assert status == 401
+        assert body["error"]["code"] == "invalid_api_key" and body["error"]["message"]
+    status, body, _ = await call(cluster, completion("hello"), issued["acme"])
+    assert status == 200 and body["usage"]["completion_tokens"] == 4
+    key_file = cluster.spec.api_keys
+    assert issued["acme"] not in open(key_file).read()  # stored hashed only
+
+
+async def test_a_tenant_sees_nothing_of_another_tenants_cache_unless_both_opt_in(guarded):
+    cluster, issued = guarded
+    prompt = "the quarterly numbers of acme corporation, strictly confidential " * 6
+    await call(cluster, completion(prompt), issued["acme"])
+    _, again, _ = await call(cluster, completion(prompt), issued["acme"])
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # acme's own cache
+    _, other, _ = await call(cluster, completion(prompt), issued["globex"])
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # nothing leaks to globex
+    assert other["choices"][0]["text"] == again["choices"][0]["text"]  # the same answer, computed afresh
+    shared = "a common system prompt both companies agreed to share " * 6
+    await call(cluster, completion(shared, cache_salt="partners-v1"), issued["acme"])
+    _, joined, _ = await call(cluster, completion(shared, cache_salt="partners-v1"), issued["globex"])
+    assert joined["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+async def test_an_oversized_body_is_413_and_a_tenant_over_its_limit_gets_429(guarded):
+    cluster, issued = guarded
+    huge = json.dumps(completion("x" * (5 << 20))).encode()
+    status, body, _ = await call(cluster, huge, issued["acme"])
+    assert status == 413 and "larger than" in body["error"]["message"]
+    slow = completion("slow " * 20, max_tokens=400, ignore_eos=True)
+    first = asyncio.ensure_future(call(cluster, slow, issued["tiny"]))
+    await asyncio.sleep(0.5)
+    status, body, headers = await call(cluster, completion("second"), issued["tiny"])
+    assert status == 429 and "1 requests in flight" in body["error"]["message"]
+    assert int(headers["Retry-After"]) >= 1
+    assert (await first)[0] == 200
+
+
+async def test_the_bus_refuses_strangers_and_keeps_each_role_to_its_subjects(guarded):
+    cluster, _ = guarded
+    with pytest.raises(Exception, match="Authorization Violation"):
+        await nats.connect(cluster.spec.nats_addr, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=0)
+    secrets = cluster.secrets
+    admin = await nats.connect(cluster.spec.nats_url, allow_reconnect=False)
+    seen: list[str] = []
+
+    async def record(msg):
+        if msg.data == b'{"forged": true}':  # the real instances heartbeat meanwhile: only ours count
+            seen.append(msg.subject)
+
+    await admin.subscribe("moonbus.>", cb=record)
+    await admin.flush()
+    attempts = {  # role -> what it must not publish
+        "gateway": [subjects.WORKER_HEARTBEAT, subjects.kv_event("stored", "node-p0"), subjects.gateway_tokens("x")],
+        "decode": [subjects.request_event("completed", "cmpl-forged"), subjects.kv_event("evicted", "node-d0")],
+        "prefill": [subjects.request_event("failed", "cmpl-forged"), subjects.REQUEST_CANCEL],
+        "auditor": [subjects.WORKER_HEARTBEAT, subjects.CONDUCTOR_ROUTE],
+    }
+    denied: dict[str, list[str]] = {}
+    for role, forbidden in attempts.items():
+        errors: list[Exception] = []
+
+        async def on_error(exc, errors=errors):
+            errors.append(exc)
+
+        nc = await nats.connect(cluster.spec.nats_addr, user=role, password=secrets.password(role),
+                                error_cb=on_error, allow_reconnect=False)
+        for subject in forbidden:
+            await nc.publish(subject, b'{"forged": true}')
+        await nc.flush()
+        await asyncio.sleep(0.5)
+        denied[role] = [str(e) for e in errors]
+        await nc.close()
+    await asyncio.sleep(0.5)
+    await admin.close()
+    for role, forbidden in attempts.items():
+        for subject in forbidden:
+            assert subject not in seen, (role, subject)
+            assert any(subject.lower() in d.lower() for d in denied[role]), (role, subject, denied[role])
+
+
+async def heartbeat_of(cluster, role: str) -> WorkerInfo:
+    nc = await nats.connect(cluster.spec.nats_url, allow_reconnect=False)
+    try:
+        sub = await nc.subscribe(subjects.WORKER_HEARTBEAT)
+        while True:
+            info = WorkerInfo.from_bytes((await sub.next_msg(timeout=10)).data)
+            if info.role == role:
+                return info
+    finally:
+        await nc.close()
+
+
+def link_connection(addr: str) -> socket.socket:
+    host, port = addr.rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+async def test_the_kv_link_refuses_strangers_and_paths_out_of_its_directory(guarded, tmp_path):
+    cluster, issued = guarded
+    messenger = await heartbeat_of(cluster, "messenger")
+    target = tmp_path / "x.kv"
+    handle = {"node": messenger.node, "name": "/../../../../" + str(target).lstrip("/"), "shape": [4, 2, 2, 1, 16],
+              "dtype": "float32", "checksum": 0}
+    header = json.dumps({"request_id": "evil", "handle": handle, "nbytes": 512}).encode()
+    # 1. no secret: the handshake fails, nothing is read
+    with link_connection(messenger.transfer_addr) as sock:
+        sock.recv(LINK_NONCE_BYTES)
+        sock.sendall(os.urandom(LINK_NONCE_BYTES) + b"\0" * 32)
+        sock.sendall(b"T" + struct.pack(">I", len(header)) + header + b"\0" * 512)
+        assert sock.recv(64) == b""  # closed on us
+    # 2. with the cluster secret (a compromised node), a traversal name is still refused
+    secret = read_secret(cluster.secrets.cluster_key)
+    with link_connection(messenger.transfer_addr) as sock:
+        nonce = sock.recv(LINK_NONCE_BYTES)
+        sock.sendall(os.urandom(LINK_NONCE_BYTES) + link_proof(secret, nonce, b"client"))
+        sock.recv(32)
+        sock.sendall(b"T" + struct.pack(">I", len(header)) + header + b"\0" * 512)
+        reply = sock.recv(4096)
+        assert reply == b"" or b'"ok":false' in reply
+    assert not target.exists()
+    # the cluster is unharmed: a request still goes through prefill -> link -> decode
+    status, body, _ = await call(cluster, completion("still serving?"), issued["acme"])
+    assert status == 200 and body["usage"]["completion_tokens"] == 4
+    assert not cluster.dead()
+
+
+async def test_the_pipeline_listener_is_closed_when_nothing_pipelines(guarded):
+    cluster, _ = guarded
+    prefill = await heartbeat_of(cluster, "prefill")
+    assert prefill.transfer_addr == ""  # no port to connect to at all
