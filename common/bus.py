@@ -169,14 +169,16 @@ async def _wait_connected(nc: Client, give_up: float) -> None:
         await asyncio.sleep(0.05)
 
 
-async def ensure_events_stream(nc: Client, max_age_s: float = 24 * 3600) -> None:
-    """Create the MOONBUS_EVENTS stream if it does not exist (idempotent)."""
+async def ensure_events_stream(nc: Client, max_age_s: float = 24 * 3600, max_bytes: int = 4 << 30) -> None:
+    """Create the MOONBUS_EVENTS stream if it does not exist (idempotent). Bounded by age and by
+    bytes: a flood of requests cannot fill the broker's disk (the oldest events go first)."""
     js = nc.jetstream()
     config = StreamConfig(
         name=subjects.EVENTS_STREAM,
         subjects=[subjects.EVENTS_ALL],
         storage=StorageType.FILE,
         max_age=max_age_s,
+        max_bytes=max_bytes,
     )
     try:
         await js.add_stream(config)
