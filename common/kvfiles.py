@@ -147,12 +147,14 @@ def usage(shm_dir: Path) -> tuple[int, int]:
     return files, nbytes
 
 
-def sweep(shm_dir: Path, prefix: str = "", temporary_only: bool = False, older_than_s: float = 0.0) -> int:
-    """Remove request files of an owner (prefix) or older than an age; returns how many."""
+def sweep(shm_dir: Path, prefix: str = "", temporary_only: bool = False, older_than_s: float = 0.0,
+          keep: set[str] = frozenset()) -> int:
+    """Remove request files of an owner (prefix) or older than an age, except those in `keep`;
+    returns how many."""
     now = time.time()
     removed = 0
     for path in request_files(shm_dir, prefix):
-        if temporary_only and not path.name.endswith(".tmp"):
+        if (temporary_only and not path.name.endswith(".tmp")) or path.name in keep:
             continue
         try:
             if older_than_s and now - path.stat().st_mtime < older_than_s:
@@ -173,13 +175,4 @@ def sweep_incoming(shm_dir: Path, decode_instance: str, older_than_s: float = 0.
     prefix = incoming_prefix(decode_instance)
     if prefix == IN:
         return 0  # not attributable to one instance: left to the messenger's stale sweep
-    now, removed = time.time(), 0
-    for path in request_files(shm_dir, prefix):
-        try:
-            if path.name in keep or (older_than_s and now - path.stat().st_mtime < older_than_s):
-                continue
-            path.unlink()
-            removed += 1
-        except FileNotFoundError:
-            pass
-    return removed
+    return sweep(shm_dir, prefix, older_than_s=older_than_s, keep=keep)
