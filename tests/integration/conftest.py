@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 from pathlib import Path
 
 import aiohttp
@@ -12,6 +13,7 @@ from multidict import CIMultiDict
 import torch
 
 from common import models
+from common.traces import resolve_trace
 from tools.moonbus.cluster import Cluster, ClusterSpec, free_port
 
 TINY = models.TINY_RANDOM
@@ -22,6 +24,26 @@ def start_cluster(home: Path, model: str = TINY, **kwargs) -> Cluster:
     cluster = Cluster(spec)
     cluster.start(ready_timeout_s=300)
     return cluster
+
+
+def conversation_trace(home: Path) -> str:
+    """The released conversation trace; where it is not on this machine, a stand-in of the same
+    shape (Mooncake rows, 3.4 requests/s, conversations that share their earlier turns), said so."""
+    path = resolve_trace("conversation")
+    if path.exists():
+        return str(path)
+    rng, rows, t = random.Random(7), [], 0
+    for i in range(2000):
+        t += int(rng.expovariate(3.4) * 1000)
+        conversation = rng.randrange(200)
+        turns = rng.randint(1, 6)
+        ids = [conversation * 100 + k for k in range(turns * 2)]
+        rows.append({"timestamp": t, "input_length": len(ids) * 512 - rng.randrange(256),
+                     "output_length": rng.randint(16, 512), "hash_ids": ids})
+    stand_in = home / "stand-in-trace.jsonl"
+    stand_in.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print(f"the conversation trace is not on this machine ({path}); using a stand-in: {stand_in}")
+    return str(stand_in)
 
 
 @pytest.fixture(scope="session")

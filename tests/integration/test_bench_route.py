@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from common.traces import load_trace, prompt_token_ids
-from tools.moonbus.bench_conductor import _default_trace
+from tests.integration.conftest import conversation_trace
 from tools.moonbus.bench_fleet import PromptBuilder
 
 pytestmark = pytest.mark.integration
@@ -28,7 +28,8 @@ def report(tmp_path_factory) -> dict:
             "--live-prefill", "2", "--live-decode", "2", "--live-blocks", str(BLOCKS), "--live-queries", "200",
             "--live-warmup", "20", "--live-latency-routes", str(LATENCY_ROUTES),
             "--live-throughput-routes", str(THROUGHPUT_ROUTES), "--live-concurrency", "8",
-            "--live-conductors", "1,2", "--live-model-home", str(tmp_path_factory.mktemp("model-home"))]
+            "--live-conductors", "1,2", "--live-model-home", str(tmp_path_factory.mktemp("model-home")),
+            "--trace", conversation_trace(tmp_path_factory.mktemp("trace"))]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -68,7 +69,7 @@ def test_every_route_was_answered_by_the_real_conductors_from_the_real_index(rep
     assert sum(second["answered_by"].values()) == LATENCY_ROUTES + THROUGHPUT_ROUTES
 
 
-def test_prompt_builder_gives_replays_prompts():
-    rows = load_trace(_default_trace(), limit=200)
+def test_prompt_builder_gives_replays_prompts(tmp_path):
+    rows = load_trace(conversation_trace(tmp_path), limit=200)
     build = PromptBuilder()
     assert all(build(r) == prompt_token_ids(r, 16, vocab_size=259) for r in rows)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.conftest import conversation_trace
 from tools.moonbus.cluster import free_port
 
 pytestmark = pytest.mark.integration
@@ -81,34 +82,10 @@ def up(tmp_path_factory, tiny_profile):
         proc.wait()
 
 
-def trace_for(home: Path) -> str:
-    """The released conversation trace; where it is not on this machine, a stand-in of the same
-    shape (Mooncake rows, 3.4 requests/s, conversations that share their earlier turns), said so."""
-    from common.traces import resolve_trace
-
-    path = resolve_trace("conversation")
-    if path.exists():
-        return str(path)
-    import random
-
-    rng, rows, t = random.Random(7), [], 0
-    for i in range(2000):
-        t += int(rng.expovariate(3.4) * 1000)
-        conversation = rng.randrange(200)
-        turns = rng.randint(1, 6)
-        ids = [conversation * 100 + k for k in range(turns * 2)]
-        rows.append({"timestamp": t, "input_length": len(ids) * 512 - rng.randrange(256),
-                     "output_length": rng.randint(16, 512), "hash_ids": ids})
-    stand_in = home / "stand-in-trace.jsonl"
-    stand_in.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    print(f"the conversation trace is not on this machine ({path}); using a stand-in: {stand_in}")
-    return str(stand_in)
-
-
 def test_a_soak_above_capacity_with_every_kind_killed_in_turn_fails_and_leaks_nothing(up):
     out = up.home / "soak"
     started = time.monotonic()
-    run = moonbus("soak", "--home", str(up.home), "--trace", trace_for(up.home), "--duration", "60", "--speed", "8",
+    run = moonbus("soak", "--home", str(up.home), "--trace", conversation_trace(up.home), "--duration", "60", "--speed", "8",
                   "--tokens-per-block", "16", "--max-output", "16", "--vocab-size", "259", "--timeout", str(BOUND_S),
                   "--chaos", ",".join(CHAOS), "--every", "8", "--chaos-order", "cycle", "--seed", "1",
                   "--drain-timeout", "90", "--out", str(out), "--no-progress", timeout=600)

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from common.kv.blocks import block_keys_from_hash_ids
-from common.traces import TraceFormatError, load_trace
+from common.traces import TraceFormatError, load_trace, resolve_trace
 from tools.moonbus import cachesim
 
-CONVERSATION = Path("/work/shared/data/traces/conversation_trace.jsonl")
+CONVERSATION = resolve_trace("conversation")
 
 
 def write_trace(path: Path, hash_id_lists) -> Path:

@@ -1,15 +1,12 @@
 """Replay prompts: block keys of the built token ids reproduce the trace's hash-id sharing exactly."""
 
-from pathlib import Path
 
 import pytest
 
 from common.kv.blocks import block_keys
-from common.traces import TraceRow, block_token_ids, load_trace, prompt_token_ids, scaled_input_length
+from common.traces import TraceRow, block_token_ids, load_trace, prompt_token_ids, resolve_trace, scaled_input_length
 
-TRACE = Path("/work/shared/data/traces/conversation_trace.jsonl")
-if not TRACE.exists():
-    TRACE = Path(__file__).resolve().parents[3] / "shared/data/traces/conversation_trace.jsonl"
+TRACE = resolve_trace("conversation")
 
 
 def common_prefix(a, b) -> int:
