@@ -83,6 +83,11 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
     flag(parser, "--shm-dir", "MOONBUS_SHM_DIR", "", help="node's shared-memory directory (default /dev/shm/moonbus-<node>)")
 
 
+def add_transport_flag(parser: argparse.ArgumentParser) -> None:
+    flag(parser, "--transport", "MOONBUS_TRANSPORT", "auto",
+         help="point-to-point KV transport: auto (rdma where both ends have an RDMA device, else tcp), tcp or rdma")
+
+
 DEFAULT_BLOCK_TOKENS = 16
 
 

@@ -1,20 +1,25 @@
 """A request's whole KV as one file in a node's shared-memory directory.
 
-Prefill writes it, the messengers move it between nodes, decode reads it. Layout (see
-schemas.transfer.KvHandle): C-order float32 [num_layers, 2, num_kv_heads, num_tokens, head_dim].
-The checksum (xxh3-64 of the bytes) is verified on every read and after every transfer.
+The decode reads it. Layout (see schemas.transfer.KvHandle): C-order float32 [num_layers, 2,
+num_kv_heads, num_tokens, head_dim]. Across nodes it is the destination of a streamed handoff
+(services/messenger/handoff.py): the decode node's messenger reserves it and the prefill writes
+each layer slice into it, every slice verified once, on arrival (its handle says `verified`, and
+the decode does not check it again). On one node (a coupled instance) the prefill writes it
+itself, with a checksum the decode verifies.
 
 Names say who owns a file, so that nothing outlives its request (a node's tmpfs is not capped):
 
-    out-<request>-a<attempt>.kv              written by the node's prefill instance, until it is sent
+    out-<request>-a<attempt>.kv              written by the node's prefill instance for a decode
+                                             instance of the same node, until that one reads it
     in-<decode>__<request>-a<attempt>.kv     landed by the node's messenger for one decode instance,
                                              until it reads it
-    .<name>.tmp                              either, while being written
+    .<name>.tmp                              either, while being written (an `in-` one is a handoff
+                                             reservation: its messenger's, under its leases)
 
 A restarted prefill sweeps `out-*` (its dead predecessor's), a restarted decode its `in-<id>__*`,
-and a running decode those of its files whose task never came (lost in a broker outage); a
-restarted messenger sweeps the temporary files of transfers it was landing, and every messenger
-removes files older than its stale age as a last resort.
+and a running decode those of its landed files whose task never came (lost in a broker outage);
+a restarted messenger sweeps the reservations its predecessor held, and every messenger removes
+files older than its stale age as a last resort.
 """
 
 from __future__ import annotations
@@ -81,26 +86,8 @@ def write(shm_dir: Path, node: str, name: str, kv: "torch.Tensor") -> KvHandle:
     return KvHandle(node, name, list(array.shape), "float32", checksum(array))
 
 
-def write_bytes(shm_dir: Path, handle: KvHandle, payload: bytes | memoryview, node: str,
-                decode_instance: str = "") -> KvHandle:
-    """Land bytes received from another node as `incoming_name(...)`; returns the local handle
-    (checksum verified)."""
-    if checksum(payload) != handle.checksum:
-        raise KvChecksumError(f"KV {handle.name}: checksum mismatch after transfer")
-    name = incoming_name(handle.name, decode_instance)
-    path = path_of(shm_dir, name)
-    shm_dir.mkdir(parents=True, exist_ok=True)
-    tmp = shm_dir / f".{name}.tmp"
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(payload)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return KvHandle(node, name, handle.shape, handle.dtype, handle.checksum)
-
-
 def read(shm_dir: Path, handle: KvHandle, remove: bool = False) -> "torch.Tensor":
+    """The KV in the file, checked against its checksum unless its slices were verified on arrival."""
     import torch
 
     path = path_of(shm_dir, handle)
@@ -109,7 +96,7 @@ def read(shm_dir: Path, handle: KvHandle, remove: bool = False) -> "torch.Tensor
     finally:
         if remove:
             path.unlink(missing_ok=True)
-    if checksum(array) != handle.checksum:
+    if not handle.verified and checksum(array) != handle.checksum:
         raise KvChecksumError(f"KV {handle.name}: checksum mismatch")
     if array.size != int(np.prod(handle.shape)):
         raise KvChecksumError(f"KV {handle.name}: {array.size} values for shape {handle.shape}")
@@ -148,13 +135,14 @@ def usage(shm_dir: Path) -> tuple[int, int]:
 
 
 def sweep(shm_dir: Path, prefix: str = "", temporary_only: bool = False, older_than_s: float = 0.0,
-          keep: set[str] = frozenset()) -> int:
-    """Remove request files of an owner (prefix) or older than an age, except those in `keep`;
-    returns how many."""
+          keep: set[str] = frozenset(), finished_only: bool = False) -> int:
+    """Remove request files of an owner (prefix) or older than an age, except those in `keep` (and,
+    with `finished_only`, those still being written); returns how many."""
     now = time.time()
     removed = 0
     for path in request_files(shm_dir, prefix):
-        if (temporary_only and not path.name.endswith(".tmp")) or path.name in keep:
+        temporary = path.name.endswith(".tmp")
+        if (temporary_only and not temporary) or (finished_only and temporary) or path.name in keep:
             continue
         try:
             if older_than_s and now - path.stat().st_mtime < older_than_s:
@@ -171,8 +159,9 @@ def sweep_outgoing(shm_dir: Path) -> int:
 
 
 def sweep_incoming(shm_dir: Path, decode_instance: str, older_than_s: float = 0.0, keep: set[str] = frozenset()) -> int:
-    """Remove a decode instance's landed files (older than an age), except those it still holds."""
+    """Remove a decode instance's landed files (older than an age), except those it still holds.
+    With an age, files still being landed (handoff reservations: their messenger's) are left alone."""
     prefix = incoming_prefix(decode_instance)
     if prefix == IN:
         return 0  # not attributable to one instance: left to the messenger's stale sweep
-    return sweep(shm_dir, prefix, older_than_s=older_than_s, keep=keep)
+    return sweep(shm_dir, prefix, older_than_s=older_than_s, keep=keep, finished_only=older_than_s > 0)

@@ -5,7 +5,7 @@ ops: "lookup" (pin the longest held prefix, SSD hits promoted into DRAM slots), 
 reservation), "pull" (fetch blocks from another node's messenger and keep them), "snapshot"
 (everything the node holds, for the cache index). Block payloads never ride NATS: workers read
 and write DRAM slots of the node's shared-memory slab in place; messengers move blocks between
-nodes over their TCP link.
+nodes over the point-to-point transport (schemas/transfer.py: pin, read, unpin).
 """
 
 from __future__ import annotations
@@ -13,6 +13,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from schemas.codec import Wire, WireError, check_token
+
+
+def check_holder(holder: str) -> None:
+    """A worker process's name in its pins: '<instance>:<incarnation>'."""
+    parts = holder.split(":") if isinstance(holder, str) else []
+    if len(parts) != 2:
+        raise WireError(f"holder {holder!r} must be '<instance>:<incarnation>'")
+    for part in parts:
+        check_token("holder", part)
 
 
 class _Held:
@@ -24,11 +33,7 @@ class _Held:
     def __post_init__(self) -> None:
         check_token("request_id", self.request_id)
         if self.holder:
-            parts = self.holder.split(":")
-            if len(parts) != 2:
-                raise WireError(f"holder {self.holder!r} must be '<instance>:<incarnation>'")
-            for part in parts:
-                check_token("holder", part)
+            check_holder(self.holder)
 
     @property
     def hold_key(self) -> str:
@@ -106,6 +111,7 @@ class PoolReply(Wire):
     num_blocks: int = 0
     nbytes: int = 0
     seconds: float = 0.0
+    transport: str = ""  # a pull: how the blocks came (tcp, rdma)
 
 
 @dataclass(frozen=True)
@@ -127,25 +133,6 @@ class KvEventData(Wire):
     keys: list[int]
     tier: str
     request_id: str = ""  # a `corrupt` event: the request whose read found it (audit only)
-
-
-@dataclass(frozen=True)
-class FetchBlocks(Wire):
-    """Over the TCP link: ask a peer messenger for blocks. Answer: FetchReply, then the payloads."""
-
-    request_id: str
-    keys: list[int]
-
-    def __post_init__(self) -> None:
-        check_token("request_id", self.request_id)
-
-
-@dataclass(frozen=True)
-class FetchReply(Wire):
-    keys: list[int]  # the leading requested keys the peer had, in order
-    checksums: list[int]
-    nbytes: int  # per block
-    error: str = ""
 
 
 @dataclass(frozen=True)

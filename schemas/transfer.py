@@ -1,16 +1,28 @@
-"""prefill -> messenger -> messenger: moving a request's KV between nodes.
+"""Moving KV between nodes: the transport's frames and the control messages around them.
 
-Control goes over NATS (SendKv / SendKvReply on messenger_control(node, "send")); the bytes go
-over the point-to-point TCP link between messengers, framed as
-`[4-byte big-endian header length][TransferHeader JSON][payload bytes]`, answered by one
-`[4-byte length][TransferAck JSON]`.
+Bytes go over the point-to-point transport (common/transport: tcp, rdma), never over NATS.
+
+The streamed handoff, prefill -> the decode node's messenger (services/messenger/handoff.py):
+  AcceptKv -> AcceptKvReply     NATS messenger_control(decode node, "accept"): reserve the
+                                destination region, sized by the prompt's KV layout
+  writes                        one per layer slice, at its offsets in the region [L, 2, H, S, D]
+  CompleteKv -> CompleteKvReply transport call "complete" (ordered after the writes): every slice
+                                landed and verified -> the KvHandle the DecodeTask carries
+  AbortKv                       NATS messenger_control(decode node, "abort"): drop the reservation
+Block pulls, messenger -> messenger (services/messenger/pulls.py):
+  PinBlocks -> PinReply         transport call "pin": the leading blocks the peer holds, pinned
+                                for this connection, with their offsets in its slab region
+  reads                         one-sided reads of those offsets into the puller's reserved slots
+  UnpinBlocks                   transport call "unpin" (naming the blocks that failed their checksum)
+The TCP backend's frames (common/transport/tcp.py): WriteFrame, ReadFrame, CallFrame, ReplyFrame.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from schemas.codec import Wire, check_file_name, check_token
+from schemas.codec import Wire, WireError, check_file_name, check_token
+from schemas.pool import SlotRef, check_holder
 
 
 @dataclass(frozen=True)
@@ -24,7 +36,8 @@ class KvHandle(Wire):
     name: str
     shape: list[int]
     dtype: str
-    checksum: int
+    checksum: int  # xxh3-64 of the file (0 when `verified`)
+    verified: bool = False  # every slice was verified on arrival by the node's messenger: read without checking again
 
     def __post_init__(self) -> None:
         check_token("node", self.node)
@@ -37,61 +50,149 @@ class KvHandle(Wire):
         return self.shape[3]
 
 
-@dataclass(frozen=True)
-class SendKv(Wire):
-    request_id: str
-    src: KvHandle
-    dest_node: str
-    dest_instance: str = ""  # the decode instance the KV is for: its name goes into the landed file's
+MAX_PIECES = 4096  # pieces of one write or read: a KV slice has 2 x kv heads of them
 
-    def __post_init__(self) -> None:
-        check_token("request_id", self.request_id)
-        check_token("dest_node", self.dest_node)
-        if self.dest_instance:
-            check_token("dest_instance", self.dest_instance)
+
+def _check_pieces(pieces: list[list[int]]) -> None:
+    if len(pieces) > MAX_PIECES:
+        raise WireError(f"{len(pieces)} pieces (at most {MAX_PIECES})")
+    for piece in pieces:
+        if len(piece) != 2 or piece[0] < 0 or piece[1] < 0:
+            raise WireError(f"piece {piece} is not [offset, nbytes]")
 
 
 @dataclass(frozen=True)
-class SendKvReply(Wire):
-    ok: bool
-    dest: KvHandle | None = None
-    error: str = ""
-    nbytes: int = 0
-    seconds: float = 0.0
+class RegionRef(Wire):
+    """A registered region of some process, as its peers address it (common/transport)."""
 
-
-@dataclass(frozen=True)
-class TransferHeader(Wire):
-    request_id: str
-    handle: KvHandle  # as it was on the sending node
+    region: str
     nbytes: int
-    dest_instance: str = ""  # see SendKv
+    endpoints: dict[str, str]  # transport -> locator (tcp: host:port of the owner's listener)
 
     def __post_init__(self) -> None:
-        check_token("request_id", self.request_id)
-        if self.dest_instance:
-            check_token("dest_instance", self.dest_instance)
+        check_token("region", self.region)
+        if self.nbytes < 0:
+            raise WireError(f"region {self.region}: {self.nbytes} bytes")
 
 
+# --- the streamed handoff -----------------------------------------------------------------------
 @dataclass(frozen=True)
-class KvSlice(Wire):
-    """Between pipeline stages: one layer's K and V for tokens [start, start + num_tokens).
-
-    Followed by the float32 payload [2, num_kv_heads, num_tokens, head_dim] (C order).
-    """
+class AcceptKv(Wire):
+    """prefill -> the decode node's messenger: reserve room for this request's KV, written slice by slice."""
 
     request_id: str
-    layer: int
-    start: int
-    num_tokens: int
-    total_tokens: int  # the prompt's length: the receiver sizes its assembly from it
+    attempt: int
+    num_tokens: int  # the region is [L, 2, H, num_tokens, D] of the node's model layout
+    holder: str  # the prefill process ("<instance>:<incarnation>"): the reservation dies with it
+    dest_instance: str  # the decode instance the KV is for (the landed file carries its name)
+    src_node: str = ""  # the prefill's node (metrics, logs)
 
     def __post_init__(self) -> None:
         check_token("request_id", self.request_id)
+        check_token("dest_instance", self.dest_instance)
+        check_holder(self.holder)
+        if self.src_node:
+            check_token("src_node", self.src_node)
 
 
 @dataclass(frozen=True)
-class TransferAck(Wire):
+class AcceptKvReply(Wire):
+    ok: bool
+    region: RegionRef | None = None
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class CompleteKv(Wire):
+    """The completion notice (a transport call, after the last slice): the KV is whole."""
+
+    region: str
+
+    def __post_init__(self) -> None:
+        check_token("region", self.region)
+
+
+@dataclass(frozen=True)
+class CompleteKvReply(Wire):
     ok: bool
     dest: KvHandle | None = None
     error: str = ""
+
+
+@dataclass(frozen=True)
+class AbortKv(Wire):
+    """prefill -> the decode node's messenger: the request will not be handed off; free its region
+    (named by the request's attempt and decode instance: the accept's reply may never have come)."""
+
+    request_id: str
+    attempt: int
+    dest_instance: str
+
+    def __post_init__(self) -> None:
+        check_token("request_id", self.request_id)
+        check_token("dest_instance", self.dest_instance)
+
+
+# --- block pulls --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PinBlocks(Wire):
+    request_id: str
+    keys: list[int]
+
+    def __post_init__(self) -> None:
+        check_token("request_id", self.request_id)
+
+
+@dataclass(frozen=True)
+class PinReply(Wire):
+    """The leading requested blocks the peer holds, pinned until "unpin" or the connection ends."""
+
+    region: RegionRef | None  # the peer's DRAM slab
+    blocks: list[SlotRef]  # key, slot, checksum
+    offsets: list[int]  # where each block starts in the region
+    block_nbytes: int
+
+
+@dataclass(frozen=True)
+class UnpinBlocks(Wire):
+    corrupt: list[int] = field(default_factory=list)  # keys whose payload failed its checksum on arrival
+
+
+# --- the TCP backend's frames -------------------------------------------------------------------
+@dataclass(frozen=True)
+class WriteFrame(Wire):
+    region: str
+    pieces: list[list[int]]  # [offset, nbytes], in the order of the payload
+    meta: dict[str, int] = field(default_factory=dict)  # handed to the region's owner (e.g. layer, start, tokens)
+
+    def __post_init__(self) -> None:
+        check_token("region", self.region)
+        _check_pieces(self.pieces)
+
+
+@dataclass(frozen=True)
+class ReadFrame(Wire):
+    region: str
+    pieces: list[list[int]]
+
+    def __post_init__(self) -> None:
+        check_token("region", self.region)
+        _check_pieces(self.pieces)
+
+
+@dataclass(frozen=True)
+class CallFrame(Wire):
+    op: str
+    nbytes: int  # of the body that follows
+
+    def __post_init__(self) -> None:
+        check_token("op", self.op)
+        if not 0 <= self.nbytes <= 1 << 20:
+            raise WireError(f"call body of {self.nbytes} bytes")
+
+
+@dataclass(frozen=True)
+class ReplyFrame(Wire):
+    ok: bool
+    error: str = ""
+    nbytes: int = 0  # of what follows (a read's bytes, a call's reply)

@@ -74,7 +74,7 @@ class WorkerInfo(Wire):
     role: str
     node: str
     model: str = ""
-    transfer_addr: str = ""  # messenger only: host:port of its point-to-point link
+    transfer_addr: str = ""  # messenger (and a pipelining prefill): tcp host:port of its point-to-point transports
     num_queued: int = 0
     num_running: int = 0
     leaving: bool = False  # sent once on clean shutdown
@@ -84,6 +84,8 @@ class WorkerInfo(Wire):
     prefill: PrefillReport | None = None  # a prefill instance's load
     decode: DecodeReport | None = None  # a decode instance's load
     sent_at: float = 0.0  # the sender's wall clock
+    transport: str = ""  # messenger, prefill: the point-to-point backends it runs ("tcp", "rdma,tcp")
+    endpoints: dict[str, str] = field(default_factory=dict)  # messenger: backend -> locator of its transports
 
     def __post_init__(self) -> None:
         check_token("instance_id", self.instance_id)

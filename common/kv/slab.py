@@ -177,6 +177,14 @@ class DramSlab:
         offset = self._offset(slot)
         return self._mm[offset : offset + self.slot_nbytes]
 
+    def offset(self, slot: int) -> int:
+        """Where a slot starts in the file (its place in `buffer()`: what a peer reads over the transport)."""
+        return self._offset(slot)
+
+    def buffer(self) -> memoryview:
+        """The whole mapping, header included (registered with the transports; release it before `close`)."""
+        return memoryview(self._mm)
+
     def read_into(self, slot: int, out: bytearray | memoryview | np.ndarray) -> None:
         """Copy one slot into a caller's buffer of `slot_nbytes` bytes (no allocation)."""
         offset = self._offset(slot)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from common import config as common
 from common.kv.eviction import POLICIES
+from common.transport import MODES
 
 
 @dataclass(frozen=True)
@@ -25,8 +26,9 @@ class MessengerConfig:
     metrics_host: str
     model: str
     block_tokens: int
-    transfer_host: str  # where the point-to-point link listens
-    transfer_port: int  # 0 = any free port
+    transport: str  # auto | tcp | rdma (common/transport)
+    transfer_host: str  # where the point-to-point transports listen
+    transfer_port: int  # tcp's port; 0 = any free port
     advertise_host: str  # how other nodes reach this one
     dram_bytes: int  # DRAM tier (shared-memory slab) capacity
     ssd_bytes: int  # SSD tier (LMDB) capacity; 0 = no SSD tier
@@ -39,18 +41,23 @@ class MessengerConfig:
     connect_timeout_s: float
     pin_lease_s: float  # pins of a request that never released them are dropped after this long
     stale_kv_s: float  # a request KV file in the shm directory older than this is nobody's: removed
+    reserve_idle_s: float  # a handoff reservation with no write for this long is dropped (its prefill stalled)
+    link_timeout_s: float  # deadline of every read on a transport connection
 
     def __post_init__(self) -> None:
         common.check_subject_token("instance id", self.instance_id)
         common.check_subject_token("node", self.node)
         if not 0 <= self.transfer_port < 65536:
             raise ValueError(f"transfer port {self.transfer_port} out of range")
-        if min(self.heartbeat_interval_s, self.peer_timeout_s, self.connect_timeout_s, self.pin_lease_s, self.stale_kv_s) <= 0:
+        if min(self.heartbeat_interval_s, self.peer_timeout_s, self.connect_timeout_s, self.pin_lease_s, self.stale_kv_s,
+               self.reserve_idle_s, self.link_timeout_s) <= 0:
             raise ValueError("intervals and timeouts must be > 0")
         if self.block_tokens < 1 or self.dram_bytes < 0 or self.ssd_bytes < 0:
             raise ValueError("block tokens must be >= 1 and capacities >= 0")
         if self.eviction not in POLICIES:
             raise ValueError(f"eviction must be one of {', '.join(POLICIES)}; got {self.eviction!r}")
+        if self.transport not in MODES:
+            raise ValueError(f"transport must be one of {', '.join(MODES)}; got {self.transport!r}")
 
     @property
     def transfer_addr_host(self) -> str:
@@ -62,8 +69,9 @@ def load(argv: list[str] | None = None) -> MessengerConfig:
     common.add_common_flags(parser, "messenger")
     common.add_node_flags(parser)
     common.add_model_flags(parser)
-    common.flag(parser, "--transfer-host", "MOONBUS_TRANSFER_HOST", "127.0.0.1", help="bind address of the KV link")
-    common.flag(parser, "--transfer-port", "MOONBUS_TRANSFER_PORT", 0, int, help="port of the KV link (0 = free port)")
+    common.add_transport_flag(parser)
+    common.flag(parser, "--transfer-host", "MOONBUS_TRANSFER_HOST", "127.0.0.1", help="bind address of the KV transports")
+    common.flag(parser, "--transfer-port", "MOONBUS_TRANSFER_PORT", 0, int, help="tcp port of the KV transports (0 = free port)")
     common.flag(parser, "--advertise-host", "MOONBUS_ADVERTISE_HOST", "", help="host other nodes connect to")
     common.flag(parser, "--dram-bytes", "MOONBUS_DRAM_BYTES", 1 << 30, int, help="DRAM tier capacity in bytes")
     common.flag(parser, "--ssd-bytes", "MOONBUS_SSD_BYTES", 4 << 30, int, help="SSD tier capacity in bytes (0: none)")
@@ -77,6 +85,10 @@ def load(argv: list[str] | None = None) -> MessengerConfig:
     common.flag(parser, "--pin-lease", "MOONBUS_PIN_LEASE", 600.0, float, help="seconds", dest="pin_lease_s")
     common.flag(parser, "--stale-kv", "MOONBUS_STALE_KV", 600.0, float, dest="stale_kv_s",
                 help="seconds after which a request KV file nobody picked up is removed")
+    common.flag(parser, "--reserve-idle", "MOONBUS_RESERVE_IDLE", 120.0, float, dest="reserve_idle_s",
+                help="seconds without a write after which a handoff reservation is dropped")
+    common.flag(parser, "--link-timeout", "MOONBUS_LINK_TIMEOUT", 30.0, float, dest="link_timeout_s",
+                help="deadline of every read on a KV transport connection (seconds)")
     args = parser.parse_args(argv)
     home = Path(args.home)
     return common.build(MessengerConfig, args, shm_dir=common.shm_dir_for(args.node, args.shm_dir), home=home,

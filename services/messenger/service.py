@@ -1,16 +1,21 @@
 """Messenger: one per node. Owns the node's KV pool and moves KV between nodes.
 
 Control (NATS, messenger_control(node, op)), dispatched through one table:
-  send      move a request's whole KV file to another node (prefill -> decode handoff)
+  accept / abort   reserve (or drop) the destination of a streamed handoff in this node's memory
+                   (prefill -> decode, handoff.py: the prefill writes each layer slice into it)
   lookup / reserve / commit / release   the node pool (see node_pool.py)
-  pull      fetch blocks from another node's messenger and keep them (hot-block replication)
+  pull      fetch blocks from another node's messenger and keep them (hot-block replication, pulls.py)
   snapshot  everything the node holds, for the cache index
   status    occupancy, pins by holder and request files (what a leak check reads)
-Bytes: the TCP link (link.py). KV events: numbered, published in order by one outbox task.
+Bytes: the point-to-point transports (common/transport: tcp, rdma; `--transport`), serving this
+node's registered regions (its slab, read-only; handoff destinations) to peers that prove the
+cluster secret. KV events: numbered, published in order by one outbox task.
 
 Nothing outlives its owner: pins are keyed by holder process (schemas.pool), so the pins of a
-worker of this node that left, restarted (new incarnation) or went silent are released; request
-files are swept when their owner restarts (common/kvfiles.py) and, as a last resort, by age.
+worker of this node that left, restarted (new incarnation) or went silent are released; handoff
+reservations die with their prefill process, their decode instance or their idle lease
+(handoff.py); request files are swept when their owner restarts (common/kvfiles.py) and, as a
+last resort, by age.
 """
 
 from __future__ import annotations
@@ -26,23 +31,23 @@ from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge, Histogram
 
 from common import bus, health, kvfiles, metrics, models, runner, security, worker
-from common.kv import blocks as kvblocks
 from common.kv.pool import capacity_in_blocks
+from common.transport import Transports
 from schemas import subjects
 from schemas.codec import Wire
 from schemas.codec import WireError
 from schemas.pool import (
-    CommitRequest, FetchBlocks, FetchReply, LookupReply, LookupRequest, PoolReply, PoolStatus, PullRequest,
-    ReleaseRequest, ReserveReply, ReserveRequest, SlotRef, SnapshotReply,
+    CommitRequest, LookupReply, LookupRequest, PoolReply, PoolStatus, PullRequest, ReleaseRequest, ReserveReply,
+    ReserveRequest, SnapshotReply,
 )
-from schemas.transfer import SendKv, SendKvReply, TransferAck, TransferHeader
+from schemas.transfer import AbortKv, AcceptKv, AcceptKvReply
 from schemas.workers import Layout, WorkerInfo
-from services.messenger import link
 from services.messenger.config import MessengerConfig
+from services.messenger.handoff import Reservations
 from services.messenger.node_pool import NodePool, PoolEvent
+from services.messenger.pulls import Pulls
 
 log = logging.getLogger(__name__)
-MAX_LINKS = 64  # link connections served at once
 
 
 class MessengerMetrics:
@@ -50,9 +55,10 @@ class MessengerMetrics:
         self.registry = r = metrics.registry()
         self.bytes = Counter("moonbus_messenger_bytes", "KV bytes moved, by peer node, transport and direction",
                              ["peer", "transport", "direction"], registry=r)
-        self.transfer_s = Histogram("moonbus_messenger_transfer_seconds", "KV transfers (send: a request's handoff; "
-                                    "pull: blocks fetched for replication)", ["op"], buckets=metrics.SLOW_BUCKETS,
-                                    registry=r)
+        self.transfer_s = Histogram("moonbus_messenger_transfer_seconds", "KV transfers (pull: blocks fetched "
+                                    "for replication)", ["op"], buckets=metrics.SLOW_BUCKETS, registry=r)
+        self.reserved = Gauge("moonbus_messenger_handoff_reservations", "handoff destinations reserved in this "
+                              "node's memory, not complete yet", registry=r)
         blocks = Gauge("moonbus_messenger_pool_blocks", "blocks held, by tier", ["tier"], registry=r)
         blocks.labels("dram").set_function(lambda: pool.pool.num_dram)
         blocks.labels("ssd").set_function(lambda: pool.pool.num_ssd)
@@ -66,11 +72,11 @@ class MessengerMetrics:
 
 
 class MessengerService:
-    def __init__(self, cfg: MessengerConfig, nc, tasks: runner.TaskGroup, pool: NodePool, max_kv_tokens: int) -> None:
+    def __init__(self, cfg: MessengerConfig, nc, tasks: runner.TaskGroup, pool: NodePool, max_kv_tokens: int,
+                 transports: Transports) -> None:
         self.cfg = cfg
         self.max_kv_tokens = max_kv_tokens  # the model's context: no request's KV is longer
-        self.secret = security.read_secret(cfg.cluster_secret_file)  # peers on the link must prove they hold it
-        self.links = asyncio.Semaphore(MAX_LINKS)
+        self.transports = transports  # peers must prove they hold the cluster secret
         self.layout = Layout(cfg.model, cfg.block_tokens, 0, pool.layout.signature)  # what the cluster checks
         self.nc = nc
         self.tasks = tasks
@@ -79,14 +85,20 @@ class MessengerService:
                                           secret=security.read_secret(cfg.cluster_secret_file))
         self.metrics = MessengerMetrics(pool)
         self.outbox: asyncio.Queue[PoolEvent] = asyncio.Queue()  # KV events, published in seq order
-        self.transfer_addr = ""
-        self.peers: dict[str, tuple[str, float]] = {}  # node -> (host:port, last heartbeat, monotonic)
+        self.transfer_addr = ""  # tcp host:port of this node's transports
+        self.peers: dict[str, tuple[dict[str, str], float]] = {}  # node -> (transport endpoints, last heartbeat, monotonic)
         self.hold_since: dict[str, float] = {}  # hold -> when it first pinned blocks (lease)
         self.workers: dict[str, tuple[str, float]] = {}  # instance on this node -> (incarnation, last heartbeat)
         self.own_holder = f"{cfg.instance_id}:{pool.epoch}"  # pins the messenger makes itself (pulls)
+        self.reservations = Reservations(cfg.node, cfg.shm_dir, pool.layout, max_kv_tokens, transports,
+                                         cfg.reserve_idle_s, self.count_handoff)
+        self.seen: dict[str, tuple[str, float]] = {}  # prefill/decode instance anywhere -> (incarnation, last heartbeat)
+        self.pulls: Pulls | None = None  # set by serve(): it needs the running loop
+        self.loop: asyncio.AbstractEventLoop | None = None
         # op -> (handler, runs as its own task); slow ops must not hold up the others
         self.ops: dict[str, tuple[Callable[[bytes], Awaitable[Wire]], bool]] = {
-            "send": (self.op_send, True),
+            "accept": (self.op_accept, True),
+            "abort": (self.op_abort, True),
             "pull": (self.op_pull, True),
             "lookup": (self.op_lookup, False),
             "reserve": (self.op_reserve, False),
@@ -124,14 +136,31 @@ class MessengerService:
 
     async def on_heartbeat(self, msg: Msg) -> None:
         info = WorkerInfo.from_bytes(msg.data)
-        if info.role in ("prefill", "decode") and info.node == self.cfg.node:
-            self.track_worker(info)
+        if info.role in ("prefill", "decode"):
+            if info.node == self.cfg.node:
+                self.track_worker(info)
+            await self.track_reserver(info)
         if info.role != "messenger" or info.node == self.cfg.node:
             return
         if info.leaving:
             self.peers.pop(info.node, None)
         else:
-            self.peers[info.node] = (info.transfer_addr, time.monotonic())
+            self.peers[info.node] = (info.endpoints or {"tcp": info.transfer_addr}, time.monotonic())
+
+    async def track_reserver(self, info: WorkerInfo) -> None:
+        """Handoff reservations die with their prefill process (on any node) or their decode instance."""
+        known = self.seen.get(info.instance_id)
+        self.seen[info.instance_id] = (info.incarnation, time.monotonic())
+        gone = []
+        if known is not None and known[0] != info.incarnation:  # restarted: its predecessor's are orphans
+            gone += self.reservations.of_holder(f"{info.instance_id}:{known[0]}")
+        if info.leaving:
+            gone += self.reservations.of_holder(info.holder)
+            self.seen.pop(info.instance_id, None)
+        if info.role == "decode" and (info.leaving or (known is not None and known[0] != info.incarnation)):
+            gone += self.reservations.of_decode(info.instance_id)
+        for region in set(gone):
+            await asyncio.to_thread(self.reservations.drop, region, f"{info.instance_id} left or restarted")
 
     def track_worker(self, info: WorkerInfo) -> None:
         """A worker of this node: when it leaves or comes back as a new process, its old pins go."""
@@ -192,89 +221,37 @@ class MessengerService:
         return SnapshotReply(self.cfg.node, self.pool.epoch, seq, list(held), list(held.values()))
 
     async def op_pull(self, data: bytes) -> PoolReply:
-        """Fetch blocks from a peer and keep them here (replication of hot blocks)."""
+        """Fetch blocks from a peer and keep them here (replication of hot blocks, pulls.py)."""
         req = PullRequest.from_bytes(data)
-        started = time.perf_counter()
-        addr = await self.peer_addr(req.source_node)
-        if addr is None:
+        endpoints = await self.peer_endpoints(req.source_node)
+        if endpoints is None:
             return PoolReply(False, f"no live messenger on node {req.source_node}")
-        fetched, nbytes = await self.fetch(addr, FetchBlocks(req.request_id, req.keys))
-        by_key = {k: (c, p) for k, c, p in fetched}
-        keys = [k for k, _, _ in fetched]
-        hold = f"{self.own_holder}/{req.request_id}"
-        # in rounds, as a worker stores: reserved blocks stay pinned until written
-        try:
-            for _ in range(len(keys)):
-                slots, events = self.pool.reserve(hold, keys, req.first_depth)
-                self.publish(events)
-                if not slots:
-                    break
-                written = []
-                for ref in slots:
-                    checksum, payload = by_key[ref.key]
-                    self.pool.slab.write(ref.slot, payload)
-                    written.append(SlotRef(ref.key, ref.slot, checksum))
-                self.publish(self.pool.commit(hold, written))
-                self.publish(self.pool.release(hold))
-        finally:  # a failed round must not leave its reservations pinned
-            self.publish(self.pool.release(hold))
-        self.metrics.bytes.labels(req.source_node, "tcp", "in").inc(nbytes)
-        self.metrics.transfer_s.labels("pull").observe(time.perf_counter() - started)
-        return PoolReply(True, num_blocks=len(fetched), nbytes=nbytes, seconds=time.perf_counter() - started)
+        reply, transport = await self.pulls.pull(req, endpoints)
+        self.metrics.bytes.labels(req.source_node, transport, "in").inc(reply.nbytes)
+        self.metrics.transfer_s.labels("pull").observe(reply.seconds)
+        return reply
 
-    async def fetch(self, addr: str, request: FetchBlocks) -> tuple[list[tuple[int, int, bytes]], int]:
-        """[(key, checksum, payload)] of the leading requested blocks the peer has (verified)."""
-        host, port = addr.rsplit(":", 1)
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), self.cfg.connect_timeout_s)
-        try:
-            await link.client_handshake(reader, writer, self.secret)
-            await link.write_frame(writer, request, op=link.OP_FETCH)
-            reply = await link.read_header(reader, FetchReply)
-            if reply.error:
-                raise link.LinkError(reply.error)
-            out = []
-            for key, checksum in zip(reply.keys, reply.checksums):
-                payload = await link.read_payload(reader, reply.nbytes)
-                if kvblocks.checksum(payload) != checksum:
-                    log.error("request %s: block %016x from %s failed its checksum", request.request_id, key, addr)
-                    break  # a corrupt block ends the usable prefix
-                out.append((key, checksum, payload))
-            return out, len(out) * reply.nbytes
-        finally:
-            writer.close()
+    # --- the streamed handoff (prefill -> this node's decode; handoff.py) ----------------------------
+    async def op_accept(self, data: bytes) -> AcceptKvReply:
+        req = AcceptKv.from_bytes(data)
+        region = await asyncio.to_thread(self.reservations.accept, req, req.src_node)
+        self.seen.setdefault(req.holder.split(":", 1)[0], (req.holder.split(":", 1)[1], time.monotonic()))
+        self.metrics.reserved.set(len(self.reservations.held))
+        return AcceptKvReply(True, region)
 
-    # --- the whole-request handoff (prefill -> decode) ----------------------------------------
-    async def op_send(self, data: bytes) -> SendKvReply:
-        request = SendKv.from_bytes(data)
-        if request.dest_node == self.cfg.node:
-            return SendKvReply(True, request.src)  # same node: the file is already in our shared memory
-        addr = await self.peer_addr(request.dest_node)
-        if addr is None:
-            return SendKvReply(False, error=f"no live messenger on node {request.dest_node}")
-        started = time.perf_counter()
-        path = kvfiles.path_of(self.cfg.shm_dir, request.src)
-        payload = await asyncio.to_thread(path.read_bytes)
-        if request.src.node != self.cfg.node:
-            return SendKvReply(False, error=f"the KV {request.src.name} is not on node {self.cfg.node}")
-        host, port = addr.rsplit(":", 1)
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), self.cfg.connect_timeout_s)
-        try:
-            await link.client_handshake(reader, writer, self.secret)
-            await link.write_frame(writer, TransferHeader(request.request_id, request.src, len(payload),
-                                                          request.dest_instance), payload, op=link.OP_TRANSFER)
-            ack = await link.read_header(reader, TransferAck)
-        finally:
-            writer.close()
-        if not ack.ok:
-            return SendKvReply(False, error=f"node {request.dest_node} refused the KV: {ack.error}")
-        path.unlink(missing_ok=True)  # it lives on the decode node now
-        self.metrics.bytes.labels(request.dest_node, "tcp", "out").inc(len(payload))
-        self.metrics.transfer_s.labels("send").observe(time.perf_counter() - started)
-        return SendKvReply(True, ack.dest, nbytes=len(payload), seconds=time.perf_counter() - started)
+    async def op_abort(self, data: bytes) -> PoolReply:
+        req = AbortKv.from_bytes(data)
+        dropped = await asyncio.to_thread(self.reservations.abort, req.request_id, req.attempt, req.dest_instance)
+        self.metrics.reserved.set(len(self.reservations.held))
+        return PoolReply(True, num_blocks=int(dropped))
 
-    async def peer_addr(self, node: str) -> str | None:
-        """The link address of `node`'s messenger; waits a little for one that just started, and up
-        to the peer timeout for a heartbeat of one we know (e.g. right after a broker outage)."""
+    def count_handoff(self, src_node: str, nbytes: int) -> None:
+        """A handoff completed (a connection thread): its bytes came in over the transports."""
+        self.metrics.bytes.labels(src_node or "?", self.transports.label, "in").inc(nbytes)
+
+    async def peer_endpoints(self, node: str) -> dict[str, str] | None:
+        """The transport endpoints of `node`'s messenger; waits a little for one that just started,
+        and up to the peer timeout for a heartbeat of one we know (e.g. right after a broker outage)."""
         wait = self.cfg.peer_timeout_s if node in self.peers else 2 * self.cfg.heartbeat_interval_s
         deadline = time.monotonic() + wait
         while True:
@@ -285,82 +262,11 @@ class MessengerService:
                 return None
             await asyncio.sleep(0.05)
 
-    # --- the link (TCP server side) -------------------------------------------------------
-    async def on_link(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername")
-        if self.links.locked():  # at the limit: refuse rather than queue (a flood must not pile up)
-            log.warning("link from %s refused: %d connections already open", peer, MAX_LINKS)
-            writer.close()
-            return
-        async with self.links:
-            await self.serve_link(reader, writer, peer)
-
-    async def serve_link(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, peer) -> None:
-        try:
-            await link.server_handshake(reader, writer, self.secret)
-            op = await link.read_op(reader)
-            if op == link.OP_TRANSFER:
-                await self.serve_transfer(reader, writer)
-            elif op == link.OP_FETCH:
-                await self.serve_fetch(reader, writer)
-            else:
-                log.warning("link from %s: unknown op %r", writer.get_extra_info("peername"), op)
-        except link.LinkRefused as exc:
-            log.warning("link from %s refused: %s", peer, exc)
-            await self.events.instance("link_refused", self.cfg.instance_id, node=self.cfg.node, peer=str(peer),
-                                       reason=str(exc))
-        except (link.LinkError, ValueError, OSError) as exc:  # a broken peer or a malformed frame
-            log.warning("link from %s broke: %s", peer, exc)
-        except Exception:
-            log.exception("link from %s failed", peer)
-        finally:
-            writer.close()
-
-    async def serve_transfer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        header = await link.read_header(reader, TransferHeader)
-        problem = self.check_transfer(header)
-        if problem:
-            log.warning("request %s: refused a KV transfer: %s", header.request_id, problem)
-            await link.write_frame(writer, TransferAck(False, error=problem))
-            return
-        payload = await link.read_payload(reader, header.nbytes)
-        try:
-            dest = await asyncio.to_thread(kvfiles.write_bytes, self.cfg.shm_dir, header.handle, payload, self.cfg.node,
-                                           header.dest_instance)
-            ack = TransferAck(True, dest)
-            self.metrics.bytes.labels(header.handle.node, "tcp", "in").inc(header.nbytes)
-        except (OSError, kvfiles.KvChecksumError) as exc:
-            log.error("request %s: cannot land KV: %s", header.request_id, exc)
-            ack = TransferAck(False, error=str(exc))
-        await link.write_frame(writer, ack)
-
-    def check_transfer(self, header: TransferHeader) -> str:
-        """A transfer must carry a whole request's KV in this model's layout (sizes are not trusted)."""
-        layout, shape = self.pool.layout, header.handle.shape
-        expected = layout.request_shape(shape[3])
-        if tuple(shape) != expected or not 0 < shape[3] <= self.max_kv_tokens:
-            return f"shape {shape} is not this model's KV layout {expected[:3]}..{expected[4:]} of at most {self.max_kv_tokens} tokens"
-        if header.nbytes != layout.bytes_per_token * shape[3]:
-            return f"{header.nbytes} bytes do not match shape {shape}"
-        return ""
-
-    async def serve_fetch(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        request = await link.read_header(reader, FetchBlocks)
-        keys, checksums, payloads = [], [], []
-        for key in request.keys:
-            payload = self.pool.read_block(key)
-            if payload is None:
-                break  # only a prefix is useful
-            keys.append(key)
-            checksums.append(self.pool.checksums.get(key) or kvblocks.checksum(payload))
-            payloads.append(payload)
-        self.publish(self.pool.take_events())  # a corrupt block found while reading is reported
-        await link.write_frame(writer, FetchReply(keys, checksums, self.pool.layout.block_nbytes))
-        for payload in payloads:
-            writer.write(payload)
-            await writer.drain()
-        self.metrics.bytes.labels(str(writer.get_extra_info("peername", ("?",))[0]), "tcp", "out").inc(
-            sum(len(p) for p in payloads))
+    def on_refused(self, peer: str, reason: str) -> None:
+        """A peer failed the transport's handshake (a connection thread): logged there, audited here."""
+        self.loop.call_soon_threadsafe(lambda: self.tasks.spawn(
+            self.events.instance("link_refused", self.cfg.instance_id, node=self.cfg.node, peer=peer, reason=reason),
+            "link-refused-event", essential=False))
 
     # --- events and housekeeping -------------------------------------------------------------
     def publish(self, events: list[PoolEvent]) -> None:
@@ -375,13 +281,21 @@ class MessengerService:
 
     async def heartbeat(self) -> None:
         info = WorkerInfo(self.cfg.instance_id, "messenger", self.cfg.node, self.layout.model, transfer_addr=self.transfer_addr,
-                          incarnation=self.pool.epoch, layout=self.layout, sent_at=time.time())
+                          incarnation=self.pool.epoch, layout=self.layout, sent_at=time.time(),
+                          transport=self.transports.label, endpoints=self.transports.endpoints)
         await bus.publish(self.nc, subjects.WORKER_HEARTBEAT, info.to_bytes())
 
     async def sweep(self) -> None:
-        """Pins of silent workers and expired leases, and request files nobody came back for."""
+        """Pins of silent workers and expired leases, handoff reservations nobody will complete, and
+        request files nobody came back for."""
         now = time.monotonic()
         quiet_since = now - self.cfg.peer_timeout_s
+        trust = not bus.recently_reconnected(self.nc)  # after a broker outage, silence proves nothing
+        alive_any = {f"{iid}:{inc}" for iid, (inc, seen) in self.seen.items() if seen >= quiet_since} if trust else None
+        live_decodes = {iid for iid, (_, seen) in self.seen.items() if seen >= quiet_since} if trust else None
+        for region, why in self.reservations.expired(alive_any, live_decodes):
+            await asyncio.to_thread(self.reservations.drop, region, why)
+        self.metrics.reserved.set(len(self.reservations.held))
         alive = {f"{iid}:{inc}" for iid, (inc, seen) in self.workers.items() if seen >= quiet_since}
         for hold, since in list(self.hold_since.items()):
             holder = hold.split("/", 1)[0]
@@ -407,12 +321,15 @@ async def serve(cfg: MessengerConfig, stop: asyncio.Event) -> None:
     pool = NodePool(cfg.node, layout, cfg.shm_dir, dram_blocks, cfg.ssd_dir, ssd_blocks, cfg.eviction)
     nc = await bus.connect(cfg.nats_url, cfg.instance_id, cfg.nats_auth)
     tasks = runner.TaskGroup(stop)
-    service = MessengerService(cfg, nc, tasks, pool, shape.max_context)
+    transports = Transports(cfg.transport, security.read_secret(cfg.cluster_secret_file), cfg.link_timeout_s)
+    service = MessengerService(cfg, nc, tasks, pool, shape.max_context, transports)
     service.layout = Layout(ref.name, cfg.block_tokens, 0, layout.signature)
+    service.loop = asyncio.get_running_loop()
+    service.pulls = Pulls(pool, transports, service.own_holder, service.publish, service.loop, cfg.link_timeout_s)
+    transports.on_refused = service.on_refused
     await worker.obey_refusal(nc, cfg.instance_id, tasks)
-    server = await asyncio.start_server(service.on_link, cfg.transfer_host, cfg.transfer_port, limit=1 << 20)
-    port = server.sockets[0].getsockname()[1]
-    service.transfer_addr = f"{cfg.transfer_addr_host}:{port}"
+    endpoints = transports.listen(cfg.transfer_host, cfg.transfer_port, cfg.advertise_host)
+    service.transfer_addr = endpoints.get("tcp", "")
     await bus.subscribe(nc, subjects.WORKER_HEARTBEAT, service.on_heartbeat)
     await bus.subscribe(nc, subjects.messenger_control(cfg.node, "*"), service.on_control)
     tasks.spawn(service.publish_loop(), "kv-events")
@@ -422,17 +339,20 @@ async def serve(cfg: MessengerConfig, stop: asyncio.Event) -> None:
     tasks.spawn(health.beacon(cfg.health_file, nc, stop), "health", essential=False)
     metrics.serve(cfg.metrics_port, service.metrics.registry, cfg.metrics_host)
     await service.events.instance("started", cfg.instance_id, role="messenger", node=cfg.node,
-                                  transfer_addr=service.transfer_addr, epoch=pool.epoch,
+                                  transfer_addr=service.transfer_addr, transport=transports.label, epoch=pool.epoch,
                                   dram_blocks=pool.pool.dram_capacity_blocks, ssd_blocks=pool.pool.ssd_capacity_blocks,
                                   block_nbytes=layout.block_nbytes)
-    log.info("messenger %s for node %s: KV link on %s; pool %d DRAM + %d SSD blocks of %d bytes (%s)",
-             cfg.instance_id, cfg.node, service.transfer_addr, pool.pool.dram_capacity_blocks,
+    log.info("messenger %s for node %s: KV transports %s on %s; pool %d DRAM + %d SSD blocks of %d bytes (%s)",
+             cfg.instance_id, cfg.node, transports.label, endpoints, pool.pool.dram_capacity_blocks,
              pool.pool.ssd_capacity_blocks, layout.block_nbytes, cfg.eviction)
     await stop.wait()
     await bus.publish(nc, subjects.WORKER_HEARTBEAT,
                       WorkerInfo(cfg.instance_id, "messenger", cfg.node, leaving=True, incarnation=pool.epoch).to_bytes())
-    server.close()
+    transports.close()
     await tasks.cancel_all()
     await bus.shutdown(nc)
+    for region in list(service.reservations.held):
+        service.reservations.drop(region, "the messenger stopped")
+    service.pulls.close()
     pool.close()
     return not tasks.failed

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common import config as common
+from common.transport import MODES
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class PrefillConfig:
     heartbeat_interval_s: float
     drain_grace_s: float  # after SIGTERM: time to finish the work held before handing the rest back
     transfer_timeout_s: float
+    transport: str  # auto | tcp | rdma: how KV goes to decode nodes and pipeline stages (common/transport)
     stream_host: str  # where this instance listens for pipeline stages' KV slices
     advertise_host: str  # how other instances reach that listener ("" = stream_host)
     pipeline_listener: bool  # listen for pipeline stages' KV (only when the conductor pipelines)
@@ -42,6 +44,8 @@ class PrefillConfig:
             raise ValueError("drain grace must be >= 0")
         if self.heartbeat_interval_s <= 0 or self.transfer_timeout_s <= 0:
             raise ValueError("intervals and timeouts must be > 0")
+        if self.transport not in MODES:
+            raise ValueError(f"transport must be one of {', '.join(MODES)}; got {self.transport!r}")
 
 
 def load(argv: list[str] | None = None) -> PrefillConfig:
@@ -62,7 +66,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                 help="seconds between heartbeats, each with this instance's load report")
     common.flag(parser, "--drain-grace", "MOONBUS_DRAIN_GRACE", 30.0, float, dest="drain_grace_s",
                 help="seconds to finish held work after SIGTERM; what is left is resumed elsewhere")
-    common.flag(parser, "--transfer-timeout", "MOONBUS_TRANSFER_TIMEOUT", 60.0, float, help="seconds for one KV transfer", dest="transfer_timeout_s")
+    common.flag(parser, "--transfer-timeout", "MOONBUS_TRANSFER_TIMEOUT", 60.0, float, dest="transfer_timeout_s",
+                help="seconds for one KV transfer step (a reservation, a connection, a slice, the completion notice)")
+    common.add_transport_flag(parser)
     common.flag(parser, "--stream-host", "MOONBUS_STREAM_HOST", "127.0.0.1", help="bind address for pipeline KV streams")
     common.flag(parser, "--advertise-host", "MOONBUS_ADVERTISE_HOST", "", help="host other instances connect to")
     common.flag(parser, "--pipeline-listener", "MOONBUS_PIPELINE_LISTENER", False, common.boolean, nargs="?", const=True,

@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -68,6 +69,7 @@ class PrefixSource(Protocol):
 class PrefillResult:
     kv: torch.Tensor  # [L, 2, H, S, D]: the whole prompt's KV, prefix included
     logits: torch.Tensor  # [vocab] at the last position
+    computed_at: float = 0.0  # perf_counter when the last layer's compute ended (the handoff's tail starts)
 
 
 class TensorPrefix:
@@ -254,6 +256,7 @@ class LayerwisePrefill:
         try:
             for a, b in self.chunks(num_prefix, len(token_ids)):
                 logits = self.compute_chunk(token_ids, a, b, kv, streamer)
+            computed_at = time.perf_counter()
         except BaseException as exc:
             kv.fail(exc)  # unblocks the loader
             raise
@@ -262,7 +265,7 @@ class LayerwisePrefill:
                 loader.join()
             if streamer is not None:
                 streamer.close()
-        return PrefillResult(kv.kv, logits)
+        return PrefillResult(kv.kv, logits, computed_at)
 
     @torch.inference_mode()
     def compute_chunk(self, token_ids: list[int], start: int, end: int, kv: KvAssembly,

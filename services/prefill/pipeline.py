@@ -2,151 +2,151 @@
 
 Chunk i of a long prompt runs on stage i mod X (schemas.prefill.PipelineSpec). Each stage
 computes its chunks layer by layer into one KvAssembly (services/prefill/layerwise.py) and
-streams every layer slice it computes to every other stage over TCP (`PeerSink`); a stage's
-`SliceReceiver` lands the slices it gets into that request's assembly, so chunk i's layer l
-starts as soon as chunk i-1's layer l is in place:
+streams every layer slice it computes to the other stages that need it (`PeerSink`), through
+the point-to-point transports (common/transport): a one-sided write of the slice straight into
+the peer's assembly, which that stage registered as a region when its task arrived
+(`SliceReceiver`); the landed slice raises the assembly's watermark, so chunk i's layer l starts
+as soon as chunk i-1's layer l is in place:
 
     stage 0   c0.L0 c0.L1 c0.L2 ...            c2.L0 c2.L1 ...
     stage 1         c1.L0 c1.L1 c1.L2 ...            c3.L0 ...
               (c1.L0 waits for c0.L0, c2.L0 for c1.L0, ...)
 
-Frame: [4-byte length][KvSlice JSON][float32 payload]. Slices of one layer may arrive out of
-token order from different peers; they are held until the slice before them is in place.
+Slices of one layer may land out of token order from different peers; the watermark rises over
+them once the slice before them is in place. A slice carries its checksum, verified on arrival.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import socket
-import struct
+import threading
 from typing import Callable
 
 import torch
+import xxhash
 
+from common.kv.slices import SliceGeometry, from_meta, meta
+from common.transport import Channel, TransportError, Transports
 from schemas.prefill import PipelineSpec
-from schemas.transfer import KvSlice
-from services.messenger import link
+from schemas.transfer import RegionRef
 from services.prefill.layerwise import KvAssembly
 
 log = logging.getLogger(__name__)
-_LEN = struct.Struct(">I")
+
+
+def region_of(request_id: str) -> str:
+    """The region a stage registers for a pipelined request (every stage derives the same id)."""
+    return "pl" + xxhash.xxh3_64_hexdigest(request_id.encode())
 
 
 class SliceReceiver:
-    """The TCP listener of one prefill instance: peer stages' slices -> per-request assemblies.
+    """The pipeline listener of one prefill instance: peer stages write into per-request assemblies.
 
-    Nothing from the network is trusted: a peer proves it holds the cluster secret first
-    (services/messenger/link.py), a slice must belong to a pipelined task this instance holds
-    (`expect`, from the task on the bus: its length comes from there, not from the sender), and its
-    layer and token range must fit that request's KV.
+    Nothing from the network is trusted: a peer proves it holds the cluster secret first (the
+    transport's handshake), a slice must land in the region of a pipelined task this instance
+    holds (`expect`, from the task on the bus: its length comes from there, not from the sender),
+    within its bounds, exactly where its layer and token range live, and with a good checksum.
     """
 
     WAIT_FOR_TASK_S = 5.0  # a peer stage may start streaming a moment before our task arrives
 
-    def __init__(self, new_assembly: Callable[[int], KvAssembly], secret: bytes | None = None) -> None:
+    def __init__(self, new_assembly: Callable[[int], KvAssembly], transports: Transports | None = None) -> None:
         self.new_assembly = new_assembly  # total tokens -> an empty assembly for this model
-        self.secret = secret
-        self.expected: dict[str, int] = {}  # request_id -> prompt tokens, for pipelined tasks held here
+        self.transports = transports  # None: this instance does not listen (no pipelining)
         self.assemblies: dict[str, KvAssembly] = {}  # request_id -> its KV being assembled
-        self.held: dict[tuple[str, int], dict[int, torch.Tensor]] = {}  # (request_id, layer) -> start -> slice
+        self.pending: dict[tuple[str, int], dict[int, int]] = {}  # (request_id, layer) -> start -> end, landed early
+        self._lock = threading.Lock()
+        if transports is not None:
+            transports.region_grace_s = self.WAIT_FOR_TASK_S
+            transports.handle("sync", lambda body, peer: b"")  # a sender's last call: did every slice land?
 
     def expect(self, request_id: str, total_tokens: int) -> None:
-        self.expected[request_id] = total_tokens
+        """A pipelined task arrived: its assembly, registered for the other stages to write into."""
+        kv = self.assembly(request_id, total_tokens)
+        if self.transports is not None:
+            self.transports.unregister(region_of(request_id))  # an earlier attempt's
+            self.transports.register(region_of(request_id), memoryview(kv.kv.numpy()).cast("B"),
+                                     lambda m, pieces, error: self.landed(request_id, m, pieces, error))
 
     def assembly(self, request_id: str, total_tokens: int) -> KvAssembly:
-        if request_id not in self.assemblies:
-            self.assemblies[request_id] = self.new_assembly(total_tokens)
-        return self.assemblies[request_id]
+        with self._lock:
+            if request_id not in self.assemblies:
+                self.assemblies[request_id] = self.new_assembly(total_tokens)
+            return self.assemblies[request_id]
 
     def drop(self, request_id: str) -> None:
-        self.expected.pop(request_id, None)
-        self.assemblies.pop(request_id, None)
-        for key in [k for k in self.held if k[0] == request_id]:
-            del self.held[key]
+        if self.transports is not None:
+            self.transports.unregister(region_of(request_id))  # waits for writes in flight on it
+        with self._lock:
+            self.assemblies.pop(request_id, None)
+            for key in [k for k in self.pending if k[0] == request_id]:
+                del self.pending[key]
 
-    async def on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername")
-        try:
-            await link.server_handshake(reader, writer, self.secret)
-            while True:
-                try:
-                    header = await link.read_header(reader, KvSlice)
-                except link.LinkError:
-                    return  # the peer finished its stream
-                kv = await self.checked_assembly(header)
-                shape = (2, kv.kv.shape[2], header.num_tokens, kv.kv.shape[4])
-                payload = await link.read_payload(reader, 4 * shape[0] * shape[1] * shape[2] * shape[3])
-                self.deliver(header, torch.frombuffer(bytearray(payload), dtype=torch.float32).view(shape))
-        except (link.LinkError, ValueError) as exc:  # refused, broken, or a slice that does not fit
-            log.warning("pipeline stream from %s refused or broke: %s", peer, exc)
-        finally:
-            writer.close()
-
-    async def checked_assembly(self, header: KvSlice) -> KvAssembly:
-        waited = 0.0
-        while header.request_id not in self.expected:
-            if waited >= self.WAIT_FOR_TASK_S:
-                raise ValueError(f"request {header.request_id} is not a pipelined task of this instance")
-            await asyncio.sleep(0.05)
-            waited += 0.05
-        total = self.expected[header.request_id]
-        kv = self.assembly(header.request_id, total)
-        if not (0 <= header.layer < kv.kv.shape[0] and header.num_tokens > 0 and 0 <= header.start
-                and header.start + header.num_tokens <= total):
-            raise ValueError(f"slice layer {header.layer} tokens [{header.start}, {header.start + header.num_tokens}) "
-                             f"does not fit request {header.request_id} ({total} tokens)")
-        return kv
-
-    def deliver(self, header: KvSlice, kv_slice: torch.Tensor) -> None:
-        kv = self.assemblies[header.request_id]
-        held = self.held.setdefault((header.request_id, header.layer), {})
-        held[header.start] = kv_slice
-        # NOTE: a slice lands only right after the one before it (the assembly's watermark)
-        while kv.ready[header.layer] in held:
-            piece = held.pop(kv.ready[header.layer])
-            kv.write_layer(header.layer, kv.ready[header.layer], piece)
+    def landed(self, request_id: str, m: dict, pieces: list[tuple[int, int]], error: str | None) -> None:
+        """A peer's write into this request's assembly (a connection thread)."""
+        kv = self.assemblies.get(request_id)
+        if kv is None:
+            return
+        if error:  # corrupt or out of bounds: this stage cannot finish; fail fast rather than time out
+            kv.fail(TransportError(f"a pipeline slice of request {request_id} failed: {error}"))
+            return
+        layer, start, n = from_meta(m)
+        geometry = SliceGeometry(kv.kv.shape, kv.kv.element_size())
+        geometry.check(layer, start, n)
+        if [tuple(p) for p in pieces] != geometry.runs(layer, start, n) or start < kv.ready[layer]:
+            raise ValueError(f"slice {m} is not where that slice lives, or overwrites tokens already in place")
+        with self._lock:
+            held = self.pending.setdefault((request_id, layer), {})
+            held[start] = start + n
+            # NOTE: the watermark rises only over slices that follow the one in place
+            while kv.ready[layer] in held:
+                kv.mark(layer, kv.ready[layer], held.pop(kv.ready[layer]))
 
 
 class PeerSink:
-    """A KvSink that sends each slice to the peer stages that still need it (on the streamer thread).
+    """A KvSink that writes each slice into the peer stages that still need it (on the streamer thread).
 
     A slice of chunk i is needed by every stage that computes a later chunk (its attention reads
     it) and by the last stage (it hands the whole KV to decode).
     """
 
-    def __init__(self, request_id: str, total_tokens: int, spec: PipelineSpec, stage: int, timeout_s: float,
-                 secret: bytes | None = None) -> None:
+    def __init__(self, request_id: str, total_tokens: int, spec: PipelineSpec, stage: int, transports: Transports,
+                 timeout_s: float, shape: tuple[int, ...], itemsize: int = 4) -> None:
         self.request_id = request_id
-        self.total_tokens = total_tokens
         self.chunk_tokens = spec.chunk_tokens
+        self.geometry = SliceGeometry(shape, itemsize)
         num_stages = len(spec.stages)
-        self.peers: list[tuple[int, socket.socket]] = []  # (last chunk index the peer computes, its socket)
-        for peer, addr in enumerate(spec.addrs):
-            if peer == stage:
-                continue
-            last_chunk = max(i for i in range(num_chunks(total_tokens, spec.chunk_tokens)) if i % num_stages == peer)
-            host, port = addr.rsplit(":", 1)
-            sock = socket.create_connection((host, int(port)), timeout=timeout_s)
-            try:
-                link.client_handshake_blocking(sock, secret)
-            except BaseException:
-                sock.close()
-                raise
-            self.peers.append((last_chunk, sock))
+        self.peers: list[tuple[int, Channel, RegionRef]] = []  # (last chunk index the peer computes, channel, region)
+        try:
+            for peer, addr in enumerate(spec.addrs):
+                if peer == stage:
+                    continue
+                last_chunk = max(i for i in range(num_chunks(total_tokens, spec.chunk_tokens)) if i % num_stages == peer)
+                channel = transports.connect({"tcp": addr}, timeout_s)
+                self.peers.append((last_chunk, channel, RegionRef(region_of(request_id), self.geometry.nbytes, {"tcp": addr})))
+        except BaseException:
+            self.close()
+            raise
 
     def write_layer(self, layer: int, start: int, kv: torch.Tensor) -> None:
-        header = KvSlice(self.request_id, layer, start, kv.shape[2], self.total_tokens).to_bytes()
-        payload = kv.contiguous().numpy().tobytes()
+        pieces = self.geometry.pieces(layer, start, kv)
         chunk = start // self.chunk_tokens
-        for last_chunk, sock in self.peers:
+        for last_chunk, channel, region in self.peers:
             if last_chunk > chunk:
-                sock.sendall(_LEN.pack(len(header)) + header)
-                sock.sendall(payload)
+                channel.write(region, pieces, meta(layer, start, kv.shape[2]))
 
     def finish(self) -> None:
-        for _, sock in self.peers:
-            sock.close()
+        """Every slice is out: one call per peer confirms they landed (or raises why not)."""
+        try:
+            for _, channel, _ in self.peers:
+                channel.call("sync")
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for _, channel, _ in self.peers:
+            channel.close()
+        self.peers = []
 
 
 def num_chunks(num_tokens: int, chunk_tokens: int) -> int:

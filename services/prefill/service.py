@@ -1,7 +1,8 @@
 """Prefill instance: computes a prompt's KV and first token, then hands the request to decode.
 
-task (NATS) -> forward pass in a worker thread -> first token to the gateway -> KV file in the
-node's shared memory -> local messenger moves it to the decode node -> DecodeTask to decode.
+task (NATS) -> the decode node reserves the KV's destination (services/prefill/handoff.py) ->
+forward pass in a worker thread, each layer's KV written into that destination while the next
+layer computes -> first token to the gateway -> completion notice -> DecodeTask to decode.
 
 Faults stay with their request: anything one task throws ends that task with one retryable
 error to its gateway (before the first token the gateway re-dispatches it once; after it, a
@@ -25,29 +26,25 @@ import time
 
 import torch
 from nats.aio.msg import Msg
-from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from common import bus, health, kvfiles, metrics, models, runner, sampling, security, worker
 from common.kv.blocks import DEFAULT_SEED, block_keys
 from common.pool_client import PoolClient, PoolUnavailable, Prefix
+from common.transport import Transports
 from schemas import subjects
 from schemas.codec import WireError
 from schemas.decode import DecodeTask
 from schemas.prefill import PrefillTask
 from schemas.tokens import Probe, ProbeReply, TokenChunk
-from schemas.transfer import SendKv, SendKvReply
 from schemas.workers import Coming, Layout, PrefillReport, Progress, WorkerInfo
 from services.prefill.config import PrefillConfig
 from services.prefill import pipeline
-from services.prefill.layerwise import FileSink, LayerwisePrefill, LayerStreamer
+from services.prefill.handoff import Handoff, HandoffFailed
+from services.prefill.layerwise import LayerwisePrefill, LayerStreamer
 
 log = logging.getLogger(__name__)
-
-
-class TransferFailed(RuntimeError):
-    """Raised when the node's messenger could not move a request's KV to the decode node."""
 
 
 class PrefillMetrics:
@@ -93,8 +90,10 @@ class PrefillService:
         self.draining = False
         self.gone = asyncio.Event()  # heartbeats go on while draining (they say so) and end with leave()
         self.compute_lock = compute_lock or contextlib.nullcontext()
-        self.secret = security.read_secret(cfg.cluster_secret_file)  # for the pipeline's links
-        self.receiver = pipeline.SliceReceiver(self.engine.new_assembly, self.secret)
+        self.secret = security.read_secret(cfg.cluster_secret_file)  # peers on the transports prove they hold it
+        self.transports = Transports(cfg.transport, self.secret, cfg.transfer_timeout_s)  # handoffs, pipeline slices
+        self.receiver = pipeline.SliceReceiver(self.engine.new_assembly,
+                                               self.transports if cfg.pipeline_listener else None)
         self.stream_addr = ""  # host:port of the pipeline KV listener, announced in heartbeats
 
     async def on_task(self, msg: Msg) -> None:
@@ -112,7 +111,7 @@ class PrefillService:
         while True:
             task = await self.queue.get()
             if self.cancelled.covers(task.request_id, task.attempt):
-                self.receiver.drop(task.request_id)
+                await self.drop_stage(task)
                 await self.progress("finished", task)
                 continue
             self.running = 1
@@ -130,10 +129,14 @@ class PrefillService:
             finally:
                 self.running = 0
                 self.current = None
-                self.receiver.drop(task.request_id)
+                await self.drop_stage(task)
             if outcome is not None:
                 self.metrics.requests.labels(outcome).inc()
                 await self.progress(outcome, task)
+
+    async def drop_stage(self, task: PrefillTask) -> None:
+        if task.pipeline is not None:  # its region: waits for peers' writes in flight on it
+            await asyncio.to_thread(self.receiver.drop, task.request_id)
 
     async def progress(self, kind: str, task: PrefillTask) -> None:
         """Tell the conductors (control, not audit), with this instance's load after the change."""
@@ -168,23 +171,27 @@ class PrefillService:
         """Prefill, answer the first token, hand off; returns how the request left this instance."""
         rid, ids = task.request_id, task.prompt_token_ids
         started = time.perf_counter()
-        prefix = await self.reusable_prefix(task)
+        # the destination is reserved at the decode node while the prefix loads; each layer's KV
+        # goes there while the next layer computes (none for a request that ends at its first token)
+        handoff = self.new_handoff(task) if task.sampling.max_tokens > 1 else None
+        prefix = await self.prepare(task, handoff)
         cached = prefix.num_blocks * self.block_tokens
-        # layer-wise: each layer's KV goes into the handoff file while the next layer computes
-        shape = self.layout.request_shape(len(ids))
-        sink = FileSink(self.cfg.shm_dir / kvfiles.outgoing_name(rid, task.attempt), shape)
         try:
             async with self.compute_lock:
-                result = await asyncio.to_thread(self.engine.run, ids, prefix.kv, sink)
+                result = await asyncio.to_thread(self.engine.run, ids, prefix.kv, handoff.sink if handoff else None)
             first = sampling.sample(result.logits, task.sampling, step=task.num_generated)
         except BaseException:
-            sink.discard()
+            if handoff is not None:
+                await handoff.abort()
             raise
         prefill_s = time.perf_counter() - started
         self.metrics.seconds.observe(prefill_s)
         self.metrics.tokens.labels("cached").inc(cached)
         self.metrics.tokens.labels("computed").inc(len(ids) - cached)
         finish = self.finish_reason(first, task)
+        going = finish is None and handoff is not None and not self.cancelled.covers(rid, task.attempt)
+        # the completion notice goes out while the first token does
+        completing = asyncio.ensure_future(handoff.complete()) if going else None
         # NOTE: the event goes first so that the audit log keeps causal order (first_token after it)
         await self.events.request(
             "prefilled", rid, prompt_tokens=len(ids), cached_tokens=cached, computed_tokens=len(ids) - cached,
@@ -193,12 +200,30 @@ class PrefillService:
         await self.reply(task, TokenChunk(rid, task.num_generated, [first], finish_reason=finish, cached_tokens=cached,
                                           source=self.cfg.instance_id, attempt=task.attempt))
         outcome = "finished"
-        if finish is None and not self.cancelled.covers(rid, task.attempt):
-            outcome = await self.hand_off(task, first, sink.handle(self.cfg.node), cached, prefill_s)
-        else:
-            sink.discard()
+        if completing is not None:
+            outcome = await self.hand_off(task, first, handoff, completing, cached, prefill_s, result.computed_at)
+        elif handoff is not None:
+            await handoff.abort()
         await self.store_prompt(rid, ids, result.kv, prefix.num_blocks, task.key_seed)
         return outcome
+
+    def new_handoff(self, task: PrefillTask) -> Handoff:
+        return Handoff(self.nc, self.transports, task, self.cfg.node, self.cfg.shm_dir, self.layout,
+                       f"{self.cfg.instance_id}:{self.incarnation}", self.cfg.transfer_timeout_s)
+
+    async def prepare(self, task: PrefillTask, handoff: Handoff | None) -> Prefix:
+        """The reusable prefix and the handoff's destination, at once. A destination that cannot be
+        reserved fails the task before its first token (the gateway dispatches it again)."""
+        if handoff is None:
+            return await self.reusable_prefix(task)
+        prefix, opened = await asyncio.gather(self.reusable_prefix(task), handoff.open(), return_exceptions=True)
+        if isinstance(opened, BaseException):
+            await handoff.abort()
+            raise opened
+        if isinstance(prefix, BaseException):
+            await handoff.abort()
+            raise prefix
+        return prefix
 
     async def run_stage(self, task: PrefillTask) -> str | None:
         """One stage of a pipelined prefill (services/prefill/pipeline.py); no cached prefix is used.
@@ -207,33 +232,48 @@ class PrefillService:
         started = time.perf_counter()
         kv = self.receiver.assembly(rid, len(ids))
         chunks = pipeline.my_chunks(len(ids), spec.chunk_tokens, task.stage, len(spec.stages))
-        sink = await asyncio.to_thread(pipeline.PeerSink, rid, len(ids), spec, task.stage, self.cfg.transfer_timeout_s,
-                                       self.secret)
-        streamer = LayerStreamer(sink)
-        work = asyncio.ensure_future(asyncio.to_thread(self.compute_stage, ids, chunks, kv, streamer))
+        last = task.stage == pipeline.last_stage(len(ids), spec.chunk_tokens, len(spec.stages))
+        handoff = self.new_handoff(task) if last and task.sampling.max_tokens > 1 else None
+        sink = await asyncio.to_thread(pipeline.PeerSink, rid, len(ids), spec, task.stage, self.transports,
+                                       self.cfg.transfer_timeout_s, tuple(kv.kv.shape), kv.kv.element_size())
         try:
-            logits = await asyncio.wait_for(asyncio.shield(work), self.cfg.transfer_timeout_s)
-        except asyncio.TimeoutError:
-            kv.fail(TimeoutError(f"pipeline stage {task.stage}: no KV from the other stages in time"))
-            await work  # raises PrefillAborted from the waiting layer
-        await self.events.request("prefill_stage", rid, stage=task.stage, stages=spec.stages,
-                                  chunks=[list(c) for c in chunks], seconds=round(time.perf_counter() - started, 6))
-        if task.stage != pipeline.last_stage(len(ids), spec.chunk_tokens, len(spec.stages)):
-            return None
-        full = await asyncio.to_thread(kv.wait_all, self.cfg.transfer_timeout_s)
+            if handoff is not None:
+                await handoff.open()
+            streamer = LayerStreamer(sink)
+            work = asyncio.ensure_future(asyncio.to_thread(self.compute_stage, ids, chunks, kv, streamer))
+            try:
+                logits = await asyncio.wait_for(asyncio.shield(work), self.cfg.transfer_timeout_s)
+            except asyncio.TimeoutError:
+                kv.fail(TimeoutError(f"pipeline stage {task.stage}: no KV from the other stages in time"))
+                await work  # raises PrefillAborted from the waiting layer
+            await self.events.request("prefill_stage", rid, stage=task.stage, stages=spec.stages,
+                                      chunks=[list(c) for c in chunks], seconds=round(time.perf_counter() - started, 6))
+            if not last:
+                return None
+            full = await asyncio.to_thread(kv.wait_all, self.cfg.transfer_timeout_s)
+            if handoff is not None:  # the whole KV, a layer per write (the other stages' slices are here)
+                await asyncio.to_thread(handoff.write_all, full)
+        except BaseException:
+            sink.close()
+            if handoff is not None:
+                await handoff.abort()
+            raise
+        computed_at = time.perf_counter()
         first = sampling.sample(logits, task.sampling, step=task.num_generated)
         prefill_s = time.perf_counter() - started
         finish = self.finish_reason(first, task)
+        going = finish is None and handoff is not None and not self.cancelled.covers(rid, task.attempt)
+        completing = asyncio.ensure_future(handoff.complete()) if going else None
         await self.events.request("prefilled", rid, prompt_tokens=len(ids), cached_tokens=0, computed_tokens=len(ids),
                                   seconds=round(prefill_s, 6), decode_id=task.decode_id, finished=finish is not None,
                                   pipeline=spec.stages, attempt=task.attempt)
         await self.reply(task, TokenChunk(rid, task.num_generated, [first], finish_reason=finish,
                                           source=self.cfg.instance_id, attempt=task.attempt))
         outcome = "finished"
-        if finish is None and not self.cancelled.covers(rid, task.attempt):
-            name = kvfiles.outgoing_name(rid, task.attempt)
-            handle = await asyncio.to_thread(kvfiles.write, self.cfg.shm_dir, self.cfg.node, name, full)
-            outcome = await self.hand_off(task, first, handle, 0, prefill_s)
+        if completing is not None:
+            outcome = await self.hand_off(task, first, handoff, completing, 0, prefill_s, computed_at)
+        elif handoff is not None:
+            await handoff.abort()
         await self.store_prompt(rid, ids, full, 0, task.key_seed)
         return outcome
 
@@ -260,28 +300,32 @@ class PrefillService:
                 reply = await self.pool.pull(rid, spec.source_node, wanted, spec.first_block)
                 await self.events.request("kv_pulled", rid, source_node=spec.source_node, dest_node=self.cfg.node,
                                           blocks=reply.num_blocks, requested_blocks=len(wanted),
-                                          bytes=reply.nbytes, seconds=round(reply.seconds, 6))
+                                          bytes=reply.nbytes, seconds=round(reply.seconds, 6), transport=reply.transport)
             return await self.pool.load_prefix(rid, keys)
         except PoolUnavailable as exc:
             log.warning("request %s: KV pool unavailable, recomputing the whole prompt: %s", rid, exc)
             return Prefix(None, 0)
 
-    async def hand_off(self, task: PrefillTask, first: int, handle, cached: int, prefill_s: float) -> str:
-        """Move the KV to the decode node and hand the request over ("prefilled"). The first token is
+    async def hand_off(self, task: PrefillTask, first: int, handoff: Handoff, completing: asyncio.Future, cached: int,
+                       prefill_s: float, computed_at: float) -> str:
+        """Wait for the completion notice and hand the request over ("prefilled"). The first token is
         already out, so a failure here is answered at the next index: the gateway resumes with that
         token ("failed")."""
         rid = task.request_id
         try:
-            reply = await self.send_kv(SendKv(rid, handle, task.decode_node, task.decode_id))
-        except TransferFailed as exc:
+            handle = await completing
+        except HandoffFailed as exc:
             log.error("request %s: %s", rid, exc)
             await self.fail(task, task.num_generated + 1, str(exc), 503)
             return "failed"
+        # tail: from the end of the last layer's compute to the decode node holding the whole KV
+        tail_s = time.perf_counter() - computed_at
         await self.events.request(
-            "kv_transferred", rid, src_node=self.cfg.node, dest_node=task.decode_node,
-            bytes=reply.nbytes, seconds=round(reply.seconds, 6), attempt=task.attempt,
+            "kv_transferred", rid, src_node=self.cfg.node, dest_node=task.decode_node, bytes=handoff.nbytes,
+            seconds=round(tail_s, 6), tail_s=round(tail_s, 6), transport=handoff.transport, streamed=True,
+            attempt=task.attempt,
         )
-        decode = DecodeTask(rid, task.prompt_token_ids, first, task.sampling, task.reply_subject, reply.dest,
+        decode = DecodeTask(rid, task.prompt_token_ids, first, task.sampling, task.reply_subject, handle,
                             task.arrival_ts, cached, prefill_s, task.attempt, task.num_generated, task.key_seed)
         if not await bus.publish(self.nc, subjects.decode_tasks(task.decode_id), decode.to_bytes()):
             await self.fail(task, task.num_generated + 1, f"could not hand the request to {task.decode_id}", 503)
@@ -300,21 +344,6 @@ class PrefillService:
             return
         if stored:
             log.debug("request %s: stored %d new blocks", rid, stored)
-
-    async def send_kv(self, request: SendKv) -> SendKvReply:
-        """The node's messenger moves the file; whatever happens, the file does not stay here."""
-        subject = subjects.messenger_control(self.cfg.node, "send")
-        try:
-            msg = await bus.request(self.nc, subject, request.to_bytes(), timeout=self.cfg.transfer_timeout_s)
-            reply = SendKvReply.from_bytes(msg.data)
-        except (NoRespondersError, NatsTimeout, WireError) as exc:
-            raise TransferFailed(f"no answer from the messenger of node {self.cfg.node}: {exc!r}") from exc
-        finally:
-            if request.dest_node != self.cfg.node:
-                kvfiles.remove(self.cfg.shm_dir, request.src)
-        if not reply.ok or reply.dest is None:
-            raise TransferFailed(f"KV transfer to node {request.dest_node} failed: {reply.error}")
-        return reply
 
     def finish_reason(self, token: int, task: PrefillTask) -> str | None:
         if token == self.eos_token_id and not task.sampling.ignore_eos:
@@ -350,6 +379,7 @@ class PrefillService:
 
     def info(self, leaving: bool = False) -> WorkerInfo:
         return WorkerInfo(self.cfg.instance_id, "prefill", self.cfg.node, self.model_name, transfer_addr=self.stream_addr,
+                          transport=self.transports.label,
                           num_queued=self.queue.qsize(), num_running=self.running, leaving=leaving,
                           draining=self.draining, incarnation=self.incarnation, layout=self.cluster_layout,
                           prefill=self.report(), sent_at=time.time())
@@ -362,8 +392,7 @@ class PrefillService:
         cfg = self.cfg
         kvfiles.sweep_outgoing(cfg.shm_dir)  # written by a predecessor that died before sending them
         if cfg.pipeline_listener:  # only a cluster that pipelines long prompts needs the listener open
-            server = await asyncio.start_server(self.receiver.on_connection, cfg.stream_host, 0, limit=1 << 20)
-            self.stream_addr = f"{self.advertised_host()}:{server.sockets[0].getsockname()[1]}"
+            self.stream_addr = self.transports.listen(cfg.stream_host, 0, self.advertised_host()).get("tcp", "")
         await bus.subscribe(self.nc, subjects.prefill_tasks(cfg.instance_id), self.on_task)
         await bus.subscribe(self.nc, subjects.REQUEST_CANCEL, self.cancelled.on_cancel)
         await self.pool.watch_messenger()
@@ -426,5 +455,6 @@ async def serve(cfg: PrefillConfig, stop: runner.Stop) -> bool:
         await service.hand_back(f"prefill instance {cfg.instance_id} failed")
     await service.leave()
     await tasks.cancel_all()
+    service.transports.close()
     await bus.shutdown(nc)
     return not tasks.failed

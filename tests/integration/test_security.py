@@ -7,6 +7,7 @@ acme and globex are ordinary tenants, tiny may have one request in flight.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -17,7 +18,9 @@ import nats
 import pytest
 
 from common.security import LINK_NONCE_BYTES, link_proof, read_secret
+from common.transport import checksum
 from schemas import subjects
+from schemas.transfer import CallFrame, WriteFrame
 from schemas.workers import WorkerInfo
 from tests.integration.conftest import start_cluster
 from tools.moonbus import keys as keys_tool
@@ -163,29 +166,44 @@ def link_connection(addr: str) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=10)
 
 
-async def test_the_kv_link_refuses_strangers_and_paths_out_of_its_directory(guarded, tmp_path):
+def closed_on_us(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(64) == b""
+    except ConnectionResetError:
+        return True
+
+
+def op(kind: bytes, header: bytes) -> bytes:
+    return kind + struct.pack(">I", len(header)) + header
+
+
+async def test_the_kv_link_refuses_strangers_and_writes_outside_its_regions(guarded):
     cluster, issued = guarded
     messenger = await heartbeat_of(cluster, "messenger")
-    target = tmp_path / "x.kv"
-    handle = {"node": messenger.node, "name": "/../../../../" + str(target).lstrip("/"), "shape": [4, 2, 2, 1, 16],
-              "dtype": "float32", "checksum": 0}
-    header = json.dumps({"request_id": "evil", "handle": handle, "nbytes": 512}).encode()
+    payload = b"\1" * 512
+    stray = WriteFrame(region="nowhere", pieces=[[1 << 40, len(payload)]]).to_bytes()
+    writes = op(b"W", stray) + payload + struct.pack(">Q", checksum([payload]))
     # 1. no secret: the handshake fails, nothing is read
     with link_connection(messenger.transfer_addr) as sock:
         sock.recv(LINK_NONCE_BYTES)
         sock.sendall(os.urandom(LINK_NONCE_BYTES) + b"\0" * 32)
-        sock.sendall(b"T" + struct.pack(">I", len(header)) + header + b"\0" * 512)
-        assert sock.recv(64) == b""  # closed on us
-    # 2. with the cluster secret (a compromised node), a traversal name is still refused
+        with contextlib.suppress(OSError):
+            sock.sendall(writes)
+        assert closed_on_us(sock)
+    # 2. with the cluster secret (a compromised node): a write to a region that is not there, or
+    # past its end, lands nowhere and the next call says so; a path for a region name is refused
     secret = read_secret(cluster.secrets.cluster_key)
-    with link_connection(messenger.transfer_addr) as sock:
-        nonce = sock.recv(LINK_NONCE_BYTES)
-        sock.sendall(os.urandom(LINK_NONCE_BYTES) + link_proof(secret, nonce, b"client"))
-        sock.recv(32)
-        sock.sendall(b"T" + struct.pack(">I", len(header)) + header + b"\0" * 512)
-        reply = sock.recv(4096)
-        assert reply == b"" or b'"ok":false' in reply
-    assert not target.exists()
+    for attempt in (writes, op(b"W", b'{"region": "../../../tmp/x", "pieces": [[0, 512]]}') + payload):
+        with link_connection(messenger.transfer_addr) as sock:
+            nonce = sock.recv(LINK_NONCE_BYTES)
+            sock.sendall(os.urandom(LINK_NONCE_BYTES) + link_proof(secret, nonce, b"client"))
+            sock.recv(32)
+            sock.sendall(attempt + op(b"C", CallFrame(op="complete", nbytes=0).to_bytes()))
+            try:
+                reply = sock.recv(4096)
+            except ConnectionResetError:
+                reply = b""
+            assert reply == b"" or b'"ok":false' in reply, reply
     # the cluster is unharmed: a request still goes through prefill -> link -> decode
     status, body, _ = await call(cluster, completion("still serving?"), issued["acme"])
     assert status == 200 and body["usage"]["completion_tokens"] == 4

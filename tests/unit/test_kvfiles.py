@@ -3,9 +3,11 @@
 import os
 import time
 
+import pytest
 import torch
 
 from common import kvfiles
+from schemas.transfer import KvHandle
 
 
 def test_names_say_who_owns_a_file():
@@ -18,16 +20,30 @@ def test_names_say_who_owns_a_file():
 def test_a_decode_instance_sweeps_its_own_old_files_only(tmp_path):
     kv = torch.zeros(2, 2, 1, 3, 4)
     handle = kvfiles.write(tmp_path, "n", kvfiles.outgoing_name("r1", 0), kv)
-    mine_old = kvfiles.write_bytes(tmp_path, handle, (tmp_path / handle.name).read_bytes(), "n", "decode-0")
     second = kvfiles.write(tmp_path, "n", kvfiles.outgoing_name("r2", 0), kv)
-    mine_held = kvfiles.write_bytes(tmp_path, second, (tmp_path / second.name).read_bytes(), "n", "decode-0")
-    other = kvfiles.write_bytes(tmp_path, handle, (tmp_path / handle.name).read_bytes(), "n", "decode-1")
+
+    def landed(h, decode):
+        return kvfiles.write(tmp_path, "n", kvfiles.incoming_name(h.name, decode), kv)
+
+    mine_old, mine_held, other = landed(handle, "decode-0"), landed(second, "decode-0"), landed(handle, "decode-1")
+    landing = tmp_path / f".{kvfiles.incoming_name(kvfiles.outgoing_name('r3', 0), 'decode-0')}.tmp"
+    landing.write_bytes(b"x")  # a handoff reservation: its messenger's until it completes
     old = time.time() - 100
-    for h in (mine_old, mine_held, other):
-        os.utime(tmp_path / h.name, (old, old))
+    for path in [tmp_path / h.name for h in (mine_old, mine_held, other)] + [landing]:
+        os.utime(path, (old, old))
     removed = kvfiles.sweep_incoming(tmp_path, "decode-0", older_than_s=30, keep={mine_held.name})
     assert removed == 1
     assert not (tmp_path / mine_old.name).exists()
-    assert (tmp_path / mine_held.name).exists() and (tmp_path / other.name).exists()
-    assert kvfiles.usage(tmp_path)[0] == 4  # the two out- files, the held one and the other instance's
+    assert (tmp_path / mine_held.name).exists() and (tmp_path / other.name).exists() and landing.exists()
+    assert kvfiles.usage(tmp_path)[0] == 5  # the two out- files, the held one, the other instance's, the landing one
     assert torch.equal(kvfiles.read(tmp_path, other, remove=True), kv)
+    assert kvfiles.sweep_incoming(tmp_path, "decode-0") == 2  # a restarted decode: the held one and the landing one
+
+
+def test_a_verified_handle_is_read_without_checking_again(tmp_path):
+    kv = torch.ones(2, 2, 1, 3, 4)
+    handle = kvfiles.write(tmp_path, "n", "in-d__r1-a0.kv", kv)
+    verified = KvHandle(handle.node, handle.name, handle.shape, "float32", 0, verified=True)
+    assert torch.equal(kvfiles.read(tmp_path, verified), kv)
+    with pytest.raises(kvfiles.KvChecksumError):
+        kvfiles.read(tmp_path, KvHandle(handle.node, handle.name, handle.shape, "float32", handle.checksum + 1))

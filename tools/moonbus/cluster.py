@@ -81,6 +81,7 @@ class ClusterSpec:
     tbt_slo_s: float = 1.0
     pipeline_group: int = 1  # >= 2: chunked pipeline parallelism over that many prefill instances
     prefill_chunk: int = 2048
+    transport: str = "auto"  # point-to-point KV: auto | tcp | rdma (common/transport)
     profile: str = ""  # "" = $home/profiles/<model>.json if it exists, else an analytic guess
     log_level: str = "INFO"
     metrics: bool = True  # each service serves Prometheus metrics on a free port (in cluster.json)
@@ -223,7 +224,7 @@ class Cluster:
             node = f"node-p{i}"
             self.messenger(f"messenger-p{i}", node)
             self.service(f"prefill-{i}", "prefill", *self.node_args(node), "--threads", threads, *self.model_args(),
-                         "--prefill-chunk", str(spec.prefill_chunk),
+                         "--prefill-chunk", str(spec.prefill_chunk), "--transport", spec.transport,
                          *(["--pipeline-listener"] if spec.pipeline_group >= 2 else []), node=node)
         for i in range(spec.decode):
             node = f"node-d{i}"
@@ -237,7 +238,7 @@ class Cluster:
             node = f"node-c{i}"
             self.messenger(f"messenger-c{i}", node)
             self.service(f"coupled-{i}", "coupled", *self.node_args(node), "--threads", threads, *self.model_args(),
-                         *self.slo_args(), node=node)
+                         "--transport", self.spec.transport, *self.slo_args(), node=node)
 
     def service(self, name: str, kind: str, *args: str, node: str = "") -> None:
         argv = [sys.executable, "-m", f"services.{kind}", "--nats-url", self.spec.nats_addr,
@@ -267,7 +268,7 @@ class Cluster:
     def messenger(self, name: str, node: str) -> None:
         spec = self.spec
         self.service(name, "messenger", *self.node_args(node), *self.model_args(), "--dram-bytes", str(spec.dram_bytes),
-                     "--ssd-bytes", str(spec.ssd_bytes), "--eviction", spec.eviction,
+                     "--ssd-bytes", str(spec.ssd_bytes), "--eviction", spec.eviction, "--transport", spec.transport,
                      "--ssd-dir", str(spec.home / "ssd" / node), node=node)
 
     def node_args(self, node: str) -> list[str]:

@@ -64,7 +64,8 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
     "prefill": (
         [_HEARTBEAT, "moonbus.tokens.*", "moonbus.decode.*.tasks", "moonbus.messenger.*.lookup",
          "moonbus.messenger.*.reserve", "moonbus.messenger.*.commit", "moonbus.messenger.*.release",
-         "moonbus.messenger.*.pull", "moonbus.messenger.*.send", "moonbus.control.progress.*",
+         "moonbus.messenger.*.pull", "moonbus.messenger.*.accept", "moonbus.messenger.*.abort",
+         "moonbus.control.progress.*",
          *_events("prefilled", "kv_pulled", "kv_transferred", "prefill_stage"), _STARTED],
         ["moonbus.prefill.*.tasks", "moonbus.requests.cancel", "moonbus.workers.*.probe", _HEARTBEAT,
          "moonbus.control.refused.*"],

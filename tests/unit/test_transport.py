@@ -1,0 +1,184 @@
+"""The point-to-point transport (tcp backend): framing, writes straight into regions, per-write
+checksums, calls ordered after writes, reads, deadlines, refused strangers, a peer dying midway."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from common.transport import TransportError, Transports, checksum, resolve
+from common.transport import tcp
+from common.kv.blocks import checksum as block_checksum
+from schemas.transfer import RegionRef, WriteFrame
+
+SECRET = b"s" * 32
+MiB = 1 << 20
+
+
+class Owner:
+    def __init__(self, nbytes: int, timeout_s: float = 30.0) -> None:
+        self.transports = Transports("tcp", SECRET, timeout_s)
+        self.transports.listen("127.0.0.1")
+        self.memory = bytearray(nbytes)
+        self.landed: list[tuple[dict, list, str | None]] = []
+        self.ref = self.transports.register("r1", self.memory, lambda m, spans, error: self.landed.append((m, spans, error)))
+        self.transports.handle("echo", lambda body, peer: body[::-1])
+
+
+@pytest.fixture
+def owner():
+    side = Owner(4 * MiB)
+    yield side
+    side.transports.close()
+
+
+@pytest.fixture
+def peer():
+    transports = Transports("tcp", SECRET)
+    yield transports
+    transports.close()
+
+
+def test_auto_runs_tcp_here_and_an_unknown_mode_is_refused():
+    assert resolve("tcp") == ["tcp"] and "tcp" in resolve("auto")
+    with pytest.raises(ValueError):
+        resolve("carrier-pigeon")
+
+
+def test_pieces_land_at_their_offsets_and_a_call_follows_the_writes(owner, peer):
+    big = os.urandom(3 * MiB + 17)  # several CHUNKs: hashed and sent part by part
+    with peer.connect(owner.ref.endpoints) as ch:
+        assert ch.transport == "tcp"
+        ch.write(owner.ref, [(0, big), (3 * MiB + 100, memoryview(b"tail"))], {"layer": 3})
+        ch.write(owner.ref, [(4 * MiB - 2, b"zz")], {"layer": 4})
+        assert ch.call("echo", b"abc") == b"cba"  # answered after both writes landed and were verified
+        assert bytes(owner.memory[:len(big)]) == big and owner.memory[3 * MiB + 100:3 * MiB + 104] == b"tail"
+        assert owner.memory[-2:] == b"zz"
+        assert owner.landed == [({"layer": 3}, [(0, len(big)), (3 * MiB + 100, 4)], None),
+                                ({"layer": 4}, [(4 * MiB - 2, 2)], None)]
+        back, tail = bytearray(len(big)), bytearray(2)
+        ch.read(owner.ref, [(0, back), (4 * MiB - 2, tail)])  # straight into the caller's buffers
+        assert back == big and tail == b"zz"
+
+
+def test_a_checksum_is_the_xxh3_of_the_concatenated_pieces():
+    parts = [os.urandom(1000), b"", os.urandom(5)]
+    assert checksum(parts) == block_checksum(b"".join(parts))
+
+
+def raw_connection(owner: Owner) -> socket.socket:
+    sock = socket.create_connection(tuple(owner.transports.endpoints["tcp"].rsplit(":", 1)), timeout=10)
+    tcp.client_handshake(sock, SECRET)
+    return sock
+
+
+def test_a_corrupted_write_is_reported_to_the_owner_and_fails_the_next_call(owner, peer):
+    payload = os.urandom(100_000)
+    with raw_connection(owner) as sock:  # a sender whose bytes changed after they were hashed
+        header = WriteFrame("r1", [[0, len(payload)]], {"layer": 7}).to_bytes()
+        bad = bytearray(payload)
+        bad[5000] ^= 1
+        sock.sendall(tcp.frame(tcp.OP_WRITE, header) + bytes(bad) + tcp._SUM.pack(checksum([payload])))
+        sock.sendall(tcp.frame(tcp.OP_CALL, b'{"op": "echo", "nbytes": 0}'))
+        reply = tcp.read_header(sock)
+    assert b'"ok":false' in reply and b"checksum" in reply
+    assert owner.landed[-1][0] == {"layer": 7} and "checksum" in owner.landed[-1][2]
+    with peer.connect(owner.ref.endpoints) as ch:  # the owner goes on serving
+        ch.write(owner.ref, [(0, payload)])
+        assert ch.call("echo", b"x") == b"x"
+    assert owner.landed[-1][2] is None
+
+
+def test_writes_outside_a_region_or_to_no_region_fail_the_next_call_and_framing_holds(owner, peer):
+    with peer.connect(owner.ref.endpoints) as ch:
+        ch.write(owner.ref, [(4 * MiB - 1, b"ab")])
+        with pytest.raises(TransportError, match="outside region r1"):
+            ch.call("echo", b"x")
+        ch.write(RegionRef("nope", 10, owner.ref.endpoints), [(0, b"x" * 10)])
+        with pytest.raises(TransportError, match="no region nope"):
+            ch.call("echo", b"x")
+        assert ch.call("echo", b"ok") == b"ko"  # the payloads were drained: the next frame parses
+
+
+def test_an_owner_may_refuse_a_write(peer):
+    side = Owner(1024)
+    side.transports.register("picky", bytearray(16), lambda m, spans, error: (_ for _ in ()).throw(ValueError("no")))
+    try:
+        with peer.connect(side.ref.endpoints) as ch:
+            ch.write(RegionRef("picky", 16, side.ref.endpoints), [(0, b"x")])
+            with pytest.raises(TransportError, match="refused"):
+                ch.call("echo", b"")
+    finally:
+        side.transports.close()
+
+
+def test_a_peer_without_the_secret_is_refused(owner):
+    stranger = Transports("tcp", b"t" * 32)
+    refused = []
+    owner.transports.on_refused = lambda who, why: refused.append(why)
+    with pytest.raises(TransportError):
+        stranger.connect(owner.ref.endpoints).call("echo", b"x")
+    time.sleep(0.2)
+    assert refused and "cluster secret" in refused[0]
+
+
+def test_a_silent_peer_is_dropped_at_the_read_deadline():
+    side = Owner(1024, timeout_s=0.5)
+    try:
+        with raw_connection(side) as sock:
+            sock.sendall(b"W" + tcp._LEN.pack(100))  # a header promised, never sent
+            sock.settimeout(5)
+            started = time.monotonic()
+            assert sock.recv(1) == b""  # closed on us
+            assert time.monotonic() - started < 4
+    finally:
+        side.transports.close()
+
+
+def test_unregister_waits_for_a_write_in_flight(owner):
+    sock = raw_connection(owner)
+    header = WriteFrame("r1", [[0, 1000]], {}).to_bytes()
+    sock.sendall(tcp.frame(tcp.OP_WRITE, header) + b"x" * 500)  # half of it: the region is in use
+    time.sleep(0.2)
+    done = threading.Event()
+    threading.Thread(target=lambda: (owner.transports.unregister("r1"), done.set()), daemon=True).start()
+    assert not done.wait(0.3)
+    sock.close()  # the writer dies midway: the write fails, the region is free
+    assert done.wait(5)
+    assert owner.landed == []  # nothing landed: the owner never counted the half write
+
+
+OWNER_SCRIPT = """
+import sys, time
+from common.transport import Transports
+t = Transports("tcp", b"s" * 32)
+t.listen("127.0.0.1")
+t.register("r1", bytearray(64 << 20))
+print(t.endpoints["tcp"], flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_writer_whose_peer_dies_midway_gets_a_transport_error(peer):
+    proc = subprocess.Popen([sys.executable, "-c", OWNER_SCRIPT], stdout=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    try:
+        locator = proc.stdout.readline().strip()
+        ref = RegionRef("r1", 64 << 20, {"tcp": locator})
+        payload = bytes(64 << 20)
+        with peer.connect(ref.endpoints) as ch:
+            ch.write(ref, [(0, payload)])
+            proc.kill()
+            proc.wait(10)
+            with pytest.raises(TransportError):
+                for _ in range(50):  # the kernel's buffers take some bytes before the reset shows
+                    ch.write(ref, [(0, payload)])
+                ch.call("sync")
+    finally:
+        proc.kill()
