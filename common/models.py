@@ -245,3 +245,23 @@ def _byte_tokenizer():
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
     return tokenizer
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m common.models [MODEL]`: prepare a model in $MOONBUS_HOME and exit (compose's
+    model-init, after which every other container mounts the model store read-only)."""
+    import argparse
+
+    from common.config import default_home
+
+    parser = argparse.ArgumentParser(prog="python -m common.models", description=main.__doc__.splitlines()[0])
+    parser.add_argument("model", nargs="?", default=os.environ.get("MOONBUS_MODEL", SMOLLM2))
+    parser.add_argument("--home", type=Path, default=Path(os.environ.get("MOONBUS_HOME", default_home())))
+    args = parser.parse_args(argv)
+    ref = prepare(args.model, args.home)
+    print(f"{ref.name}: {ref.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

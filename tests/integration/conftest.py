@@ -68,11 +68,13 @@ def reference_greedy(model, prompt_ids: list[int], max_tokens: int) -> list[int]
     return out[0, len(prompt_ids):].tolist()
 
 
-async def post(url: str, body: dict | bytes, timeout_s: float = 120) -> tuple[int, dict, dict]:
-    """POST JSON; returns (status, parsed body, headers (case-insensitive))."""
+async def post(url: str, body: dict | bytes, timeout_s: float = 120, api_key: str = "") -> tuple[int, dict, dict]:
+    """POST JSON (with `Authorization: Bearer api_key` when given); returns (status, parsed body,
+    headers (case-insensitive))."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-        async with session.post(url, data=data, headers={"Content-Type": "application/json"}) as resp:
+        async with session.post(url, data=data, headers=headers) as resp:
             return resp.status, await resp.json(content_type=None), CIMultiDict(resp.headers)
 
 

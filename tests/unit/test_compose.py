@@ -7,6 +7,8 @@ none is installed.
 
 from __future__ import annotations
 
+import json
+import re
 import shlex
 import shutil
 import subprocess
@@ -31,15 +33,17 @@ SERVICE_MODULES = {
 SCALED = ("prefill", "decode")  # run with --scale prefill=2 --scale decode=2
 
 # Environment names the services read: every service reads COMMON_ENV, plus its role's own.
-COMMON_ENV = {"MOONBUS_NATS_URL", "MOONBUS_INSTANCE_ID", "MOONBUS_LOG_LEVEL", "MOONBUS_HOME", "MOONBUS_HEALTH_FILE"}
+COMMON_ENV = {"MOONBUS_NATS_URL", "MOONBUS_INSTANCE_ID", "MOONBUS_LOG_LEVEL", "MOONBUS_HOME", "MOONBUS_HEALTH_FILE",
+              "MOONBUS_METRICS_PORT", "MOONBUS_METRICS_HOST", "MOONBUS_CLUSTER_SECRET_FILE", "MOONBUS_NATS_USER",
+              "MOONBUS_NATS_PASSWORD_FILE"}
 ROLE_ENV = {  # module -> names only that role reads
-    "services.gateway": {"MOONBUS_HOST", "MOONBUS_PORT", "MOONBUS_MODEL"},
-    "services.conductor": {"MOONBUS_POLICY", "MOONBUS_ADMISSION"},
+    "services.gateway": {"MOONBUS_HOST", "MOONBUS_PORT", "MOONBUS_MODEL", "MOONBUS_API_KEYS_FILE"},
+    "services.conductor": {"MOONBUS_POLICY", "MOONBUS_ADMISSION", "MOONBUS_MODEL"},
     "services.cache_index": set(),
     "services.prefill": {"MOONBUS_NODE", "MOONBUS_MODEL", "MOONBUS_SHM_DIR", "MOONBUS_STREAM_HOST"},
     "services.decode": {"MOONBUS_NODE", "MOONBUS_MODEL", "MOONBUS_SHM_DIR"},
     "services.messenger": {
-        "MOONBUS_NODE", "MOONBUS_SHM_DIR", "MOONBUS_SSD_DIR", "MOONBUS_TRANSFER_HOST",
+        "MOONBUS_MODEL", "MOONBUS_NODE", "MOONBUS_SHM_DIR", "MOONBUS_SSD_DIR", "MOONBUS_TRANSFER_HOST",
         "MOONBUS_TRANSFER_PORT", "MOONBUS_ADVERTISE_HOST",
     },
 }
@@ -80,6 +84,11 @@ def volume_mounts(service: dict) -> dict[str, str]:
     return mounts
 
 
+def with_defaults(text: str) -> str:
+    """Interpolate ${VAR:-default} as compose does when VAR is unset."""
+    return re.sub(r"\$\{\w+:?-([^}]*)\}", r"\1", text)
+
+
 def published_ports(service: dict) -> list[tuple[str, str]]:
     """Return (host port, container port) for every port that fixes its host side."""
     fixed = []
@@ -87,7 +96,7 @@ def published_ports(service: dict) -> list[tuple[str, str]]:
         if isinstance(port, dict):
             host, container = str(port.get("published") or ""), str(port["target"])
         else:
-            parts = str(port).rsplit(":", 2)
+            parts = with_defaults(str(port)).rsplit(":", 2)
             host, container = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", parts[0])
         if host:
             fixed.append((host, container.split("/")[0]))
@@ -111,7 +120,7 @@ def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
 
 
 def test_every_service_is_defined(services: dict) -> None:
-    assert set(services) == {"nats", *SERVICE_MODULES}
+    assert set(services) == {"nats", "model-init", *SERVICE_MODULES}
 
 
 @pytest.mark.parametrize("name", sorted(SERVICE_MODULES))
@@ -124,13 +133,73 @@ def test_each_service_waits_for_healthy_nats(services: dict, name: str) -> None:
     assert services[name]["depends_on"]["nats"]["condition"] == "service_healthy"
 
 
-def test_nats_runs_jetstream_and_has_a_healthcheck(services: dict) -> None:
+def test_nats_runs_jetstream_and_has_a_healthcheck(services: dict, tmp_path: Path) -> None:
+    from tools.moonbus import compose_secrets
+
     nats = services["nats"]
     argv = as_argv(nats["command"])
-    assert "-js" in argv or "--jetstream" in argv
-    assert argv[argv.index("-sd") + 1] in volume_mounts(nats)  # the store dir is a volume
-    assert argv[argv.index("-m") + 1] == "8222"
+    assert argv == ["-c", "/run/secrets/nats-conf"] and nats["secrets"] == ["nats-conf"]
+    compose_secrets.prepare(tmp_path)
+    config = json.loads((tmp_path / "nats.conf").read_text())  # what `moonbus compose-secrets` writes
+    assert config["jetstream"]["store_dir"] in volume_mounts(nats)  # the store dir is a volume
+    assert config["http_port"] == 8222 and config["port"] == 4222
+    assert {u["user"] for u in config["authorization"]["users"]} >= {"gateway", "conductor", "prefill", "decode"}
     assert "8222/healthz" in " ".join(as_argv(nats["healthcheck"]["test"]))
+
+
+ROLE_OF = {"gateway": "gateway", "conductor": "conductor", "cache_index": "cache_index", "prefill": "prefill",
+           "decode": "decode", "messenger-a": "messenger", "messenger-b": "messenger"}
+
+
+@pytest.mark.parametrize("name", sorted(SERVICE_MODULES))
+def test_each_service_gets_the_cluster_key_and_its_own_role_password_only(services: dict, name: str) -> None:
+    service, role = services[name], ROLE_OF[name]
+    env = environment(service)
+    assert sorted(service["secrets"]) == sorted(["cluster-key", f"nats-{role}"])
+    assert env["MOONBUS_NATS_USER"] == role
+    assert env["MOONBUS_NATS_PASSWORD_FILE"] == f"/run/secrets/nats-{role}"
+    assert env["MOONBUS_CLUSTER_SECRET_FILE"] == "/run/secrets/cluster-key"
+
+
+def test_compose_secrets_writes_every_file_compose_reads(compose: dict, tmp_path: Path) -> None:
+    from tools.moonbus import compose_secrets
+
+    key = compose_secrets.prepare(tmp_path)
+    assert key and key.startswith("mb-")
+    for name, secret in compose["secrets"].items():
+        path = Path(re.sub(r"\$\{MOONBUS_COMPOSE_SECRETS:-[^}]*\}", str(tmp_path), secret["file"]))
+        assert path.is_file(), name
+        assert path.stat().st_mode & 0o044  # readable by the containers' user (uid 10001)
+    assert tmp_path.stat().st_mode & 0o077 == 0  # on the host, its owner's alone
+    assert compose_secrets.prepare(tmp_path) is None  # a second run keeps the keys it made
+
+
+def test_the_gateway_requires_api_keys(services: dict) -> None:
+    gateway = services["gateway"]
+    keys = environment(gateway)["MOONBUS_API_KEYS_FILE"]
+    directory = str(Path(keys).parent)
+    [mount] = [v for v in gateway["volumes"] if isinstance(v, str) and v.rsplit(":", 2)[1] == directory]
+    assert mount.endswith(":ro") and "MOONBUS_COMPOSE_SECRETS" in mount
+
+
+def test_the_model_store_is_read_only_except_where_it_is_prepared(services: dict) -> None:
+    home = "/var/lib/moonbus"
+    for name, service in services.items():
+        mounts = [v for v in service.get("volumes", []) if isinstance(v, str) and v.split(":")[1] == home]
+        if name == "nats":
+            assert mounts == []
+        elif name == "model-init":
+            assert mounts == ["moonbus-home:/var/lib/moonbus"]
+            assert as_argv(service["command"]) == ["python", "-m", "common.models"]
+        else:
+            assert mounts == ["moonbus-home:/var/lib/moonbus:ro"], name
+            assert service["depends_on"]["model-init"]["condition"] == "service_completed_successfully"
+
+
+def test_each_nodes_shared_memory_is_capped(compose: dict) -> None:
+    for name in ("shm-node-a", "shm-node-b"):
+        options = dict(o.split("=", 1) for o in with_defaults(compose["volumes"][name]["driver_opts"]["o"]).split(","))
+        assert options["size"] == "2g" and options["uid"] == "10001"
 
 
 @pytest.mark.parametrize("name", SCALED)
@@ -191,7 +260,12 @@ def test_every_moonbus_service_uses_the_one_image(services: dict) -> None:
 def test_dockerfile_installs_torch_before_the_project(services: dict) -> None:
     build = services["gateway"]["build"]
     instructions = dockerfile_instructions(ROOT / build["context"] / build["dockerfile"])
-    assert instructions[0] == ("FROM", "python:3.11-slim")
+    # FROM a public Python image by default; the base image is a build argument
+    assert instructions[0] == ("ARG", "BASE_IMAGE=python:3.11-slim")
+    assert instructions[1][0] == "FROM" and instructions[1][1].startswith("${BASE_IMAGE}")
+    build_args = {args.split("=", 1)[0] for keyword, args in instructions if keyword == "ARG"}
+    assert {"BASE_IMAGE", "EXTRA_CA_CERTS", "TORCH_WHEEL", "TORCH_INDEX_URL"} <= build_args
+    assert set(build["args"]) <= build_args  # compose passes only arguments the Dockerfile declares
     pip_runs = [args for keyword, args in instructions if keyword == "RUN" and "pip install" in args]
     assert "torch==2.13.0" in pip_runs[0]  # before anything that could pull a CUDA build
     assert any(".[test]" in run and "-e" in run for run in pip_runs[1:])
@@ -201,6 +275,7 @@ def test_dockerfile_installs_torch_before_the_project(services: dict) -> None:
         item.split("=", 1) for keyword, args in instructions if keyword == "ENV" for item in shlex.split(args)
     )
     assert env["MOONBUS_HOME"] == "/var/lib/moonbus"
+    assert env["PATH"].startswith("/opt/venv/bin:")  # the project lives in a venv (Debian's pip refuses the system)
     users = [args for keyword, args in instructions if keyword == "USER"]
     assert users and users[-1] not in ("root", "0")
     assert instructions[-1][0] == "CMD"
@@ -255,3 +330,28 @@ def test_workers_get_time_to_drain_before_docker_kills_them(services: dict, name
     grace = int(str(services[name]["stop_grace_period"]).rstrip("s"))
     drain = float(environment(services[name]).get("MOONBUS_DRAIN_GRACE", 30))  # the services' default
     assert grace > drain
+
+
+def test_the_scrape_config_names_every_service_and_the_dashboard_uses_their_metrics(services: dict) -> None:
+    import json
+
+    scrape = yaml.safe_load((ROOT / "docker" / "prometheus.yml").read_text())
+    targets = " ".join(str(job) for job in scrape["scrape_configs"])
+    for name in SERVICE_MODULES:
+        assert name in targets, name
+    for name, service in services.items():
+        if name in SERVICE_MODULES and name != "gateway":
+            assert environment(service)["MOONBUS_METRICS_PORT"] == "9100"
+    dashboard = json.loads((ROOT / "docker" / "grafana-dashboard.json").read_text())
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+    for prefix in ("moonbus_gateway_", "moonbus_conductor_", "moonbus_cache_index_", "moonbus_messenger_",
+                   "moonbus_prefill_", "moonbus_decode_"):
+        assert prefix in exprs, prefix
+
+
+def test_every_service_that_knows_the_model_gets_the_same_one(services: dict) -> None:
+    # conductor and messengers size KV blocks from the model's shape: a default there while the
+    # workers run another model would be a silent mismatch (and a needless conversion)
+    readers = [name for name, module in SERVICE_MODULES.items() if "MOONBUS_MODEL" in ROLE_ENV[module]]
+    assert {"gateway", "conductor", "prefill", "decode", "messenger-a", "messenger-b"} <= set(readers)
+    assert len({environment(services[name]).get("MOONBUS_MODEL") for name in readers}) == 1

@@ -41,12 +41,15 @@ def load(path: Path) -> list[dict]:
 
 
 def save(path: Path, keys: list[dict]) -> None:
-    """Atomically, readable by its owner only (gateways re-read it when it changes)."""
+    """Atomically (gateways re-read it when it changes); a new file is readable by its owner only,
+    an existing one keeps its mode (compose's is readable by the containers' user)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    mode = path.stat().st_mode & 0o777 if path.exists() else 0o600
     tmp = path.with_name(f".{path.name}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
         json.dump({"keys": keys}, fh, indent=1)
+    os.chmod(tmp, mode)
     os.replace(tmp, path)
 
 

@@ -123,8 +123,35 @@ class ClusterSecrets:
         return f"{scheme}://{user}:{self.password(user)}@{rest}"
 
 
-def nats_config(secrets: ClusterSecrets, host: str, port: int, store_dir: Path, name: str) -> str:
-    """The nats-server configuration: JetStream on, and only the cluster's users, each limited."""
+@dataclass(frozen=True)
+class NatsRoutes:
+    """The `cluster` block of one server of a NATS cluster: where it listens for the other
+    servers and the routes to them (nats://host:port each; its own may be among them). Every
+    server has JetStream on, so a stream can keep replicas on several (see --events-replicas).
+    With a password, a server accepts routes only from servers that know it."""
+
+    name: str  # the cluster's name, equal on every server
+    host: str
+    port: int
+    routes: tuple[str, ...]
+    password: str = ""  # the routes' shared secret ("" = routes unauthenticated)
+
+    USER = "route"
+
+    def block(self) -> dict:
+        routes = list(self.routes)
+        block: dict = {"name": self.name, "host": self.host, "port": self.port}
+        if self.password:
+            block["authorization"] = {"user": self.USER, "password": self.password}
+            routes = [r.replace("://", f"://{self.USER}:{self.password}@", 1) for r in routes]
+        return block | {"routes": routes}
+
+
+def nats_config(secrets: ClusterSecrets, host: str, port: int, store_dir: Path, name: str,
+                http_port: int | None = None, routes: NatsRoutes | None = None) -> str:
+    """The nats-server configuration: JetStream on, and only the cluster's users, each limited
+    (`http_port`: the monitoring endpoint, e.g. for a health check's /healthz; `routes`: this
+    server's place in a cluster of servers, its routes authenticated by their own secret)."""
     users = []
     for user in ALL_USERS:
         entry: dict = {"user": user, "password": secrets.password(user)}
@@ -140,6 +167,10 @@ def nats_config(secrets: ClusterSecrets, host: str, port: int, store_dir: Path, 
     # JSON is valid nats-server configuration syntax
     config = {"server_name": name, "host": host, "port": port,
               "jetstream": {"store_dir": str(store_dir)}, "authorization": {"users": users}}
+    if http_port is not None:
+        config["http_port"] = http_port
+    if routes is not None:  # one server of a cluster: server names must differ, the cluster name not
+        config["cluster"] = routes.block()
     return json.dumps(config, indent=1)
 
 
