@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip -q --disable-pip-version-check
 STAMP := $(VENV)/.moonbus-installed
 
-.PHONY: setup run test unit integration soak clean
+.PHONY: setup browser run test unit integration soak clean compose-test docker-tools bench-transfer
 
 setup: $(STAMP)
 
@@ -21,14 +21,51 @@ $(STAMP): pyproject.toml Makefile
 run: setup
 	$(VENV)/bin/moonbus up
 
-test: setup
+# The dashboard's browser test drives Debian's chromium through chromedriver; without them it skips.
+browser:
+	@if ! { test -x /usr/bin/chromium && test -x /usr/bin/chromedriver; } && command -v apt-get >/dev/null; then \
+	  echo "installing chromium and chromium-driver (apt-get) for the dashboard's browser test"; \
+	  { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver \
+	    || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	         chromium chromium-driver; }; } >/dev/null 2>&1 \
+	  || echo "warning: could not install chromium; the dashboard's browser test will skip"; \
+	fi
+
+test: setup browser docker-tools
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 unit: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit
 
-integration: setup
+integration: setup browser docker-tools
 	$(PY) -m pytest -q -p no:cacheprovider tests/integration
+
+# compose.yaml end to end (tests/integration/test_compose_e2e.py): starts a Docker engine if none
+# runs, builds the images, runs the cluster as containers, checks answers and KV paths, then
+# leaves the host as it found it. Skips, saying why, where no engine can be started.
+compose-test: setup docker-tools
+	$(PY) -m pytest -q -s -rs -p no:cacheprovider tests/integration/test_compose_e2e.py
+
+# What the compose test needs (a Docker engine, compose, debootstrap for a base image without a
+# registry), installed with apt where missing and possible; never fatal: without them it skips.
+DOCKER_PACKAGES := docker.io docker-compose debootstrap
+docker-tools:
+	@missing=""; for tool in dockerd docker-compose debootstrap; do \
+	  command -v $$tool >/dev/null 2>&1 || missing="$$missing $$tool"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
+	  echo "compose test:$$missing missing and apt-get is not usable here (the test will skip)"; exit 0; fi; \
+	echo "compose test: installing $(DOCKER_PACKAGES) (missing:$$missing)"; \
+	{ DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(DOCKER_PACKAGES) \
+	  || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	       $(DOCKER_PACKAGES); }; } >/dev/null 2>&1 \
+	  || echo "warning: apt-get could not install $(DOCKER_PACKAGES); the compose test will skip"
+
+# `moonbus bench transfer` next to the Mooncake Transfer Engine (TCP mode). Optional: without it
+# the bench prints a "not installed" row. The non-CUDA build: the default wheel needs libcudart/libcuda.
+bench-transfer: setup
+	$(PIP) install mooncake-transfer-engine-non-cuda==0.3.13.post1
+	$(VENV)/bin/moonbus bench transfer
 
 # Needs a running cluster: `make run` in another terminal (reads .moonbus/cluster.json).
 soak: setup

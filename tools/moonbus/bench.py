@@ -11,6 +11,7 @@ TARGETS = {
     "store": "tools.moonbus.bench_store",
     "conductor": "tools.moonbus.bench_conductor",
     "engine": "tools.moonbus.bench_engine",
+    "transfer": "tools.moonbus.bench_transfer",
 }
 
 
