@@ -11,8 +11,9 @@
     (the reused prefix too): write ------->  lands in place (TCP: recv_into the mapping); its
                                              checksum verified on arrival; counted (Coverage)
     after the last layer: call "complete" -> ordered after the writes: every layer covered and
-                                             no write failed -> unregister, unmap, rename to
-                                <----------- in-<decode>__<request>-a<n>.kv; KvHandle(verified)
+                                             no write failed -> unregister, rename to
+                                <----------- in-<decode>__<request>-a<n>.kv; KvHandle(verified);
+                                             unmap after the reply
     NATS DecodeTask(handle) -------------------------------------------------------------> reads the file
                                                                                           (not verified again)
 
@@ -42,6 +43,7 @@ import os
 import secrets
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -101,6 +103,7 @@ class Reservations:
         self.held: dict[str, Reservation] = {}  # region id -> reservation
         self.aborted: dict[str, float] = {}  # landed file name -> when its prefill aborted (monotonic)
         self._lock = threading.Lock()
+        self._unmapper = ThreadPoolExecutor(1, thread_name_prefix="kv-unmap")  # completed mappings, off the reply's path
         transports.handle("complete", self.complete)
 
     # --- the loop's side --------------------------------------------------------------------------
@@ -209,11 +212,14 @@ class Reservations:
             self.held.pop(req.region, None)
         try:
             self.transports.unregister(req.region)
-            _close(res.mapping)
             os.replace(res.tmp, self.shm_dir / res.name)  # the decode never sees a partial file
         except BaseException:
+            _close(res.mapping)
             res.tmp.unlink(missing_ok=True)
             raise
+        # NOTE: unmapping costs time in proportion to the whole KV (4.7 ms at 47 MB, 63 ms at
+        # 377 MB, measured), so it happens after the reply: the tail stays one slice plus a constant
+        self._unmapper.submit(_close, res.mapping)
         if self.on_bytes is not None:
             self.on_bytes(res.src_node, res.coverage.nbytes)
         handle = KvHandle(self.node, res.name, list(self.layout.request_shape(res.request.num_tokens)), "float32", 0,
