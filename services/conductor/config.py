@@ -36,6 +36,7 @@ class ConductorConfig:
     index_timeout_s: float  # no answer from the cache index in time: route as if nothing is cached
     pipeline_group: int  # >= 2: long prompts with no reuse are prefilled by this many instances in a pipeline
     prefill_chunk: int  # the prefill instances' chunk size (a pipeline stage computes whole chunks)
+    events_replicas: int  # copies of the events stream on a NATS cluster (1 = a single server)
 
     def __post_init__(self) -> None:
         common.check_subject_token("instance id", self.instance_id)
@@ -43,6 +44,8 @@ class ConductorConfig:
             raise ValueError("timeouts and intervals must be > 0")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
+        if not 1 <= self.events_replicas <= 5:
+            raise ValueError(f"events replicas must be 1..5 (JetStream's limit); got {self.events_replicas}")
 
 
 def load(argv: list[str] | None = None) -> ConductorConfig:
@@ -68,6 +71,8 @@ def load(argv: list[str] | None = None) -> ConductorConfig:
     common.flag(parser, "--lease", "MOONBUS_LEASE", 900.0, float, help="seconds a dispatched request may stay without an end", dest="lease_s")
     common.flag(parser, "--sweep-interval", "MOONBUS_SWEEP_INTERVAL", 0.5, float, help="seconds", dest="sweep_interval_s")
     common.flag(parser, "--index-timeout", "MOONBUS_INDEX_TIMEOUT", 0.5, float, help="seconds", dest="index_timeout_s")
+    common.flag(parser, "--events-replicas", "MOONBUS_EVENTS_REPLICAS", 1, int,
+                help="replicas of the events stream when it is created (<= the NATS cluster's servers)")
     args = parser.parse_args(argv)
     admission = AdmissionSettings(mode=args.admission, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
                                   t_d_s=args.decode_time)

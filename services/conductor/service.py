@@ -281,7 +281,7 @@ async def serve(cfg: ConductorConfig, stop: asyncio.Event) -> bool:
     ref = models.prepare(cfg.model, cfg.home)
     perf, source = profiles.load(cfg.home, cfg.model, cfg.profile)
     nc = await bus.connect(cfg.nats_url, cfg.instance_id, cfg.nats_auth)
-    await bus.ensure_events_stream(nc)
+    await bus.ensure_events_stream(nc, replicas=cfg.events_replicas)
     shape = models.read_shape(ref)
     layout = Layout(ref.name, cfg.block_tokens, cfg.prefill_chunk, shape.kv_layout(cfg.block_tokens).signature)
     service = ConductorService(cfg, nc, perf, shape.kv_bytes_per_token, layout)

@@ -218,11 +218,24 @@ def test_expected_stream_seqs():
 
 
 class FakeNats:
-    def __init__(self) -> None:
-        self.published: list[tuple[str, bytes]] = []
+    """JetStream's publish as the event publisher sees it: the first `fail` attempts get no
+    acknowledgement (a stream leader being elected); a message id already stored is not stored again."""
 
-    async def publish(self, subject: str, data: bytes) -> None:
-        self.published.append((subject, data))
+    def __init__(self, fail: int = 0) -> None:
+        self.published: list[tuple[str, bytes]] = []
+        self.ids: list[str] = []
+        self.fail = fail
+
+    def jetstream(self) -> "FakeNats":
+        return self
+
+    async def publish(self, subject: str, data: bytes, timeout: float = 1.0, headers: dict | None = None) -> None:
+        if self.fail:
+            self.fail -= 1
+            raise TimeoutError("no acknowledgement")
+        if headers["Nats-Msg-Id"] not in self.ids:
+            self.ids.append(headers["Nats-Msg-Id"])
+            self.published.append((subject, data))
 
 
 async def test_the_event_publisher_seals_what_it_publishes():
@@ -231,6 +244,7 @@ async def test_the_event_publisher_seals_what_it_publishes():
     await events.request("received", "r1", prompt_tokens=3)
     await events.instance("joined", "decode-0", role="decode")
     await events.kv("stored", "node-1", {"request_id": "r1", "keys": [1, 2]})
+    assert await events.flush(5)
     assert [s for s, _ in nc.published] == [
         "moonbus.events.request.received.r1", "moonbus.events.instance.joined.decode-0", "moonbus.events.kv.stored.node-1"]
     sealed = [Event.from_bytes(data) for _, data in nc.published]
@@ -241,9 +255,23 @@ async def test_the_event_publisher_seals_what_it_publishes():
     assert verify(stored, SECRET).ok
 
 
+async def test_events_not_acknowledged_are_sent_again_in_order_and_stored_once():
+    nc = FakeNats(fail=3)
+    events = bus.EventPublisher(nc, "gateway", "gw-1", secret=SECRET, incarnation="abc")
+    for i in range(5):
+        await events.request("received", f"r{i}")
+    assert await events.flush(10)
+    assert [s for s, _ in nc.published] == [f"moonbus.events.request.received.r{i}" for i in range(5)]
+    stored = [Stored(i + 1, s, d) for i, (s, d) in enumerate(nc.published)]
+    assert verify(stored, SECRET).ok  # no gap, no reordering
+    await events.close()
+
+
 async def test_without_a_secret_events_are_as_before():
     nc = FakeNats()
-    await bus.EventPublisher(nc, "gateway", "gw-1").request("received", "r1")
+    publisher = bus.EventPublisher(nc, "gateway", "gw-1")
+    await publisher.request("received", "r1")
+    assert await publisher.flush(5)
     event = Event.from_bytes(nc.published[0][1])
     assert (event.publisher, event.seq, event.prev, event.digest) == ("", 0, "", "")
     # an older event (no chain fields) still decodes

@@ -116,6 +116,11 @@ class ClusterSpec:
         return self.coupled or self.prefill + self.decode
 
     @property
+    def num_messengers(self) -> int:
+        """One per node; here every worker has a node of its own."""
+        return self.num_workers
+
+    @property
     def num_prefill(self) -> int:
         return self.coupled or self.prefill
 
@@ -219,18 +224,23 @@ class Cluster:
                          "--port", str(spec.port + i), *(["--api-keys", spec.api_keys] if spec.api_keys else []))
 
     def start_disaggregated(self, threads: str) -> None:
+        for i in range(self.spec.prefill):
+            self.messenger(f"messenger-p{i}", f"node-p{i}")
+            self.prefill_worker(i, f"node-p{i}", threads)
+        for i in range(self.spec.decode):
+            self.messenger(f"messenger-d{i}", f"node-d{i}")
+            self.decode_worker(i, f"node-d{i}", threads)
+
+    def prefill_worker(self, i: int, node: str, threads: str) -> None:
+        """prefill-i on `node` (whose messenger is started apart: a node may hold several workers)."""
         spec = self.spec
-        for i in range(spec.prefill):
-            node = f"node-p{i}"
-            self.messenger(f"messenger-p{i}", node)
-            self.service(f"prefill-{i}", "prefill", *self.node_args(node), "--threads", threads, *self.model_args(),
-                         "--prefill-chunk", str(spec.prefill_chunk), "--transport", spec.transport,
-                         *(["--pipeline-listener"] if spec.pipeline_group >= 2 else []), node=node)
-        for i in range(spec.decode):
-            node = f"node-d{i}"
-            self.messenger(f"messenger-d{i}", node)
-            self.service(f"decode-{i}", "decode", *self.node_args(node), "--threads", threads, *self.model_args(),
-                         *self.slo_args(), node=node)
+        self.service(f"prefill-{i}", "prefill", *self.node_args(node), "--threads", threads, *self.model_args(),
+                     "--prefill-chunk", str(spec.prefill_chunk), "--transport", spec.transport,
+                     *(["--pipeline-listener"] if spec.pipeline_group >= 2 else []), node=node)
+
+    def decode_worker(self, i: int, node: str, threads: str) -> None:
+        self.service(f"decode-{i}", "decode", *self.node_args(node), "--threads", threads, *self.model_args(),
+                     *self.slo_args(), node=node)
 
     def start_coupled(self, threads: str) -> None:
         """Each coupled instance announces `coupled-i-prefill` and `coupled-i-decode` on node-ci."""
@@ -329,7 +339,7 @@ class Cluster:
             health = self.health()
             instances = health.get("instances", {})
             if instances.get("prefill", 0) >= self.spec.num_prefill and instances.get("decode", 0) >= self.spec.num_decode \
-                    and instances.get("messenger", 0) >= self.spec.num_workers:
+                    and instances.get("messenger", 0) >= self.spec.num_messengers:
                 return
             time.sleep(0.3)
         raise ClusterError(f"the cluster was not ready after {timeout_s:.0f} s; logs are in {self.log_dir}")

@@ -158,7 +158,7 @@ def nats_config(secrets: ClusterSecrets, host: str, port: int, store_dir: Path, 
         if user != "admin":
             publish, subscribe = ROLES[user]
             permissions: dict = {"publish": {"allow": list(publish)}, "subscribe": {"allow": list(subscribe)}}
-            if user in SERVICE_ROLES or user == "auditor":
+            if user in SERVICE_ROLES or user in ("auditor", "supervisor"):  # replies: requests, JetStream acks
                 permissions["subscribe"]["allow"] = sorted(set(subscribe) | set(_SERVICE["subscribe"]))
             if user in SERVICE_ROLES:
                 permissions["allow_responses"] = True
