@@ -177,23 +177,31 @@ async def test_past_the_migration_limit_a_stream_ends_with_one_clear_error(pair)
     await wait_healthy(cluster, 2, 2)
 
 
+def sigterm_its_decode(cluster, state: dict, then=None):
+    """An on-events callback for `stream`: after 5 tokens, SIGTERM the request's decode instance
+    (once; its name and when go into `state`), then run `then(request_id, events)`."""
+    async def on_events(request_id, events):
+        if not state and len(tokens_of(events)) >= 5:
+            name = (await routed(cluster, request_id, 0))["decode_id"]
+            cluster.procs[name].popen.send_signal(signal.SIGTERM)
+            state.update(name=name, at=time.monotonic())
+            if then is not None:
+                await then(request_id, events)
+    return on_events
+
+
 async def test_a_draining_decode_finishes_its_request_and_gets_no_new_ones(pair):
     cluster = pair
     status, undisturbed, _ = await post(f"{cluster.spec.url}/v1/completions", body(60))
     assert status == 200
     state = {}
 
-    async def term_its_decode(request_id, events):
-        if not state and len(tokens_of(events)) >= 5:
-            name = (await routed(cluster, request_id, 0))["decode_id"]
-            cluster.procs[name].popen.send_signal(signal.SIGTERM)
-            state.update(name=name, at=time.monotonic())
-            # routed while it drains: the other decode instance gets it
-            status, other, headers = await post(f"{cluster.spec.url}/v1/completions", body(4))
-            assert status == 200
-            state["other"] = (await routed(cluster, headers["X-Request-Id"], 0))["decode_id"]
+    async def route_another(_request_id, _events):  # routed while it drains: the other decode instance gets it
+        status, other, headers = await post(f"{cluster.spec.url}/v1/completions", body(4))
+        assert status == 200
+        state["other"] = (await routed(cluster, headers["X-Request-Id"], 0))["decode_id"]
 
-    request_id, events = await stream(cluster, body(60), term_its_decode)
+    request_id, events = await stream(cluster, body(60), sigterm_its_decode(cluster, state, then=route_another))
     assert state["other"] != state["name"]
     assert tokens_of(events) == undisturbed["choices"][0]["token_ids"]
     path = await collect_request_events(cluster.spec.nats_url, request_id)
@@ -207,16 +215,9 @@ async def test_a_draining_decode_finishes_its_request_and_gets_no_new_ones(pair)
 async def test_what_outlives_the_grace_period_is_resumed_elsewhere(pair):
     cluster = pair
     state = {}
-
-    async def term_its_decode(request_id, events):
-        if not state and len(tokens_of(events)) >= 5:
-            name = (await routed(cluster, request_id, 0))["decode_id"]
-            cluster.procs[name].popen.send_signal(signal.SIGTERM)
-            state.update(name=name, at=time.monotonic())
-
     status, undisturbed, _ = await post(f"{cluster.spec.url}/v1/completions", body(3000))
     assert status == 200
-    request_id, events = await stream(cluster, body(3000), term_its_decode)
+    request_id, events = await stream(cluster, body(3000), sigterm_its_decode(cluster, state))
     assert not [e for e in events if "error" in e], events[-3:]
     assert tokens_of(events) == undisturbed["choices"][0]["token_ids"]
     path = await collect_request_events(cluster.spec.nats_url, request_id)
