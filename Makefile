@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip -q --disable-pip-version-check
 STAMP := $(VENV)/.moonbus-installed
 
-.PHONY: setup browser run test unit integration soak clean compose-test docker-tools bench-transfer
+.PHONY: setup browser run test unit integration soak clean compose-test docker-tools bench-transfer rdma-tools
 
 setup: $(STAMP)
 
@@ -31,13 +31,13 @@ browser:
 	  || echo "warning: could not install chromium; the dashboard's browser test will skip"; \
 	fi
 
-test: setup browser docker-tools
+test: setup browser docker-tools rdma-tools
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 unit: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit
 
-integration: setup browser docker-tools
+integration: setup browser docker-tools rdma-tools
 	$(PY) -m pytest -q -p no:cacheprovider tests/integration
 
 # compose.yaml end to end (tests/integration/test_compose_e2e.py): starts a Docker engine if none
@@ -66,6 +66,22 @@ docker-tools:
 bench-transfer: setup
 	$(PIP) install mooncake-transfer-engine-non-cuda==0.3.13.post1
 	$(VENV)/bin/moonbus bench transfer
+
+# What the RDMA VM test (tests/integration/test_rdma_vm.py) needs: qemu with its firmware, and
+# debootstrap and mkfs.ext4 to build the image once (cached); installed with apt where missing and
+# possible; never fatal: without them it skips.
+RDMA_PACKAGES := qemu-system-x86 seabios ipxe-qemu debootstrap e2fsprogs
+rdma-tools:
+	@missing=""; for tool in qemu-system-x86_64 debootstrap mkfs.ext4; do \
+	  command -v $$tool >/dev/null 2>&1 || missing="$$missing $$tool"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
+	  echo "rdma VM test:$$missing missing and apt-get is not usable here (the test will skip)"; exit 0; fi; \
+	echo "rdma VM test: installing $(RDMA_PACKAGES) (missing:$$missing)"; \
+	{ DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(RDMA_PACKAGES) \
+	  || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	       $(RDMA_PACKAGES); }; } >/dev/null 2>&1 \
+	  || echo "warning: apt-get could not install $(RDMA_PACKAGES); the rdma VM test will skip"
 
 # Needs a running cluster: `make run` in another terminal (reads .moonbus/cluster.json).
 soak: setup

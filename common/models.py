@@ -89,7 +89,7 @@ def prepare(model: str, home: Path) -> ModelRef:
     if (ref.path / "config.json").is_file():
         return ref
     ref.path.parent.mkdir(parents=True, exist_ok=True)
-    with _lock(ref.path.parent / ".lock"):
+    with file_lock(ref.path.parent / ".lock"):
         if (ref.path / "config.json").is_file():  # another process built it meanwhile
             return ref
         tmp = ref.path.with_name(ref.path.name + ".tmp")
@@ -162,7 +162,8 @@ def read_shape(ref: ModelRef) -> ModelShape:
 
 
 @contextlib.contextmanager
-def _lock(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive flock on `path` for the duration (across processes)."""
     with open(path, "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:

@@ -155,7 +155,9 @@ class RdmaBackend(Backend):
 
     def withdraw(self, region: Region) -> None:
         mr = self.mrs.pop(region.id, None)
-        if mr is not None:
+        # NOTE: after close() there is nothing to deregister: closing the device freed its MRs
+        # (a messenger closes its transports before it unregisters its slab)
+        if mr is not None and self.device is not None:
             self.lp.call(self.device.deregister, mr)
 
     def take_staging(self, timeout_s: float):

@@ -25,10 +25,14 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("command")
     run.add_argument("--timeout", type=float, default=600)
     test = sub.add_parser("test")
-    test.add_argument("pytest_args", nargs=argparse.REMAINDER)
+    test.add_argument("pytest_args", nargs="*")
     bench = sub.add_parser("bench")
     bench.add_argument("--mib", type=int, default=64, help="bytes moved per measurement, in MiB")
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)  # `test -x -k name`: pytest's own options pass through
+    if unknown and args.cmd != "test":
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.cmd == "test":
+        args.pytest_args = unknown + args.pytest_args
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
     img = image.ensure_image()

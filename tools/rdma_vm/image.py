@@ -19,7 +19,6 @@ x86_64 glibc, so the host's manylinux wheels work there.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -31,7 +30,8 @@ import time
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+
+from common.models import file_lock
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def ensure_image() -> Image:
         raise ImageUnavailable(f"cannot build the RDMA VM image: missing {', '.join(missing)}")
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    with _lock(CACHE_DIR / ".lock"):
+    with file_lock(CACHE_DIR / ".lock"):
         directory = CACHE_DIR / f"image-{image_key()}"
         if not (directory / "done").exists():
             build_image(directory)
@@ -241,13 +241,3 @@ def _tree_bytes(root: Path) -> int:
             with contextlib.suppress(OSError):
                 total += (os.lstat(os.path.join(dirpath, name)).st_size + 4095) // 4096 * 4096 + 256
     return total
-
-
-@contextlib.contextmanager
-def _lock(path: Path) -> Iterator[None]:
-    with open(path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)

@@ -11,13 +11,15 @@
 
 The guest's exit status comes back through the run share (qemu's own says nothing); None when the
 guest never got to write one (a kernel panic, the timeout). The VM is killed by its pid when the
-timeout passes.
+timeout passes or the wait is interrupted, and by the kernel when the process that started it dies.
 """
 
 from __future__ import annotations
 
+import ctypes
 import shlex
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -29,6 +31,7 @@ from tools.rdma_vm.image import CACHE_DIR, ROOT_DIR, Image
 HOST_FROM_GUEST = "10.0.2.2"  # the host's loopback, as user networking shows it to the guest
 GUEST_SCRIPT = Path(__file__).with_name("guest.sh")
 QEMU = "qemu-system-x86_64"
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 class QemuUnavailable(RuntimeError):
@@ -81,12 +84,15 @@ def run(image: Image, command: str, env: dict[str, str] | None = None, timeout_s
     started = time.monotonic()
     with open(run_dir / "qemu.log", "wb") as out:
         proc = subprocess.Popen(qemu_args(image, run_dir, memory_mb, cpus, repo), stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            proc.kill()  # our own child, by its pid
-            proc.wait()
+            pass
+        finally:  # the timeout, or anything that interrupts the wait (Ctrl-C, a test's timeout)
+            if proc.poll() is None:
+                proc.kill()  # our own child, by its pid
+                proc.wait()
     wall = time.monotonic() - started
     result = GuestResult(_read_rc(run_dir / "rc"), _read(run_dir / "output.log"), _read(run_dir / "guest.log"),
                          _read(run_dir / "console.log") + _read(run_dir / "qemu.log"), wall,
@@ -95,6 +101,12 @@ def run(image: Image, command: str, env: dict[str, str] | None = None, timeout_s
         log_to.write_text(f"rc={result.rc} wall={wall:.1f}s started={result.started_s}\n--- output\n{result.output}"
                           f"\n--- guest.log\n{result.guest_log}\n--- console\n{result.console}")
     return result
+
+
+def _die_with_parent() -> None:
+    """In qemu's child before exec: qemu is killed when the process that started it dies (a test
+    run killed outright leaves no VM behind)."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def prune_runs(keep: int = 5) -> None:
