@@ -20,6 +20,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import nats
+import orjson
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
@@ -42,7 +43,8 @@ PENDING_BYTES = 64 << 20  # published while the broker is away, sent once it is 
 PING_INTERVAL_S = 2.0
 MAX_OUTSTANDING_PINGS = 2
 OUTAGE_S = 15.0  # how long `request` waits out a broker outage (NATS restarts in a few seconds)
-EVENT_ACK_S = 2.0  # JetStream's acknowledgement of one event, before it is sent again
+EVENT_ACK_S = 2.0  # JetStream's acknowledgement of an event, before what is unacknowledged is sent again
+EVENT_WINDOW = 512  # events sent and waiting for their acknowledgement, per publisher
 EVENT_MAX_AGE_S = 120.0  # an event not stored by then is dropped (a gap in its chain)
 EVENT_QUEUE_MAX = 100_000  # events waiting per publisher; beyond, the oldest is dropped
 # client -> monotonic time of its last reconnection (a responder may not have resubscribed yet)
@@ -167,23 +169,36 @@ async def publish(nc: Client, subject: str, data: bytes) -> bool:
         return False
 
 
-async def request(nc: Client, subject: str, data: bytes, timeout: float, outage_s: float = OUTAGE_S) -> Msg:
+async def request(nc: Client, subject: str, data: bytes, timeout: float, outage_s: float = OUTAGE_S,
+                  absent_s: float = 0.0) -> Msg:
     """Request/reply that survives a broker blip: if the connection was down (or just came back,
     so the responder may not have resubscribed) when an attempt timed out or found no responder,
-    wait for the connection and ask again, for up to `outage_s` more. Raises NoRespondersError or
-    nats.errors.TimeoutError otherwise, like nc.request."""
-    give_up = time.monotonic() + timeout + outage_s
+    wait for the connection and ask again, for up to `outage_s` more. With `absent_s`, a missing
+    responder (a process being restarted) is asked again for that long. Raises NoRespondersError
+    or nats.errors.TimeoutError otherwise, like nc.request."""
+    started = time.monotonic()
+    give_up = started + timeout + outage_s
     while True:
         reconnects = nc.stats["reconnects"]
         try:
             if not nc.is_connected:
                 await _wait_connected(nc, give_up)
             return await nc.request(subject, data, timeout=timeout)
-        except (NoRespondersError, NatsTimeout, nats.errors.OutboundBufferLimitError):
-            blinked = not nc.is_connected or nc.stats["reconnects"] != reconnects or recently_reconnected(nc)
-            if not blinked or time.monotonic() + 0.2 > give_up:
+        except NoRespondersError:
+            if time.monotonic() + 0.25 < started + absent_s:
+                await asyncio.sleep(0.25)
+                continue
+            if not _blinked(nc, reconnects) or time.monotonic() + 0.2 > give_up:
                 raise
             await asyncio.sleep(0.2)
+        except (NatsTimeout, nats.errors.OutboundBufferLimitError):
+            if not _blinked(nc, reconnects) or time.monotonic() + 0.2 > give_up:
+                raise
+            await asyncio.sleep(0.2)
+
+
+def _blinked(nc: Client, reconnects_before: int) -> bool:
+    return not nc.is_connected or nc.stats["reconnects"] != reconnects_before or recently_reconnected(nc)
 
 
 async def _wait_connected(nc: Client, give_up: float) -> None:
@@ -225,16 +240,27 @@ async def ensure_events_stream(nc: Client, max_age_s: float = 24 * 3600, max_byt
             await asyncio.sleep(1.0)
 
 
+@dataclasses.dataclass
+class _Outgoing:
+    subject: str
+    payload: bytes
+    msg_id: str
+    queued_at: float
+    sent_at: float = 0.0
+
+
 class EventPublisher:
     """Publishes audit events for one service instance, each stored by JetStream before it counts.
 
-    An event is queued in order and sent by one task per publisher through JetStream, which
-    acknowledges it once the events stream holds it (on a NATS cluster: once its replicas do).
-    Without an acknowledgement (a broker outage, a stream leader being elected, a lost reply) it
-    is sent again with the same message id, which JetStream deduplicates, until it is stored or
-    older than EVENT_MAX_AGE_S; so a blip loses no event and never stores one twice. Nothing
-    waits for this: `request`, `instance` and `kv` only queue. `flush` (called by `shutdown`)
-    sends what is queued before the connection closes.
+    Events are sent in order as they come (subscribers see them at once, as with a plain publish),
+    each with a reply subject on which JetStream acknowledges it once the events stream holds it
+    (on a NATS cluster: once its replicas do); up to EVENT_WINDOW wait for their acknowledgement
+    at a time. Without one within EVENT_ACK_S, or with a refusal (no stream leader yet, a broker
+    outage), every event not yet acknowledged is sent again, in order and under the same message
+    id, which JetStream deduplicates, one at a time until the stream stores them again (so that
+    none overtakes another); until it is stored or older than EVENT_MAX_AGE_S. So a blip loses no
+    event, stores none twice and keeps each publisher's order. Nothing waits for this: `request`, `instance` and `kv`
+    only queue; `flush` (called by `shutdown`) waits until what is queued is stored.
 
     With the cluster secret, every event is numbered and sealed into this publisher's chain
     (common/audit.py); a new publisher (a restarted process) starts a new chain. An event that
@@ -248,10 +274,15 @@ class EventPublisher:
         self._instance_id = instance_id
         self._name = f"{service}/{instance_id}/{incarnation or secrets.token_hex(6)}"
         self._chain = Chain(secret, self._name) if secret is not None else None
-        self._queue: collections.deque[tuple[str, bytes, str, float]] = collections.deque()
+        self._queue: collections.deque[_Outgoing] = collections.deque()  # not sent yet, in order
+        self._unacked: dict[str, _Outgoing] = {}  # msg id -> sent, not acknowledged (in sending order)
+        self._replies: dict[str, str] = {}  # reply token -> msg id
+        self._refused = False
+        self._window, self._stored_in_a_row = EVENT_WINDOW, 0  # after a refusal: 1, until 16 are stored
         self._wakeup = asyncio.Event()
         self._sender: asyncio.Task | None = None
         self._count = 0
+        self._sends = 0
         _publishers.setdefault(nc, []).append(self)
 
     # NOTE: positional-only, so that the data may itself carry a "kind" (e.g. a process's kind)
@@ -266,7 +297,8 @@ class EventPublisher:
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        """Events not stored yet (queued or waiting for their acknowledgement)."""
+        return len(self._queue) + len(self._unacked)
 
     def _publish(self, subject: str, kind: str, request_id: str, data: dict[str, Any]) -> None:
         event = Event(kind, time.time(), self._service, self._instance_id, request_id, data)
@@ -279,47 +311,85 @@ class EventPublisher:
         except Exception:  # the audit log must never take a request down
             log.exception("could not encode event %s", subject)
             return
-        if len(self._queue) >= EVENT_QUEUE_MAX:
-            dropped = self._queue.popleft()
-            log.error("event queue full (%d): dropped the oldest, %s", EVENT_QUEUE_MAX, dropped[0])
+        if self.queued >= EVENT_QUEUE_MAX:
+            log.error("%d events not stored yet: dropped %s", self.queued, subject)
+            return
         self._count += 1
-        self._queue.append((subject, payload, f"{self._name}/{self._count}", time.monotonic()))
+        self._queue.append(_Outgoing(subject, payload, f"{self._name}/{self._count}", time.monotonic()))
         self._wakeup.set()
         if self._sender is None or self._sender.done():
             self._sender = asyncio.get_running_loop().create_task(self._send_all(), name=f"events {self._name}")
 
     async def _send_all(self) -> None:
-        js = self._nc.jetstream()
+        inbox = self._nc.new_inbox()
+        await self._nc.subscribe(f"{inbox}.*", cb=self._on_ack)
         backoff = 0.1
         while True:
-            if not self._queue:
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            subject, payload, msg_id, queued_at = self._queue[0]
-            if time.monotonic() - queued_at > EVENT_MAX_AGE_S:
-                self._queue.popleft()
-                log.error("event %s not stored within %g s: dropped", subject, EVENT_MAX_AGE_S)
-                continue
-            try:
-                await js.publish(subject, payload, timeout=EVENT_ACK_S, headers={"Nats-Msg-Id": msg_id})
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # no stream leader yet, a broker outage, a lost ack: again
-                log.debug("event %s not acknowledged (%r); sending it again", subject, exc)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), EVENT_ACK_S / 4)
+            self._wakeup.clear()
+            now = time.monotonic()
+            self._drop_old(now)
+            oldest = next(iter(self._unacked.values()), None)
+            if self._refused or (oldest is not None and now - oldest.sent_at > EVENT_ACK_S):
+                # everything not acknowledged goes again, in order (stored ones are deduplicated),
+                # one at a time until the stream takes them again: so none overtakes another
+                self._queue.extendleft(reversed(list(self._unacked.values())))
+                self._unacked.clear()
+                self._replies.clear()
+                self._refused = False
+                self._window, self._stored_in_a_row = 1, 0
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
-                continue
-            backoff = 0.1
-            if self._queue and self._queue[0][2] == msg_id:
-                self._queue.popleft()
+            elif oldest is None:
+                backoff = 0.1
+            while self._queue and len(self._unacked) < self._window and not self._refused and self._nc.is_connected:
+                out = self._queue.popleft()
+                self._sends += 1
+                token = str(self._sends)
+                self._replies[token] = out.msg_id
+                self._unacked[out.msg_id] = out
+                out.sent_at = time.monotonic()
+                try:
+                    await self._nc.publish(out.subject, out.payload, reply=f"{inbox}.{token}",
+                                           headers={"Nats-Msg-Id": out.msg_id})
+                except Exception as exc:  # a connection closed under us: sent again later
+                    log.debug("event %s not sent (%r)", out.subject, exc)
+                    self._refused = True
+                    break
+
+    async def _on_ack(self, msg: Msg) -> None:
+        msg_id = self._replies.pop(msg.subject.rsplit(".", 1)[-1], None)
+        if msg_id is None or msg_id not in self._unacked:
+            return  # the acknowledgement of an earlier send of it, or of one already sent again
+        refused = bool(msg.headers and msg.headers.get("Status"))  # 503: no stream (leader) to store it
+        if not refused:
+            try:
+                refused = "error" in orjson.loads(msg.data)
+            except orjson.JSONDecodeError:
+                refused = True
+        if refused:
+            self._refused = True
+        else:
+            del self._unacked[msg_id]
+            self._stored_in_a_row += 1
+            if self._stored_in_a_row >= 16:  # the stream is back: a window again
+                self._window = EVENT_WINDOW
+        self._wakeup.set()
+
+    def _drop_old(self, now: float) -> None:
+        old = [o for o in [*self._queue, *self._unacked.values()] if now - o.queued_at > EVENT_MAX_AGE_S]
+        for out in old:
+            log.error("event %s not stored within %g s: dropped", out.subject, EVENT_MAX_AGE_S)
+            if self._unacked.pop(out.msg_id, None) is None:
+                self._queue.remove(out)
 
     async def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every queued event is stored (True), or `timeout_s` passed (False)."""
         deadline = time.monotonic() + timeout_s
-        while self._queue and time.monotonic() < deadline:
+        while self.queued and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        return not self._queue
+        return not self.queued
 
     async def close(self) -> None:
         if self._sender is not None:

@@ -76,6 +76,9 @@ class ClusterState:
         self._coming: dict[str, list[tuple[float, int]]] | None = None  # decode_id -> sorted (finish, context)
         self._transit_s: dict[str, float] | None = None  # prefill_id -> predicted work of ours not reported yet
         self._decode_loads: dict[str, DecodeLoad] = {}  # decode_id -> admission's view, until the next change
+        # nodes whose messenger stopped heartbeating: their workers can neither send nor receive KV
+        # (a messenger that was never heard of, as in the simulator, marks nothing)
+        self.lost_nodes: set[str] = set()
 
     def changed(self) -> None:
         self._coming = None
@@ -96,6 +99,8 @@ class ClusterState:
                 return Refusal(info, tuple(differences))
         known = self.instances.get(info.instance_id)
         self.instances[info.instance_id] = Instance(info, now)
+        if info.role == "messenger":
+            self.lost_nodes.discard(info.node)
         for rid in self._held_ids(info):
             request = self.routed.get(rid)
             if request is not None:
@@ -120,13 +125,17 @@ class ClusterState:
         gone = [i.info for i in self.instances.values() if now - i.seen_at > self.timeout_s]
         for info in gone:
             del self.instances[info.instance_id]
+            if info.role == "messenger":
+                self.lost_nodes.add(info.node)
         if gone:
             self.changed()
         return gone
 
     def of_role(self, role: str) -> list[WorkerInfo]:
-        """Instances of a role that take new work (a draining one finishes what it holds, nothing more)."""
-        return sorted((i.info for i in self.instances.values() if i.info.role == role and not i.info.draining),
+        """Instances of a role that take new work (a draining one finishes what it holds, nothing more;
+        one whose node lost its messenger cannot move KV)."""
+        return sorted((i.info for i in self.instances.values()
+                       if i.info.role == role and not i.info.draining and i.info.node not in self.lost_nodes),
                       key=lambda w: w.instance_id)
 
     def get(self, instance_id: str) -> WorkerInfo | None:

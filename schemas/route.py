@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from schemas.codec import Wire, check_subject, check_token
 
@@ -33,10 +33,13 @@ class RouteRequest(Wire):
     num_generated: int = 0  # completion tokens already delivered (index and sampling step of the next)
     deadline_ts: float = 0.0  # wall clock after which the gateway stopped waiting: do not dispatch (0 = none)
     key_seed: int = 0  # seed of the request's block keys: its cache namespace (0 = the common one)
+    avoid: list[str] = field(default_factory=list)  # instances its failed attempts used: others first
 
     def __post_init__(self) -> None:
         check_token("request_id", self.request_id)
         check_subject("reply_subject", self.reply_subject)
+        for instance_id in self.avoid:
+            check_token("avoid", instance_id)
 
 
 @dataclass(frozen=True)

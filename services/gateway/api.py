@@ -169,7 +169,8 @@ class Api:
     async def on_request_event(self, msg) -> None:
         """Replication and reuse, as the workers report them, for this gateway's requests."""
         event = Event.from_bytes(msg.data)
-        if event.request_id not in self.gateway.states:
+        # NOTE: events are stored and relayed after the fact, often after the request ended here
+        if event.request_id not in self.gateway.states and event.request_id not in self.gateway.ended:
             return
         if event.kind == "prefilled":
             self.metrics.prompt_tokens.labels("cached").inc(event.data.get("cached_tokens", 0))

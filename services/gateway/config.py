@@ -26,7 +26,7 @@ class GatewayConfig:
     route_timeout_s: float  # how long to wait for the conductor's answer
     stall_timeout_s: float  # a request with no news from any worker for this long fails (504)
     default_chat_max_tokens: int  # when a chat request sets no max_tokens (completions default to 16)
-    max_migrations: int  # times a request is resumed elsewhere after its first token
+    max_migrations: int  # times a request is resumed elsewhere after its first token or a failed KV handoff
     prefill_retries: int  # times a request is re-dispatched when its prefill is lost before the first token
     migration_timeout_s: float  # how long a resumption waits for an instance to take it
     probe_after_s: float  # a request quiet this long asks its instances whether they still hold it
@@ -60,7 +60,7 @@ def load(argv: list[str] | None = None) -> GatewayConfig:
     common.flag(parser, "--stall-timeout", "MOONBUS_STALL_TIMEOUT", 120.0, float, help="seconds without progress before a request fails", dest="stall_timeout_s")
     common.flag(parser, "--default-chat-max-tokens", "MOONBUS_DEFAULT_CHAT_MAX_TOKENS", 512, int, help="max_tokens of a chat request that sets none")
     common.flag(parser, "--max-migrations", "MOONBUS_MAX_MIGRATIONS", 2, int,
-                help="times a request is resumed on another instance after its first token")
+                help="times a request is resumed on another instance after its first token (or after its KV could not reach its decode node)")
     common.flag(parser, "--prefill-retries", "MOONBUS_PREFILL_RETRIES", 1, int,
                 help="times a request whose prefill is lost before its first token is dispatched again")
     common.flag(parser, "--migration-timeout", "MOONBUS_MIGRATION_TIMEOUT", 30.0, float, dest="migration_timeout_s",

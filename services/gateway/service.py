@@ -25,6 +25,7 @@ says it handed it off), the request was lost in transit and is resumed like a lo
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 import uuid
@@ -48,6 +49,7 @@ from services.gateway.tenants import OPEN, KeyBook, Tenant, TenantLimits, cache_
 log = logging.getLogger(__name__)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # as in the OpenAI API
+ENDED_KEPT = 10_000  # ended requests whose late worker reports still count in this gateway's metrics
 
 
 @dataclass
@@ -73,6 +75,7 @@ class Generation:
     ended: bool = False
     attempt: int = 0
     migrations: int = 0  # resumptions after the first token
+    avoid: set[str] = field(default_factory=set)  # instances of its failed attempts
     redispatches: int = 0  # re-dispatches before it
     tenant: Tenant = field(default_factory=lambda: Tenant(OPEN, shared_cache=True))
     booking: list | None = None  # what it booked against its tenant's limits
@@ -105,6 +108,7 @@ class Gateway:
                                           secret=security.read_secret(cfg.cluster_secret_file))
         self.reply_subject = subjects.gateway_tokens(cfg.instance_id)
         self.states: dict[str, RequestState] = {}  # request_id -> RequestState
+        self.ended: collections.OrderedDict[str, None] = collections.OrderedDict()  # the newest ENDED_KEPT ended here
         self.keys = KeyBook(cfg.api_keys)
         self.limits = TenantLimits()
         # a prompt this many characters long cannot fit the context, whatever the tokenizer does
@@ -207,7 +211,8 @@ class Gateway:
         request = RouteRequest(gen.request_id, gen.prompt_ids + gen.token_ids,
                                gen.request.sampling(gen.max_tokens - done), self.reply_subject, gen.arrival,
                                attempt=gen.attempt, num_generated=done,
-                               deadline_ts=time.time() + self.cfg.route_timeout_s, key_seed=gen.key_seed)
+                               deadline_ts=time.time() + self.cfg.route_timeout_s, key_seed=gen.key_seed,
+                               avoid=sorted(gen.avoid))
         try:
             msg = await self.nc.request(subjects.CONDUCTOR_ROUTE, request.to_bytes(), timeout=self.cfg.route_timeout_s)
             reply = RouteReply.from_bytes(msg.data)
@@ -228,14 +233,18 @@ class Gateway:
         """Route the request again after a retryable error; False if its limits are spent or no
         instance took it in time (the caller then fails it with the error)."""
         started = bool(gen.token_ids)
-        if (started and gen.migrations >= self.cfg.max_migrations) or \
-                (not started and gen.redispatches >= self.cfg.prefill_retries):
+        # after the first token, or when its KV could not reach the decode node, it is a migration
+        # (the prefill instance did its part); otherwise a re-dispatch of a prefill that failed
+        migrating = started or chunk.stage == "transfer"
+        if (migrating and gen.migrations >= self.cfg.max_migrations) or \
+                (not migrating and gen.redispatches >= self.cfg.prefill_retries):
             log.warning("request %s: not resumed again (%d migrations, %d re-dispatches): %s", gen.request_id,
                         gen.migrations, gen.redispatches, chunk.error)
             return False
         await self.cancel(gen)  # the abandoned attempt stops wherever it still runs
+        gen.avoid |= {i for i in (gen.prefill_id, gen.decode_id) if i}  # elsewhere first, if there is an elsewhere
         gen.attempt += 1
-        if started:
+        if migrating:
             gen.migrations += 1
         else:
             gen.redispatches += 1
@@ -344,6 +353,9 @@ class Gateway:
             return
         gen.ended = True
         self.states.pop(gen.request_id, None)
+        self.ended[gen.request_id] = None  # workers' reports of it may still be on their way
+        while len(self.ended) > ENDED_KEPT:
+            self.ended.popitem(last=False)
         self.release(gen)
         if kind != "completed" or gen.finish_reason == "stop":
             # the workers may still be generating (client gone, stop string, failure elsewhere)

@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from common import bus, health, kvfiles, metrics, models, runner, sampling, security, worker
 from common.kv.blocks import DEFAULT_SEED, block_keys
 from common.pool_client import PoolClient, PoolUnavailable, Prefix
-from common.transport import Transports
+from common.transport import TransportError, Transports
 from schemas import subjects
 from schemas.codec import WireError
 from schemas.decode import DecodeTask
@@ -125,7 +125,8 @@ class PrefillService:
                     outcome = await self.run_task(task)
             except Exception as exc:
                 log.exception("request %s: prefill failed", task.request_id)
-                await self.fail(task, task.num_generated, f"prefill failed: {exc}")
+                await self.fail(task, task.num_generated, f"prefill failed: {exc}",
+                                stage="transfer" if transfer_failure(exc) else "")
             finally:
                 self.running = 0
                 self.current = None
@@ -162,10 +163,11 @@ class PrefillService:
         running = len(self.current.prompt_token_ids) if self.current is not None else 0
         return PrefillReport(round(t, 6), queued_tokens, running, ids, coming)
 
-    async def fail(self, task: PrefillTask, index: int, why: str, status: int = 500) -> None:
-        """A retryable error: the gateway re-dispatches (before the first token) or resumes (after)."""
+    async def fail(self, task: PrefillTask, index: int, why: str, status: int = 500, stage: str = "") -> None:
+        """A retryable error: the gateway re-dispatches (before the first token) or resumes (after).
+        `stage` "transfer": the KV could not reach its decode node (not this instance's fault)."""
         await worker.reply(self.nc, task.reply_subject, worker.error_chunk(
-            task.request_id, task.attempt, index, why, status, self.cfg.instance_id, retryable=True))
+            task.request_id, task.attempt, index, why, status, self.cfg.instance_id, retryable=True, stage=stage))
 
     async def run_task(self, task: PrefillTask) -> str:
         """Prefill, answer the first token, hand off; returns how the request left this instance."""
@@ -316,7 +318,7 @@ class PrefillService:
             handle = await completing
         except HandoffFailed as exc:
             log.error("request %s: %s", rid, exc)
-            await self.fail(task, task.num_generated + 1, str(exc), 503)
+            await self.fail(task, task.num_generated + 1, str(exc), 503, stage="transfer")
             return "failed"
         # tail: from the end of the last layer's compute to the decode node holding the whole KV
         tail_s = time.perf_counter() - computed_at
@@ -458,3 +460,13 @@ async def serve(cfg: PrefillConfig, stop: runner.Stop) -> bool:
     service.transports.close()
     await bus.shutdown(nc)
     return not tasks.failed
+
+
+def transfer_failure(exc: BaseException) -> bool:
+    """Did the request fail because its KV could not reach the decode node (a dead or frozen
+    messenger there, a broken connection), rather than here?"""
+    while exc is not None:
+        if isinstance(exc, (HandoffFailed, TransportError)):
+            return True
+        exc = exc.__cause__
+    return False

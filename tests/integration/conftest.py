@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 from pathlib import Path
@@ -93,7 +94,10 @@ async def stream_events(url: str, body: dict, timeout_s: float = 120) -> list[di
 
 
 async def collect_request_events(nats_url: str, request_id: str, timeout_s: float = 30) -> list[dict]:
-    """Read one request's events from the JetStream stream, until its terminal event."""
+    """Read one request's events from the JetStream stream, until its terminal event and a second
+    more; in the order they happened (their timestamps). Each service stores its events in order,
+    but the stream interleaves services as their events arrive: a worker's report may be stored
+    after the gateway's terminal event that it caused."""
     from nats.js.api import ConsumerConfig, DeliverPolicy
 
     from common import bus
@@ -109,13 +113,10 @@ async def collect_request_events(nats_url: str, request_id: str, timeout_s: floa
             msg = await sub.next_msg(timeout=timeout_s)
             events.append(json.loads(msg.data))
             if events[-1]["kind"] in TERMINAL_KINDS:
-                # anything after the terminal event would be a bug: look a little longer
-                try:
-                    msg = await sub.next_msg(timeout=1.0)
-                    events.append(json.loads(msg.data))
-                except asyncio.TimeoutError:
-                    pass
-                return events
+                with contextlib.suppress(asyncio.TimeoutError):
+                    while True:  # what arrives after it (a second end would be a bug: the tests look)
+                        events.append(json.loads((await sub.next_msg(timeout=1.0)).data))
+                return sorted(events, key=lambda e: e["ts"])
     finally:
         await nc.drain()
 

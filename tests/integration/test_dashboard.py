@@ -23,6 +23,7 @@ from common import bus
 from schemas import subjects
 from schemas.workers import StatusReply, WorkerInfo
 from services.gateway.dashboard import Dashboard
+from services.gateway.tenants import KeyBook
 from tests.integration.conftest import post
 from tools.moonbus.cluster import free_port, nats_server_binary
 
@@ -179,7 +180,9 @@ async def bare_nats(tmp_path):
 @pytest.fixture
 async def dashboard_only(bare_nats):
     """The dashboard's routes on their own, as the gateway serves them, over the bare nats-server."""
-    gateway = SimpleNamespace(nc=bare_nats, served_model="tiny-random", cfg=SimpleNamespace(instance_id="gateway-t"))
+    keys = KeyBook("")  # an open gateway: everyone may look
+    gateway = SimpleNamespace(nc=bare_nats, served_model="tiny-random", cfg=SimpleNamespace(instance_id="gateway-t"),
+                              authenticate=keys.tenant_of)
     app = web.Application()
     Dashboard(gateway).add_routes(app)
     runner = web.AppRunner(app, access_log=None)

@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import hmac
 import json
+from types import SimpleNamespace
 
 import orjson
 import pytest
@@ -218,24 +219,33 @@ def test_expected_stream_seqs():
 
 
 class FakeNats:
-    """JetStream's publish as the event publisher sees it: the first `fail` attempts get no
-    acknowledgement (a stream leader being elected); a message id already stored is not stored again."""
+    """A broker with JetStream as the event publisher sees it: every publish reaches the stream's
+    subjects and is acknowledged on its reply subject, except that the first `fail` are refused
+    (503: a stream leader being elected); a message id already stored is not stored again."""
+
+    is_connected = True
 
     def __init__(self, fail: int = 0) -> None:
         self.published: list[tuple[str, bytes]] = []
         self.ids: list[str] = []
         self.fail = fail
+        self.acks = None
 
-    def jetstream(self) -> "FakeNats":
-        return self
+    def new_inbox(self) -> str:
+        return "_INBOX.test"
 
-    async def publish(self, subject: str, data: bytes, timeout: float = 1.0, headers: dict | None = None) -> None:
+    async def subscribe(self, subject: str, cb) -> None:
+        self.acks = cb
+
+    async def publish(self, subject: str, data: bytes, reply: str = "", headers: dict | None = None) -> None:
         if self.fail:
             self.fail -= 1
-            raise TimeoutError("no acknowledgement")
+            await self.acks(SimpleNamespace(subject=reply, headers={"Status": "503"}, data=b""))
+            return
         if headers["Nats-Msg-Id"] not in self.ids:
             self.ids.append(headers["Nats-Msg-Id"])
             self.published.append((subject, data))
+        await self.acks(SimpleNamespace(subject=reply, headers=None, data=b'{"stream": "MOONBUS_EVENTS", "seq": 1}'))
 
 
 async def test_the_event_publisher_seals_what_it_publishes():

@@ -146,3 +146,16 @@ def test_a_one_token_request_is_charged_to_prefill_only():
     assert state.prefill_queue_s("p0", 0.0) == 1.0
     state.heard(prefill(queue_s=1.0, held=["one"]), 0.0)  # held, not coming to decode
     assert state.prefill_queue_s("p0", 0.0) == 1.0 and state.decode_candidates(0.0)[0].num_running == 0
+
+
+def test_workers_of_a_node_whose_messenger_was_lost_get_nothing_new_until_it_returns():
+    state = ClusterState(timeout_s=3.0, lease_s=100.0)
+    state.heard(decode("d0", node="n1"), 0.0)
+    state.heard(decode("d1", node="n2"), 0.0)
+    state.heard(WorkerInfo("m1", "messenger", "n1"), 0.0)
+    state.heard(decode("d0", node="n1"), 4.0)  # d0 still heartbeats; its messenger does not
+    state.heard(decode("d1", node="n2"), 4.0)
+    assert [i.instance_id for i in state.expire(4.0)] == ["m1"]
+    assert [d.instance_id for d in state.decode_candidates(4.0)] == ["d1"]
+    state.heard(WorkerInfo("m1b", "messenger", "n1"), 5.0)  # restarted
+    assert [d.instance_id for d in state.decode_candidates(5.0)] == ["d0", "d1"]
