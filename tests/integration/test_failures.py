@@ -36,6 +36,9 @@ def pair(tmp_path_factory, tiny_profile):
     cluster.stop()
 
 
+LONG = 1200  # tokens: several seconds of decoding, well past GRACE_S
+
+
 def proc(cluster, name):
     return cluster.procs[name].popen
 
@@ -215,9 +218,9 @@ async def test_a_draining_decode_finishes_its_request_and_gets_no_new_ones(pair)
 async def test_what_outlives_the_grace_period_is_resumed_elsewhere(pair):
     cluster = pair
     state = {}
-    status, undisturbed, _ = await post(f"{cluster.spec.url}/v1/completions", body(3000))
+    status, undisturbed, _ = await post(f"{cluster.spec.url}/v1/completions", body(LONG))
     assert status == 200
-    request_id, events = await stream(cluster, body(3000), sigterm_its_decode(cluster, state))
+    request_id, events = await stream(cluster, body(LONG), sigterm_its_decode(cluster, state))
     assert not [e for e in events if "error" in e], events[-3:]
     assert tokens_of(events) == undisturbed["choices"][0]["token_ids"]
     path = await collect_request_events(cluster.spec.nats_url, request_id)

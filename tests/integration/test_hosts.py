@@ -220,7 +220,7 @@ async def test_a_host_cut_off_for_ten_seconds_and_back(hosts):
         timeline["restored_wall"] = time.time()
 
     try:
-        results = await steady_load(hosts, 32.0, cut_and_restore)
+        results = await steady_load(hosts, 24.0, cut_and_restore)
     finally:
         hosts.restore("node-c")
     back_s = await wait_whole(hosts)
@@ -267,7 +267,7 @@ async def test_a_nats_server_killed_under_load(hosts):
         timeline["killed_at"] = time.perf_counter() - t0
 
     try:
-        results = await steady_load(hosts, 20.0, kill_server)
+        results = await steady_load(hosts, 16.0, kill_server)
         after = [r for sent, r in results if sent >= timeline["killed_at"]]
         counts = judge(f"{victim} killed at {timeline['killed_at']:.1f} s", results,
                        await terminal_events(hosts.spec.nats_url))

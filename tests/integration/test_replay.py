@@ -5,25 +5,20 @@ from argparse import Namespace
 from pathlib import Path
 
 from common.traces import TraceRow
-from tests.integration.conftest import start_cluster
 from tools.moonbus import replay
 
 
-def test_short_replay_gives_a_valid_summary(tmp_path: Path):
+def test_short_replay_gives_a_valid_summary(cluster, tmp_path: Path):
     trace = tmp_path / "trace.jsonl"
     rows = [TraceRow(0, 1500, 256, (1, 2, 3)), TraceRow(200, 1500, 128, (1, 2, 4)),
             TraceRow(400, 1024, 64, (1, 2)), TraceRow(600, 2048, 192, (5, 6, 7, 8))]
     trace.write_text("".join(json.dumps({"timestamp": r.timestamp_ms, "input_length": r.input_length,
                                          "output_length": r.output_length, "hash_ids": list(r.hash_ids)}) + "\n"
                              for r in rows))
-    cluster = start_cluster(tmp_path / "home")
-    try:
-        args = Namespace(trace=trace, limit=None, url=cluster.spec.url, speed=1.0, tokens_per_block=16,
-                         max_output=None, output_scale=None, max_input=None, vocab_size=259, seed=0,
-                         ttft_slo=60.0, tbt_slo=10.0, timeout=120.0, out=tmp_path / "out", plot=True, no_progress=True)
-        assert replay.run(args) == 0
-    finally:
-        cluster.stop()
+    args = Namespace(trace=trace, limit=None, url=cluster.spec.url, speed=1.0, tokens_per_block=16,
+                     max_output=None, output_scale=None, max_input=None, vocab_size=259, seed=0,
+                     ttft_slo=60.0, tbt_slo=10.0, timeout=120.0, out=tmp_path / "out", plot=True, no_progress=True)
+    assert replay.run(args) == 0
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())["summary"]
     assert summary["requests"] == 4 and summary["ok"] == 4, summary
     assert summary["ttft_p50_s"] > 0 and summary["tbt_p50_s"] is not None
