@@ -2,8 +2,9 @@
 
 Fed by the messengers' numbered KV events. A node is (re)synced from its messenger's snapshot
 when it is first seen (so a restarted index rebuilds itself), on a sequence gap, and when its
-epoch changes (the messenger restarted and numbers from 1 again). A node whose messenger stops
-sending heartbeats is dropped: its DRAM is gone with it.
+epoch changes (the messenger restarted and numbers from 1 again), and when its messenger is heard
+again after a silence (a node cut off, or this index). A node whose messenger stops sending
+heartbeats for longer is dropped: its DRAM is gone with it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from services.cache_index.config import CacheIndexConfig
 from services.cache_index.index import KINDS, KvEvent, PrefixIndex
 
 log = logging.getLogger(__name__)
+SILENCE_RESYNC_S = 3.0  # a messenger heard again after this long (it heartbeats every second) is reloaded
 
 
 class IndexMetrics:
@@ -82,10 +84,14 @@ class CacheIndexService:
         if info.leaving:
             self.forget(info.node, "messenger left")
             return
-        first = info.node not in self.last_seen
-        self.last_seen[info.node] = time.monotonic()
-        if first and info.node not in self.epochs:
+        now, last = time.monotonic(), self.last_seen.get(info.node)
+        self.last_seen[info.node] = now
+        if last is None and info.node not in self.epochs:
             self.start_resync(info.node, "first seen")
+        elif last is not None and now - last > SILENCE_RESYNC_S:
+            # cut off (or we were): its KV events of that time may never have reached us, and a
+            # gap would show only at its next event, which may be long in coming
+            self.start_resync(info.node, f"silence: heard again after {now - last:.1f} s")
 
     def start_resync(self, node: str, why: str) -> None:
         if node in self.syncing:

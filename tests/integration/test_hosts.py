@@ -220,7 +220,7 @@ async def test_a_host_cut_off_for_ten_seconds_and_back(hosts):
         timeline["restored_wall"] = time.time()
 
     try:
-        results = await steady_load(hosts, 24.0, cut_and_restore)
+        results = await steady_load(hosts, 28.0, cut_and_restore)
     finally:
         hosts.restore("node-c")
     back_s = await wait_whole(hosts)

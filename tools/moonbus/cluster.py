@@ -339,14 +339,17 @@ class Cluster:
             health = self.health()
             instances = health.get("instances", {})
             if instances.get("prefill", 0) >= self.spec.num_prefill and instances.get("decode", 0) >= self.spec.num_decode \
-                    and instances.get("messenger", 0) >= self.spec.num_messengers:
+                    and instances.get("messenger", 0) >= self.spec.num_messengers \
+                    and all(self.health(i) for i in range(1, self.spec.gateways)):  # every gateway answers
                 return
             time.sleep(0.3)
         raise ClusterError(f"the cluster was not ready after {timeout_s:.0f} s; logs are in {self.log_dir}")
 
-    def health(self) -> dict:
+    def health(self, gateway: int = 0) -> dict:
+        """The `gateway`-th gateway's /health ({} while it does not answer)."""
+        url = self.spec.url if gateway == 0 else f"http://{self.spec.host}:{self.spec.port + gateway}"
         try:
-            with urllib.request.urlopen(f"{self.spec.url}/health", timeout=2) as resp:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
                 return json.loads(resp.read())
         except urllib.error.HTTPError as err:
             return json.loads(err.read() or b"{}")
