@@ -23,13 +23,7 @@ run: setup
 
 # The dashboard's browser test drives Debian's chromium through chromedriver; without them it skips.
 browser:
-	@if ! { test -x /usr/bin/chromium && test -x /usr/bin/chromedriver; } && command -v apt-get >/dev/null; then \
-	  echo "installing chromium and chromium-driver (apt-get) for the dashboard's browser test"; \
-	  { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver \
-	    || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-	         chromium chromium-driver; }; } >/dev/null 2>&1 \
-	  || echo "warning: could not install chromium; the dashboard's browser test will skip"; \
-	fi
+	@sh tools/ensure_packages.sh "the dashboard's browser test" "/usr/bin/chromium /usr/bin/chromedriver" "chromium chromium-driver"
 
 test: setup browser docker-tools rdma-tools
 	$(PY) -m pytest -q -p no:cacheprovider tests
@@ -50,16 +44,7 @@ compose-test: setup docker-tools
 # registry), installed with apt where missing and possible; never fatal: without them it skips.
 DOCKER_PACKAGES := docker.io docker-compose debootstrap
 docker-tools:
-	@missing=""; for tool in dockerd docker-compose debootstrap; do \
-	  command -v $$tool >/dev/null 2>&1 || missing="$$missing $$tool"; done; \
-	if [ -z "$$missing" ]; then exit 0; fi; \
-	if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
-	  echo "compose test:$$missing missing and apt-get is not usable here (the test will skip)"; exit 0; fi; \
-	echo "compose test: installing $(DOCKER_PACKAGES) (missing:$$missing)"; \
-	{ DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(DOCKER_PACKAGES) \
-	  || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-	       $(DOCKER_PACKAGES); }; } >/dev/null 2>&1 \
-	  || echo "warning: apt-get could not install $(DOCKER_PACKAGES); the compose test will skip"
+	@sh tools/ensure_packages.sh "compose test" "dockerd docker-compose debootstrap" "$(DOCKER_PACKAGES)"
 
 # `moonbus bench transfer` next to the Mooncake Transfer Engine (TCP mode). Optional: without it
 # the bench prints a "not installed" row. The non-CUDA build: the default wheel needs libcudart/libcuda.
@@ -72,16 +57,7 @@ bench-transfer: setup
 # possible; never fatal: without them it skips.
 RDMA_PACKAGES := qemu-system-x86 seabios ipxe-qemu debootstrap e2fsprogs
 rdma-tools:
-	@missing=""; for tool in qemu-system-x86_64 debootstrap mkfs.ext4; do \
-	  command -v $$tool >/dev/null 2>&1 || missing="$$missing $$tool"; done; \
-	if [ -z "$$missing" ]; then exit 0; fi; \
-	if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
-	  echo "rdma VM test:$$missing missing and apt-get is not usable here (the test will skip)"; exit 0; fi; \
-	echo "rdma VM test: installing $(RDMA_PACKAGES) (missing:$$missing)"; \
-	{ DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(RDMA_PACKAGES) \
-	  || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-	       $(RDMA_PACKAGES); }; } >/dev/null 2>&1 \
-	  || echo "warning: apt-get could not install $(RDMA_PACKAGES); the rdma VM test will skip"
+	@sh tools/ensure_packages.sh "rdma VM test" "qemu-system-x86_64 debootstrap mkfs.ext4" "$(RDMA_PACKAGES)"
 
 # Needs a running cluster: `make run` in another terminal (reads .moonbus/cluster.json).
 soak: setup
