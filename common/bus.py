@@ -378,11 +378,13 @@ class EventPublisher:
         self._wakeup.set()
 
     def _drop_old(self, now: float) -> None:
-        old = [o for o in [*self._queue, *self._unacked.values()] if now - o.queued_at > EVENT_MAX_AGE_S]
-        for out in old:
+        """Drop what waited past EVENT_MAX_AGE_S: the oldest lead (the unacknowledged, then the queue)."""
+        while self._unacked and now - next(iter(self._unacked.values())).queued_at > EVENT_MAX_AGE_S:
+            out = self._unacked.pop(next(iter(self._unacked)))
             log.error("event %s not stored within %g s: dropped", out.subject, EVENT_MAX_AGE_S)
-            if self._unacked.pop(out.msg_id, None) is None:
-                self._queue.remove(out)
+        while self._queue and now - self._queue[0].queued_at > EVENT_MAX_AGE_S:
+            out = self._queue.popleft()
+            log.error("event %s not stored within %g s: dropped", out.subject, EVENT_MAX_AGE_S)
 
     async def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every queued event is stored (True), or `timeout_s` passed (False)."""

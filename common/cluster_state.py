@@ -20,6 +20,7 @@ or their lease runs out. Pure: the caller passes the clock; no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Collection
 
 from schemas.workers import DecodeReport, Layout, PrefillReport, WorkerInfo
 from services.conductor.admission import DecodeLoad
@@ -203,9 +204,10 @@ class ClusterState:
             self._transit_s = transit
         return reported + self._transit_s.get(instance_id, 0.0)
 
-    def prefill_candidates(self, now: float) -> tuple[PrefillCandidate, ...]:
-        return tuple(PrefillCandidate(p.instance_id, p.node, self.prefill_queue_s(p.instance_id, now))
-                     for p in self.of_role("prefill"))
+    def prefill_candidates(self, now: float, avoid: Collection[str] = ()) -> tuple[PrefillCandidate, ...]:
+        """`avoid`: instances a request's failed attempts used, left out where others remain."""
+        return _elsewhere(tuple(PrefillCandidate(p.instance_id, p.node, self.prefill_queue_s(p.instance_id, now))
+                                for p in self.of_role("prefill")), avoid)
 
     def coming_to(self, decode_id: str) -> list[tuple[float, int]]:
         """(predicted prefill end, context), in time order, of every request that will join
@@ -228,7 +230,8 @@ class ClusterState:
             self._coming = coming
         return self._coming.get(decode_id, [])
 
-    def decode_candidates(self, now: float) -> tuple[DecodeCandidate, ...]:
+    def decode_candidates(self, now: float, avoid: Collection[str] = ()) -> tuple[DecodeCandidate, ...]:
+        """`avoid`: as for prefill_candidates."""
         out = []
         for d in self.of_role("decode"):
             report: DecodeReport | None = d.decode
@@ -241,7 +244,7 @@ class ClusterState:
                 if report.kv_free_tokens is not None:
                     kv_free = report.kv_free_tokens - coming_tokens
             out.append(DecodeCandidate(d.instance_id, d.node, held + len(coming), context + coming_tokens, kv_free))
-        return tuple(out)
+        return _elsewhere(tuple(out), avoid)
 
     def decode_load(self, decode_id: str, now: float) -> DecodeLoad:
         """Admission's view: who decodes there since when, who will join and when (times are
@@ -271,3 +274,10 @@ class ClusterState:
     def decode_running(self, decode_id: str) -> int:
         info, _ = self._report(decode_id)
         return info.decode.running if info is not None and info.decode is not None else 0
+
+
+def _elsewhere(candidates: tuple, avoid: Collection[str]) -> tuple:
+    """The candidates not in `avoid`; all of them if that leaves none."""
+    if not avoid:
+        return candidates
+    return tuple(c for c in candidates if c.instance_id not in avoid) or candidates

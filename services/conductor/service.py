@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import random
 import time
+from typing import Collection
 
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
@@ -152,7 +153,7 @@ class ConductorService:
         holders = await self.prefix_holders(rid, keys)
         now = time.monotonic()
         decide_started = time.perf_counter()
-        snapshot = self.snapshot(now, holders, set(request.avoid))
+        snapshot = self.snapshot(now, holders, request.avoid)
         info = policy.RequestInfo(rid, len(ids), len(keys))
         decision = policy.decide(info, snapshot, self.settings, self.perf)
         if isinstance(decision, policy.NoInstances):
@@ -225,13 +226,9 @@ class ConductorService:
             return {}
         return {node: prefix.prefix_len for node, prefix in reply.per_node.items() if prefix.prefix_len}
 
-    def snapshot(self, now: float, holders: dict[str, int], avoid: set[str] = frozenset()) -> policy.ClusterSnapshot:
-        """`avoid`: instances a request's failed attempts used; left out where others remain."""
-        prefill, decode = self.state.prefill_candidates(now), self.state.decode_candidates(now)
-        if avoid:
-            prefill = tuple(c for c in prefill if c.instance_id not in avoid) or prefill
-            decode = tuple(c for c in decode if c.instance_id not in avoid) or decode
-        return policy.ClusterSnapshot(now, prefill, decode, holders, self.state.sender_queued_bytes(), self.rng.random())
+    def snapshot(self, now: float, holders: dict[str, int], avoid: Collection[str] = ()) -> policy.ClusterSnapshot:
+        return policy.ClusterSnapshot(now, self.state.prefill_candidates(now, avoid), self.state.decode_candidates(now, avoid),
+                                      holders, self.state.sender_queued_bytes(), self.rng.random())
 
     async def on_status(self, msg: Msg) -> None:
         now = time.monotonic()

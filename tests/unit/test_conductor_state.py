@@ -159,3 +159,11 @@ def test_workers_of_a_node_whose_messenger_was_lost_get_nothing_new_until_it_ret
     assert [d.instance_id for d in state.decode_candidates(4.0)] == ["d1"]
     state.heard(WorkerInfo("m1b", "messenger", "n1"), 5.0)  # restarted
     assert [d.instance_id for d in state.decode_candidates(5.0)] == ["d0", "d1"]
+
+
+def test_a_retried_request_goes_elsewhere_where_there_is_an_elsewhere():
+    state = ClusterState(timeout_s=3.0, lease_s=100.0)
+    for info in (prefill("p0"), decode("d0"), decode("d1")):
+        state.heard(info, 0.0)
+    assert [d.instance_id for d in state.decode_candidates(0.0, avoid={"d1", "p0"})] == ["d0"]
+    assert [p.instance_id for p in state.prefill_candidates(0.0, avoid={"d1", "p0"})] == ["p0"]  # the only one
