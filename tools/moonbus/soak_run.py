@@ -64,6 +64,9 @@ class Soak:
         if not self.state.shm_root:
             self.notes.append(f"shm directory guessed from the NATS port: {self.shm_root}")
         self.trace = resolve_trace(args.trace)
+        if not self.trace.exists():
+            raise SoakError(f"no trace at {self.trace} (give --trace PATH; the released traces are looked for "
+                            f"in ../shared/data/traces or $MOONBUS_TRACES)")
         self.rows = load_trace(self.trace, args.limit)
         self.events = EventLog()
         self.rng = random.Random(args.seed)
