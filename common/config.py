@@ -86,6 +86,11 @@ def add_node_flags(parser: argparse.ArgumentParser) -> None:
 def add_transport_flag(parser: argparse.ArgumentParser) -> None:
     flag(parser, "--transport", "MOONBUS_TRANSPORT", "auto",
          help="point-to-point KV transport: auto (rdma where both ends have an RDMA device, else tcp), tcp or rdma")
+    flag(parser, "--tcp-streams", "MOONBUS_TCP_STREAMS", 1, int,
+         help="tcp connections per peer: a write of --tcp-stripe-min bytes or more is striped over them (more than 1 helps where one "
+              "connection's core or window cannot fill the link; `moonbus bench transfer --streams` measures it)")
+    flag(parser, "--tcp-stripe-min", "MOONBUS_TCP_STRIPE_MIN", 4 << 20, int,
+         help="bytes from which a write is striped over the --tcp-streams connections (parts of at least half)")
 
 
 DEFAULT_BLOCK_TOKENS = 16

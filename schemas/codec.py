@@ -14,7 +14,7 @@ import re
 import types
 import typing
 from functools import cache
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 import orjson
 
@@ -47,10 +47,10 @@ class Wire:
         if not isinstance(obj, dict):
             raise WireError(f"{cls.__name__}: expected an object, got {type(obj).__name__}")
         kwargs = {}
-        for name, hint in _field_hints(cls).items():
+        for name, convert in _field_converters(cls):
             if name in obj:
                 try:
-                    kwargs[name] = _convert(hint, obj[name])
+                    kwargs[name] = convert(obj[name])
                 except WireError as exc:
                     raise WireError(f"{cls.__name__}.{name}: {exc}") from None
         try:
@@ -84,54 +84,85 @@ def check_file_name(name: str, value: str) -> None:
 
 
 @cache
-def _field_hints(cls: type) -> dict[str, Any]:
+def _field_converters(cls: type) -> tuple[tuple[str, Callable[[Any], Any]], ...]:
     hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    return tuple((f.name, _converter(hints[f.name])) for f in dataclasses.fields(cls))
 
 
-def _convert(hint: Any, value: Any) -> Any:
-    """Turn decoded JSON into the annotated type (Wire types nested), checking every leaf's type."""
+@cache
+def _converter(hint: Any) -> Callable[[Any], Any]:
+    """The function that converts and checks a decoded value for `hint`, built once per hint
+    (reading the annotation on every message cost more than the rest of decoding)."""
+    if hint is Any:
+        return _same
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(hint)
-        if value is None and type(None) in args:
-            return None
-        for arg in args:
-            if arg is not type(None):
-                return _convert(arg, value)
-    if hint is Any:
-        return value
-    if value is None:
-        raise WireError(f"null where {_name(hint)} is due")
+        inner = _converter(next(arg for arg in args if arg is not type(None)))
+        if type(None) not in args:
+            return inner
+        return lambda value: None if value is None else inner(value)
+    due = f"null where {_name(hint)} is due"
+    wrong = f"expected {_name(hint)}, got "
     if origin in (list, tuple):
-        if not isinstance(value, list):
-            raise WireError(f"expected an array, got {type(value).__name__}")
         args = typing.get_args(hint)
-        inner = args[0] if args else Any
-        if inner in (int, str) and all(type(v) is inner for v in value):
-            items = value  # NOTE: token ids and block keys: one type check per item, not a call
-        else:
-            items = [_convert(inner, v) for v in value]
-        return tuple(items) if origin is tuple else items
+        item_hint = args[0] if args else Any
+        item = _converter(item_hint)
+        fast = item_hint in (int, str)  # NOTE: token ids and block keys: one type check per item, not a call
+        as_tuple = origin is tuple
+
+        def sequence(value: Any) -> Any:
+            if value is None:
+                raise WireError(due)
+            if not isinstance(value, list):
+                raise WireError(f"expected an array, got {type(value).__name__}")
+            items = value if fast and all(type(v) is item_hint for v in value) else [item(v) for v in value]
+            return tuple(items) if as_tuple else items
+        return sequence
     if origin is dict:
-        if not isinstance(value, dict):
-            raise WireError(f"expected an object, got {type(value).__name__}")
-        _, inner = typing.get_args(hint)
-        return {k: _convert(inner, v) for k, v in value.items()}
+        value_of = _converter(typing.get_args(hint)[1])
+
+        def mapping(value: Any) -> Any:
+            if value is None:
+                raise WireError(due)
+            if not isinstance(value, dict):
+                raise WireError(f"expected an object, got {type(value).__name__}")
+            return {k: value_of(v) for k, v in value.items()}
+        return mapping
     if isinstance(hint, type) and issubclass(hint, Wire):
-        return hint.from_dict(value)
+        def nested(value: Any) -> Any:
+            if value is None:
+                raise WireError(due)
+            return hint.from_dict(value)
+        return nested
     if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif hint in (str, bool):
-        if isinstance(value, hint):
-            return value
-    else:  # a type without a check of its own
+        def real(value: Any) -> float:
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+            raise WireError(due if value is None else wrong + type(value).__name__)
+        return real
+    if hint is int:
+        def integer(value: Any) -> int:
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+            raise WireError(due if value is None else wrong + type(value).__name__)
+        return integer
+    if hint in (str, bool):
+        def exact(value: Any) -> Any:
+            if isinstance(value, hint):
+                return value
+            raise WireError(due if value is None else wrong + type(value).__name__)
+        return exact
+
+    def unchecked(value: Any) -> Any:  # a type without a check of its own
+        if value is None:
+            raise WireError(due)
         return value
-    raise WireError(f"expected {_name(hint)}, got {type(value).__name__}")
+    return unchecked
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 def _name(hint: Any) -> str:

@@ -51,6 +51,7 @@ class KvHandle(Wire):
 
 
 MAX_PIECES = 4096  # pieces of one write or read: a KV slice has 2 x kv heads of them
+MAX_STRIPES = 16  # connections one write may be striped over
 
 
 def _check_pieces(pieces: list[list[int]]) -> None:
@@ -164,10 +165,20 @@ class WriteFrame(Wire):
     region: str
     pieces: list[list[int]]  # [offset, nbytes], in the order of the payload
     meta: dict[str, int] = field(default_factory=dict)  # handed to the region's owner (e.g. layer, start, tokens)
+    # A write striped over several connections arrives as `parts` frames sharing `group`; the one
+    # with `whole` carries the write's own pieces, which the owner is handed once every part landed.
+    group: str = ""
+    parts: int = 1
+    whole: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         check_token("region", self.region)
         _check_pieces(self.pieces)
+        if self.parts != 1 or self.group:
+            check_token("group", self.group)
+            if not 1 <= self.parts <= MAX_STRIPES:
+                raise WireError(f"write in {self.parts} parts (at most {MAX_STRIPES})")
+        _check_pieces(self.whole)
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,9 @@ The model is RDMA's (one-sided writes and reads into registered memory); TCP emu
   the owner verifies once, on arrival, before `on_write(meta, pieces, None)`; a write that fails
   (no such region, out of bounds, checksum mismatch, refused by `on_write`) is reported to the
   owner as `on_write(meta, pieces, error)` and to the writer by its next `call`.
-- `call` is ordered after every write sent before it on the same channel: its handler runs once
-  they have all landed and been verified, so a call is a completion notice, not a poll. A call
+- `call` is ordered after every write sent before it on the same channel (over all of its
+  connections, when tcp stripes large writes over several): its handler runs once they have all
+  landed and been verified, so a call is a completion notice, not a poll. A call
   after a failed write raises `TransportError` naming the failure (the handler does not run).
 - `read` copies ranges of the peer's region into local buffers (e.g. straight into the DRAM slots
   a pull reserved); the reader verifies what it read against checksums it was told.
@@ -245,11 +246,13 @@ class Transports:
     """A process's backends, with one region table and one set of call handlers shared by all."""
 
     def __init__(self, mode: str = "auto", secret: bytes | None = None, timeout_s: float = 30.0,
-                 region_grace_s: float = 0.0) -> None:
+                 region_grace_s: float = 0.0, tcp_streams: int = 1, tcp_stripe_min: int = 4 << 20) -> None:
         self.mode = mode
         self.secret = secret  # peers prove they hold it (the cluster secret); None: no proof asked
         self.timeout_s = timeout_s  # connect, and every read of a frame (a deadline: a silent peer cannot hold on)
         self.region_grace_s = region_grace_s  # how long a write may wait for its region to be registered
+        self.tcp_streams = tcp_streams  # connections per tcp channel a large write is striped over
+        self.tcp_stripe_min = tcp_stripe_min  # bytes from which it is (parts of at least half)
         self.names = resolve(mode)
         self.backends: dict[str, Backend] = {name: backend_class(name)(self) for name in self.names}
         self.regions: dict[str, Region] = {}  # region id -> Region

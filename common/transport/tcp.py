@@ -15,13 +15,21 @@ header]` (schemas.transfer) and its payload:
     b"C" call   CallFrame, then its body                           -> ReplyFrame, then the reply body
 
 A failed write (unknown region, out of bounds, checksum mismatch, refused by its owner) has its
-payload drained, so that framing holds, and fails the next call on the connection. Every read of
+payload drained, so that framing holds, and fails the next call on the connection.
+
+Several connections per peer (`Transports.tcp_streams`): a write of `tcp_stripe_min` bytes or more is
+cut into parts of about equal bytes, sent at once, one per connection, each a write frame of its
+own (own checksum) naming the write's group and its number of parts; the listener hands the
+owner the write's own pieces once every part landed (`_Groups`), or its first failure at once. A
+call then follows a FENCE on each other connection written since the last call, so a call still
+runs after every write before it. Every read of
 a frame has a deadline (`Transports.timeout_s`): a silent peer cannot hold a connection, or a
 region, open. At most MAX_CONNECTIONS are served at once; more are closed at once.
 
 Speed (measured by `moonbus bench transfer`): each connection is served by its own thread on a
 blocking socket (deadlines by SO_RCVTIMEO/SO_SNDTIMEO, see `tune`), receiving with recv_into
-straight into the region and hashing each part as it lands, while it is in cache; the sender
+straight into the region, CHUNK bytes per call (MSG_WAITALL: one wakeup each), and hashing each
+part as it lands, while it is in cache; the sender
 hashes CHUNK-sized parts and sends them with sendmsg of memoryviews of the source (no
 concatenation, no intermediate bytes). asyncio's StreamReader, the
 link before this one, copied every payload twice (readexactly into bytes, then into a file) and
@@ -35,6 +43,8 @@ import os
 import socket
 import struct
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import xxhash
@@ -42,7 +52,7 @@ import xxhash
 from common.security import LINK_NONCE_BYTES, link_proof, proofs_match
 from common.transport import Backend, Channel, Peer, Pieces, Region, TransportError, TransportRefused
 from schemas.codec import WireError
-from schemas.transfer import CallFrame, ReadFrame, RegionRef, ReplyFrame, WriteFrame
+from schemas.transfer import MAX_STRIPES, CallFrame, ReadFrame, RegionRef, ReplyFrame, WriteFrame
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +65,12 @@ CHUNK = 1 << 20  # bytes hashed and sent (or received and hashed) at a time: the
 # 4 MiB here): measured, a fixed 4 MiB moved less and cost the receiver more CPU per byte
 SOCKET_BUFFER = 0
 HANDSHAKE_TIMEOUT_S = 10.0
+# A write of at least `Transports.tcp_stripe_min` bytes (4 MiB unless set) is cut into parts of at
+# least half that, sent at once over as many of the channel's connections (`Transports.tcp_streams`):
+# one connection's copy and checksum run on one core at a time, and one window may not fill a long
+# fat link.
+FENCE = "fence"  # a call each connection answers itself: the writes before it landed (or the first failed)
+OPEN_GROUPS = 1024  # striped writes a listener waits on at once; more are refused
 _PROOF_BYTES = 32
 _LEN = struct.Struct(">I")
 _SUM = struct.Struct(">Q")
@@ -92,7 +108,7 @@ def recv_into(sock: socket.socket, buf: memoryview, hasher=None) -> None:
     got, n = 0, buf.nbytes
     while got < n:
         try:
-            k = sock.recv_into(buf[got:] if got else buf)
+            k = sock.recv_into(buf[got:got + CHUNK], 0, socket.MSG_WAITALL)  # one wakeup per CHUNK
         except BlockingIOError as exc:  # SO_RCVTIMEO: the read deadline
             raise TransportError(f"peer sent nothing for {deadline_of(sock):g} s") from exc
         except OSError as exc:
@@ -135,7 +151,11 @@ def frame(op: bytes, header: bytes) -> bytes:
 
 
 def read_header(sock: socket.socket) -> bytes:
-    (size,) = _LEN.unpack(recv_exactly(sock, _LEN.size))
+    return read_sized(sock, _LEN.unpack(recv_exactly(sock, _LEN.size))[0])
+
+
+def read_sized(sock: socket.socket, size: int) -> bytes:
+    """A header whose length was read: at most MAX_HEADER bytes."""
     if size > MAX_HEADER:
         raise TransportError(f"header of {size} bytes is larger than {MAX_HEADER}")
     return recv_exactly(sock, size)
@@ -146,6 +166,39 @@ def _parts(views: Sequence[memoryview]):
     for v in views:
         for i in range(0, v.nbytes, CHUNK):
             yield v[i:i + CHUNK] if v.nbytes > CHUNK else v
+
+
+def stripes(pieces: list[tuple[int, memoryview]], k: int) -> list[list[tuple[int, memoryview]]]:
+    """The pieces cut into at most k runs of about equal bytes, in order (a piece may be cut)."""
+    total = sum(v.nbytes for _, v in pieces)
+    size = -(-total // k)
+    out: list[list[tuple[int, memoryview]]] = [[]]
+    room = size
+    for off, v in pieces:
+        while v.nbytes:
+            if not room:
+                out.append([])
+                room = size
+            take = min(v.nbytes, room)
+            out[-1].append((off, v[:take]))
+            off, v, room = off + take, v[take:], room - take
+    return out
+
+
+def send_write(sock: socket.socket, header: WriteFrame, views: Sequence[memoryview]) -> None:
+    """One write frame: the header, the views' bytes in CHUNK-sized parts, their xxh3-64."""
+    h = xxhash.xxh3_64()
+    batch: list = [frame(OP_WRITE, header.to_bytes())]
+    size = 0
+    for part in _parts(views):
+        h.update(part)  # NOTE: hashed right before it is sent, while it is in cache
+        batch.append(part)
+        size += part.nbytes
+        if size >= CHUNK:
+            send_all(sock, batch)
+            batch, size = [], 0
+    batch.append(_SUM.pack(h.intdigest()))
+    send_all(sock, batch)
 
 
 # --- the handshake ------------------------------------------------------------------------------
@@ -176,53 +229,91 @@ def client_handshake(sock: socket.socket, secret: bytes | None) -> None:
 class TcpChannel(Channel):
     transport = "tcp"
 
-    def __init__(self, locator: str, secret: bytes | None, timeout_s: float) -> None:
-        host, _, port = locator.rpartition(":")
-        try:
-            self.sock = socket.create_connection((host, int(port)), timeout=timeout_s)
-        except (OSError, ValueError) as exc:
-            raise TransportError(f"cannot connect to {locator}: {exc}") from exc
+    def __init__(self, locator: str, secret: bytes | None, timeout_s: float, streams: int = 1,
+                 stripe_min: int = 4 << 20) -> None:
         self.locator = locator
+        self.secret = secret
+        self.timeout_s = timeout_s
+        self.streams = max(1, min(streams, MAX_STRIPES))
+        self.stripe_min = max(2, stripe_min)
+        self.sock = self._connect()
+        self._extra: list[socket.socket] = []  # the other connections of striped writes, made on the first
+        self._dirty: set[int] = set()  # extra connections written to since their last fence
+        self._pool: ThreadPoolExecutor | None = None
+        self._group = f"{os.urandom(6).hex()}-"
+        self._groups = 0
+
+    def _connect(self) -> socket.socket:
+        host, _, port = self.locator.rpartition(":")
         try:
-            tune(self.sock, min(timeout_s, HANDSHAKE_TIMEOUT_S))
-            client_handshake(self.sock, secret)
-            set_deadline(self.sock, timeout_s)
+            sock = socket.create_connection((host, int(port)), timeout=self.timeout_s)
+        except (OSError, ValueError) as exc:
+            raise TransportError(f"cannot connect to {self.locator}: {exc}") from exc
+        try:
+            tune(sock, min(self.timeout_s, HANDSHAKE_TIMEOUT_S))
+            client_handshake(sock, self.secret)
+            set_deadline(sock, self.timeout_s)
         except BaseException:
-            self.sock.close()
+            sock.close()
             raise
+        return sock
 
     def write(self, dest: RegionRef, pieces: Pieces, meta: dict | None = None) -> None:
-        views = [memoryview(b).cast("B") for _, b in pieces]
-        header = WriteFrame(dest.region, [[off, v.nbytes] for (off, _), v in zip(pieces, views)], meta or {})
-        h = xxhash.xxh3_64()
-        batch: list = [frame(OP_WRITE, header.to_bytes())]
-        size = 0
-        for part in _parts(views):
-            h.update(part)  # NOTE: hashed right before it is sent, while it is in cache
-            batch.append(part)
-            size += part.nbytes
-            if size >= CHUNK:
-                send_all(self.sock, batch)
-                batch, size = [], 0
-        batch.append(_SUM.pack(h.intdigest()))
-        send_all(self.sock, batch)
+        views = [(off, memoryview(b).cast("B")) for off, b in pieces]
+        total = sum(v.nbytes for _, v in views)
+        k = min(self.streams, total // (self.stripe_min // 2)) if total >= self.stripe_min else 1
+        if k < 2:
+            header = WriteFrame(dest.region, [[off, v.nbytes] for off, v in views], meta or {})
+            send_write(self.sock, header, [v for _, v in views])
+            return
+        parts = stripes(views, k)
+        self._groups += 1
+        group, whole = f"{self._group}{self._groups}", [[off, v.nbytes] for off, v in views]
+        socks = [self.sock] + self._extra_socks(len(parts) - 1)
+        sends = []
+        for i, part in enumerate(parts):
+            header = WriteFrame(dest.region, [[off, v.nbytes] for off, v in part], meta or {}, group, len(parts),
+                                whole if i == 0 else [])
+            if i:
+                self._dirty.add(i - 1)
+                sends.append(self._pool.submit(send_write, socks[i], header, [v for _, v in part]))
+            else:
+                first = (header, [v for _, v in part])
+        try:
+            send_write(self.sock, *first)
+        finally:
+            for f in sends:
+                f.result()  # TransportError from a part's connection: raised here, after every part ended
+
+    def _extra_socks(self, n: int) -> list[socket.socket]:
+        while len(self._extra) < n:
+            self._extra.append(self._connect())
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.streams - 1, thread_name_prefix=f"tcp-stripe-{self.locator}")
+        return self._extra[:n]
 
     def read(self, src: RegionRef, pieces: Pieces) -> None:
         views = [memoryview(b).cast("B") for _, b in pieces]
         header = ReadFrame(src.region, [[off, v.nbytes] for (off, _), v in zip(pieces, views)])
         send_all(self.sock, [frame(OP_READ, header.to_bytes())])
-        self._reply()
+        self._reply(self.sock)
         for v in views:
             recv_into(self.sock, v)
 
     def call(self, op: str, body: bytes = b"") -> bytes:
-        send_all(self.sock, [frame(OP_CALL, CallFrame(op, len(body)).to_bytes()), body])
-        reply = self._reply()
-        return recv_exactly(self.sock, reply.nbytes)
+        for i in sorted(self._dirty):  # the parts of striped writes landed (or failed) before the call runs
+            self._dirty.discard(i)
+            self._call(self._extra[i], FENCE, b"")
+        return self._call(self.sock, op, body)
 
-    def _reply(self) -> ReplyFrame:
+    def _call(self, sock: socket.socket, op: str, body: bytes) -> bytes:
+        send_all(sock, [frame(OP_CALL, CallFrame(op, len(body)).to_bytes()), body])
+        reply = self._reply(sock)
+        return recv_exactly(sock, reply.nbytes)
+
+    def _reply(self, sock: socket.socket) -> ReplyFrame:
         try:
-            reply = ReplyFrame.from_bytes(read_header(self.sock))
+            reply = ReplyFrame.from_bytes(read_header(sock))
         except WireError as exc:
             raise TransportError(f"{self.locator} answered something else: {exc}") from exc
         if not reply.ok:
@@ -230,7 +321,10 @@ class TcpChannel(Channel):
         return reply
 
     def close(self) -> None:
-        self.sock.close()
+        for sock in [self.sock, *self._extra]:
+            sock.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
 
 
 # --- the accepting side -------------------------------------------------------------------------
@@ -242,6 +336,7 @@ class TcpBackend(Backend):
         self._locator = ""
         self._listener: socket.socket | None = None
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.groups = _Groups()
 
     @property
     def locator(self) -> str:
@@ -255,7 +350,8 @@ class TcpBackend(Backend):
         return self._locator
 
     def connect(self, locator: str, timeout_s: float) -> Channel:
-        return TcpChannel(locator, self.transports.secret, timeout_s)
+        t = self.transports
+        return TcpChannel(locator, t.secret, timeout_s, t.tcp_streams, t.tcp_stripe_min)
 
     def close(self) -> None:
         if self._listener is not None:
@@ -305,6 +401,7 @@ class _Connection:
     """One accepted connection's requests, served in order on its thread."""
 
     def __init__(self, backend: TcpBackend, sock: socket.socket, peer: Peer) -> None:
+        self.backend = backend
         self.transports = backend.transports
         self.sock = sock
         self.peer = peer
@@ -315,15 +412,17 @@ class _Connection:
         ops = {OP_WRITE: self.write, OP_READ: self.read, OP_CALL: self.call}
         while True:
             try:
-                op = self.sock.recv(1)
+                head = self.sock.recv(1 + _LEN.size, socket.MSG_WAITALL)  # the op and its header's length at once
             except BlockingIOError:
                 return  # idle past the deadline: the peer connects again when it has something to send
-            if not op:
+            if not head:
                 return  # the peer is done
-            handler = ops.get(op)
+            handler = ops.get(head[:1])
             if handler is None:
-                raise TransportError(f"unknown op {op!r}")
-            handler(read_header(self.sock))
+                raise TransportError(f"unknown op {head[:1]!r}")
+            if len(head) < 1 + _LEN.size:
+                head += recv_exactly(self.sock, 1 + _LEN.size - len(head))
+            handler(read_sized(self.sock, _LEN.unpack_from(head, 1)[0]))
 
     def write(self, header: bytes) -> None:
         req = WriteFrame.from_bytes(header)
@@ -339,7 +438,7 @@ class _Connection:
             error = region.bounds_error(spans)
         if error or not region.enter():
             self.drain(total + _SUM.size)
-            self.fail(region, req.meta, spans, error or f"region {req.region} is being unregistered")
+            self.landed(region, req, spans, error or f"region {req.region} is being unregistered")
             return
         try:
             h = xxhash.xxh3_64()
@@ -347,25 +446,34 @@ class _Connection:
                 with region.buf[off: off + n] as part:
                     recv_into(self.sock, part, h)  # NOTE: each part hashed as it lands, while in cache
             (expected,) = _SUM.unpack(recv_exactly(self.sock, _SUM.size))
-            if h.intdigest() != expected:
-                self.fail(region, req.meta, spans, f"write {req.meta or ''} to region {req.region} failed its "
-                                                   f"checksum ({total} bytes)")
-            elif region.on_write is not None:
-                try:
-                    region.on_write(req.meta, spans, None)
-                except Exception as exc:  # refused by the owner (e.g. a slice that does not belong)
-                    self.fail(None, req.meta, spans, f"region {req.region} refused write {req.meta}: {exc}")
+            error = "" if h.intdigest() == expected else \
+                f"write {req.meta or ''} to region {req.region} failed its checksum ({total} bytes)"
+            self.landed(region, req, spans, error)
         finally:
             region.leave()
 
-    def fail(self, region: Region | None, meta: dict, spans: list, error: str) -> None:
-        log.warning("from %s: %s", self.peer.name, error)
-        self.failed = self.failed or error
-        if region is not None and region.on_write is not None:
-            try:
-                region.on_write(meta, spans, error)
-            except Exception:
+    def landed(self, region: Region | None, req: WriteFrame, spans: list, error: str) -> None:
+        """A write, or a part of a striped one, ended: the owner is handed a failure at once (once
+        per write), a striped write's whole pieces once every part landed."""
+        if error:
+            log.warning("from %s: %s", self.peer.name, error)
+            self.failed = self.failed or error
+        if req.parts > 1:
+            whole, earlier_error, done = self.backend.groups.land(req, error)
+            if earlier_error or not (error or done):  # told already, or parts still to come
+                return
+            if not error:
+                spans = [(off, n) for off, n in whole] or spans
+        if region is None or region.on_write is None:
+            return
+        try:
+            region.on_write(req.meta, spans, error or None)
+        except Exception as exc:  # refused by the owner (e.g. a slice that does not belong)
+            if error:
                 log.exception("region %s: on_write failed on a failed write", region.id)
+            else:
+                self.failed = self.failed or f"region {req.region} refused write {req.meta}: {exc}"
+                log.warning("from %s: %s", self.peer.name, self.failed)
 
     def drain(self, n: int) -> None:
         while n:
@@ -393,7 +501,9 @@ class _Connection:
         req = CallFrame.from_bytes(header)
         body = recv_exactly(self.sock, req.nbytes)
         handler = self.transports.handlers.get(req.op)
-        if self.failed:
+        if req.op == FENCE and not self.failed:
+            reply, out = ReplyFrame(True), b""
+        elif self.failed:
             reply, out = ReplyFrame(False, f"an earlier write failed: {self.failed}"), b""
             self.failed = ""
         elif handler is None:
@@ -411,3 +521,32 @@ class _Connection:
 def _reply_bytes(reply: ReplyFrame) -> bytes:
     body = reply.to_bytes()
     return _LEN.pack(len(body)) + body
+
+
+class _Groups:
+    """The striped writes a listener has seen some parts of (group id -> parts left, whole, first error)."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, list] = {}
+        self._lock = threading.Lock()
+
+    def land(self, req: WriteFrame, error: str) -> tuple[list, str, bool]:
+        """Count a part; returns (the write's whole pieces, the first error of the parts before this
+        one, whether every part has now ended)."""
+        with self._lock:
+            group = self._open.get(req.group)
+            if group is None:
+                if len(self._open) >= OPEN_GROUPS:  # drop groups whose other parts never came (a broken connection)
+                    stale = time.monotonic() - HANDSHAKE_TIMEOUT_S
+                    for gid in [g for g, v in self._open.items() if v[3] < stale]:
+                        del self._open[gid]
+                if len(self._open) >= OPEN_GROUPS:
+                    raise TransportError(f"{OPEN_GROUPS} striped writes are already waiting for their parts")
+                group = self._open[req.group] = [req.parts, [], "", time.monotonic()]
+            group[0] -= 1
+            group[1] = group[1] or req.whole
+            earlier = group[2]
+            group[2] = group[2] or error
+            if group[0] <= 0:
+                del self._open[req.group]
+            return group[1], earlier, group[0] <= 0

@@ -9,6 +9,7 @@ from pathlib import Path
 from common import config as common
 from common.kv.eviction import POLICIES
 from common.transport import MODES
+from schemas.transfer import MAX_STRIPES
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class MessengerConfig:
     model: str
     block_tokens: int
     transport: str  # auto | tcp | rdma (common/transport)
+    tcp_streams: int  # tcp connections per peer a large write is striped over
+    tcp_stripe_min: int  # bytes from which a write is striped
     transfer_host: str  # where the point-to-point transports listen
     transfer_port: int  # tcp's port; 0 = any free port
     advertise_host: str  # how other nodes reach this one
@@ -56,6 +59,8 @@ class MessengerConfig:
             raise ValueError("block tokens must be >= 1 and capacities >= 0")
         if self.eviction not in POLICIES:
             raise ValueError(f"eviction must be one of {', '.join(POLICIES)}; got {self.eviction!r}")
+        if not 1 <= self.tcp_streams <= MAX_STRIPES or self.tcp_stripe_min < 2:
+            raise ValueError(f"tcp streams must be within 1..{MAX_STRIPES} and the stripe minimum >= 2 bytes")
         if self.transport not in MODES:
             raise ValueError(f"transport must be one of {', '.join(MODES)}; got {self.transport!r}")
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from common import config as common
 from common.transport import MODES
+from schemas.transfer import MAX_STRIPES
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,8 @@ class PrefillConfig:
     drain_grace_s: float  # after SIGTERM: time to finish the work held before handing the rest back
     transfer_timeout_s: float
     transport: str  # auto | tcp | rdma: how KV goes to decode nodes and pipeline stages (common/transport)
+    tcp_streams: int  # tcp connections per peer a large write is striped over
+    tcp_stripe_min: int  # bytes from which a write is striped
     stream_host: str  # where this instance listens for pipeline stages' KV slices
     advertise_host: str  # how other instances reach that listener ("" = stream_host)
     pipeline_listener: bool  # listen for pipeline stages' KV (only when the conductor pipelines)
@@ -44,6 +47,8 @@ class PrefillConfig:
             raise ValueError("drain grace must be >= 0")
         if self.heartbeat_interval_s <= 0 or self.transfer_timeout_s <= 0:
             raise ValueError("intervals and timeouts must be > 0")
+        if not 1 <= self.tcp_streams <= MAX_STRIPES or self.tcp_stripe_min < 2:
+            raise ValueError(f"tcp streams must be within 1..{MAX_STRIPES} and the stripe minimum >= 2 bytes")
         if self.transport not in MODES:
             raise ValueError(f"transport must be one of {', '.join(MODES)}; got {self.transport!r}")
 

@@ -91,7 +91,8 @@ class PrefillService:
         self.gone = asyncio.Event()  # heartbeats go on while draining (they say so) and end with leave()
         self.compute_lock = compute_lock or contextlib.nullcontext()
         self.secret = security.read_secret(cfg.cluster_secret_file)  # peers on the transports prove they hold it
-        self.transports = Transports(cfg.transport, self.secret, cfg.transfer_timeout_s)  # handoffs, pipeline slices
+        self.transports = Transports(cfg.transport, self.secret, cfg.transfer_timeout_s, tcp_streams=cfg.tcp_streams,
+                                     tcp_stripe_min=cfg.tcp_stripe_min)  # handoffs, pipeline slices
         self.receiver = pipeline.SliceReceiver(self.engine.new_assembly,
                                                self.transports if cfg.pipeline_listener else None)
         self.stream_addr = ""  # host:port of the pipeline KV listener, announced in heartbeats

@@ -3,7 +3,10 @@
 One cluster of tiny-random, 1 prefill and 2 decode instances (each on its own node), prompts
 prefilled in 128-token chunks so that every request streams many slices. The prefill's transfer
 steps time out after 3 s (`--transfer-timeout 3`, default 60), so that a frozen destination fails
-the handoff quickly. Faults are real: the decode node's messenger (the destination's owner) is
+the handoff quickly. Over tcp the prefill stripes each slice over two connections
+(`--tcp-streams 2`, with the stripe minimum lowered below one slice), so that every test here also
+runs the striped path: parts on two connections, the owner handed each slice once, the completion
+notice after a fence. Faults are real: the decode node's messenger (the destination's owner) is
 frozen (SIGSTOP) or killed (SIGKILL) the moment the request's destination is reserved.
 """
 
@@ -28,12 +31,15 @@ pytestmark = pytest.mark.integration
 CHUNK = 128
 BOUND_S = 90
 KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 16 * 4  # tiny-random: 4 layers x K,V x 2 kv heads x 16 dims x float32
+STRIPE_MIN = 16 << 10
+assert CHUNK * KV_BYTES_PER_TOKEN // 4 >= STRIPE_MIN  # one layer's slice of a chunk is striped
 
 
 @pytest.fixture(scope="module", params=resolve("auto"))  # every transport this host can run (rdma: a device)
 def streamed(request, tmp_path_factory, tiny_profile):
+    striped = ["--tcp-streams", "2", "--tcp-stripe-min", str(STRIPE_MIN)] if request.param == "tcp" else []
     cluster = start_cluster(tmp_path_factory.mktemp("handoff"), decode=2, prefill_chunk=CHUNK, profile=tiny_profile,
-                            transport=request.param, service_args={"prefill": ["--transfer-timeout", "3"]})
+                            transport=request.param, service_args={"prefill": ["--transfer-timeout", "3", *striped]})
     yield cluster
     cluster.stop()
 

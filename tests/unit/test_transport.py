@@ -182,3 +182,58 @@ def test_a_writer_whose_peer_dies_midway_gets_a_transport_error(peer):
                 ch.call("sync")
     finally:
         proc.kill()
+
+
+# --- several connections per peer -------------------------------------------------------------------
+@pytest.fixture
+def striping_peer():
+    transports = Transports("tcp", SECRET, tcp_streams=3)
+    yield transports
+    transports.close()
+
+
+def test_a_large_write_is_striped_over_the_channels_connections_and_handed_over_whole(striping_peer):
+    owner = Owner(24 * MiB)
+    try:
+        pieces = [(0, os.urandom(5 * MiB + 3)), (8 * MiB, os.urandom(7 * MiB)), (20 * MiB, os.urandom(MiB))]
+        with striping_peer.connect(owner.ref.endpoints) as ch:
+            ch.write(owner.ref, pieces, {"layer": 1})
+            assert len(ch._extra) == 2  # three connections carried the parts
+            assert ch.call("echo", b"ok") == b"ko"  # after every part landed, on every connection
+            ch.write(owner.ref, [(23 * MiB, b"small")], {"layer": 2})  # under the stripe minimum: one frame
+            assert ch.call("echo", b"") == b""
+        for off, data in pieces + [(23 * MiB, b"small")]:
+            assert owner.memory[off:off + len(data)] == data
+        # the owner hears of each write once, with the pieces the writer gave
+        assert owner.landed == [({"layer": 1}, [(0, 5 * MiB + 3), (8 * MiB, 7 * MiB), (20 * MiB, MiB)], None),
+                                ({"layer": 2}, [(23 * MiB, 5)], None)]
+    finally:
+        owner.transports.close()
+
+
+def test_stripes_cut_pieces_into_runs_of_equal_bytes_in_order():
+    views = [(0, memoryview(bytes(10))), (100, memoryview(bytes(5)))]
+    parts = tcp.stripes(views, 3)
+    assert [[(off, v.nbytes) for off, v in p] for p in parts] == [[(0, 5)], [(5, 5)], [(100, 5)]]
+
+
+def test_a_corrupted_part_of_a_striped_write_fails_the_next_call_and_the_owner_hears_once(striping_peer):
+    owner = Owner(16 * MiB)
+    try:
+        with striping_peer.connect(owner.ref.endpoints) as ch:
+            ch.write(owner.ref, [(0, os.urandom(8 * MiB))], {"layer": 5})  # opens the extra connections
+            ch.call("echo")
+            good = os.urandom(2 * MiB)
+            header = WriteFrame("r1", [[8 * MiB, len(good)]], {"layer": 6}, "g-1", 2, [[8 * MiB, 4 * MiB]]).to_bytes()
+            bad = bytearray(good)
+            bad[12345] ^= 0xFF  # one bit flipped in flight: the checksum is of what was meant
+            tcp.send_all(ch._extra[0], [tcp.frame(tcp.OP_WRITE, header), bytes(bad), tcp._SUM.pack(checksum([good]))])
+            second = WriteFrame("r1", [[10 * MiB, len(good)]], {"layer": 6}, "g-1", 2).to_bytes()
+            tcp.send_all(ch.sock, [tcp.frame(tcp.OP_WRITE, second), good, tcp._SUM.pack(checksum([good]))])
+            ch._dirty.add(0)
+            with pytest.raises(TransportError, match="checksum"):
+                ch.call("echo", b"x")
+        failed = [entry for entry in owner.landed if entry[0] == {"layer": 6}]
+        assert len(failed) == 1 and "checksum" in failed[0][2]
+    finally:
+        owner.transports.close()

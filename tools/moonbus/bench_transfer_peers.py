@@ -4,8 +4,8 @@ Every receiver runs in its own process (spawned), so that the GIL never serializ
 and holds one preallocated buffer of `capacity` bytes; the sender, in the bench's process, puts
 the first n bytes of its source at offset 0 and returns once they are at the destination:
 
-    ours      Transports("tcp") on both ends: the region registered by the receiver, written by
-              the sender with `Channel.write`, then a call (ordered after the write: its handler
+    ours      Transports("tcp") on both ends (the sender's with `streams` connections per peer):
+              the region registered by the receiver, written by the sender with `Channel.write`, then a call (ordered after the write: its handler
               runs once the bytes have landed and their xxh3 was verified)
     raw       a plain blocking socket: sendall of an 8-byte length and the bytes; the receiver
               recv_into's them into its buffer and answers one byte
@@ -108,14 +108,19 @@ def answer_error(conn: Connection, exc: BaseException) -> None:
 class OursPeer(Peer):
     case = "ours_tcp"
 
-    def __init__(self, capacity: int, secret: bytes) -> None:
+    def __init__(self, capacity: int, secret: bytes, streams: int = 1) -> None:
         from common.transport import Transports
         from schemas.transfer import RegionRef
 
+        self.case = self.case_for(streams)
         super().__init__(capacity, secret)
         self.ref = RegionRef.from_bytes(self.address)
-        self.transports = Transports("tcp", secret)
+        self.transports = Transports("tcp", secret, tcp_streams=streams)
         self.channel = self.transports.connect(self.ref.endpoints)
+
+    @staticmethod
+    def case_for(streams: int) -> str:
+        return "ours_tcp" if streams == 1 else f"ours_tcp_x{streams}"
 
     @staticmethod
     def serve(conn: Connection, capacity: int, secret: bytes) -> None:

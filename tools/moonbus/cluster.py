@@ -82,6 +82,7 @@ class ClusterSpec:
     pipeline_group: int = 1  # >= 2: chunked pipeline parallelism over that many prefill instances
     prefill_chunk: int = 2048
     transport: str = "auto"  # point-to-point KV: auto | tcp | rdma (common/transport)
+    tcp_streams: int = 1  # tcp connections per peer a large write is striped over
     profile: str = ""  # "" = $home/profiles/<model>.json if it exists, else an analytic guess
     log_level: str = "INFO"
     metrics: bool = True  # each service serves Prometheus metrics on a free port (in cluster.json)
@@ -235,7 +236,7 @@ class Cluster:
         """prefill-i on `node` (whose messenger is started apart: a node may hold several workers)."""
         spec = self.spec
         self.service(f"prefill-{i}", "prefill", *self.node_args(node), "--threads", threads, *self.model_args(),
-                     "--prefill-chunk", str(spec.prefill_chunk), "--transport", spec.transport,
+                     "--prefill-chunk", str(spec.prefill_chunk), *self.transport_args(),
                      *(["--pipeline-listener"] if spec.pipeline_group >= 2 else []), node=node)
 
     def decode_worker(self, i: int, node: str, threads: str) -> None:
@@ -248,7 +249,7 @@ class Cluster:
             node = f"node-c{i}"
             self.messenger(f"messenger-c{i}", node)
             self.service(f"coupled-{i}", "coupled", *self.node_args(node), "--threads", threads, *self.model_args(),
-                         "--transport", self.spec.transport, *self.slo_args(), node=node)
+                         *self.transport_args(), *self.slo_args(), node=node)
 
     def service(self, name: str, kind: str, *args: str, node: str = "") -> None:
         argv = [sys.executable, "-m", f"services.{kind}", "--nats-url", self.spec.nats_addr,
@@ -275,10 +276,13 @@ class Cluster:
         args = ["--admission", spec.admission, "--tbt-slo", str(spec.tbt_slo_s)]
         return args + (["--profile", spec.profile] if spec.profile else [])
 
+    def transport_args(self) -> list[str]:
+        return ["--transport", self.spec.transport, "--tcp-streams", str(self.spec.tcp_streams)]
+
     def messenger(self, name: str, node: str) -> None:
         spec = self.spec
         self.service(name, "messenger", *self.node_args(node), *self.model_args(), "--dram-bytes", str(spec.dram_bytes),
-                     "--ssd-bytes", str(spec.ssd_bytes), "--eviction", spec.eviction, "--transport", spec.transport,
+                     "--ssd-bytes", str(spec.ssd_bytes), "--eviction", spec.eviction, *self.transport_args(),
                      "--ssd-dir", str(spec.home / "ssd" / node), node=node)
 
     def node_args(self, node: str) -> list[str]:

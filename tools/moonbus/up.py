@@ -50,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per prefill chunk")
     parser.add_argument("--transport", default="auto", choices=("auto", "tcp", "rdma"),
                         help="point-to-point KV transport: auto = rdma where both ends have an RDMA device, else tcp")
+    parser.add_argument("--tcp-streams", type=int, default=1,
+                        help="tcp connections per peer a write of 4 MiB or more is striped over (default 1)")
     parser.add_argument("--profile", default="", help="performance profile (default: measured on first start)")
     parser.add_argument("--log-level", default="INFO")
 
@@ -82,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
                        policy=args.policy, admission=args.admission, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
                        block_tokens=args.block_tokens, dram_bytes=args.dram_bytes, ssd_bytes=args.ssd_bytes,
                        eviction=args.eviction, profile=args.profile, pipeline_group=args.pipeline_group,
-                       prefill_chunk=args.prefill_chunk, transport=args.transport)
+                       prefill_chunk=args.prefill_chunk, transport=args.transport, tcp_streams=args.tcp_streams)
     cluster = Cluster(spec)
     stopping = False
 
