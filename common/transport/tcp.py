@@ -126,13 +126,13 @@ def recv_exactly(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def send_all(sock: socket.socket, bufs: list) -> None:
+def send_all(sock: socket.socket, bufs: list, flags: int = 0) -> None:
     """sendmsg until every buffer is out (a partial send resumes mid-buffer; no concatenation)."""
     views = [memoryview(b).cast("B") for b in bufs]
     views = [v for v in views if v.nbytes]
     try:
         while views:
-            sent = sock.sendmsg(views[:_IOV_MAX])
+            sent = sock.sendmsg(views[:_IOV_MAX], (), flags)
             i = 0
             while i < len(views) and sent >= views[i].nbytes:
                 sent -= views[i].nbytes

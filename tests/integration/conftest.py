@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import random
 from pathlib import Path
@@ -62,9 +63,14 @@ def tiny(cluster):
     return models.load_tokenizer(ref), models.load_model(ref)
 
 
-def reference_greedy(model, prompt_ids: list[int], max_tokens: int) -> list[int]:
+def reference_greedy(model, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = False) -> list[int]:
+    """transformers' own greedy generate; `ignore_eos` as the service's: EOS is a token like any other."""
+    config = copy.deepcopy(model.generation_config)
+    config.max_new_tokens, config.do_sample = max_tokens, False
+    if ignore_eos:
+        config.eos_token_id = []  # NOTE: None falls back to the model's EOS; an empty list stops at none
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False,
+        out = model.generate(torch.tensor([prompt_ids]), generation_config=config,
                              attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
     return out[0, len(prompt_ids):].tolist()
 

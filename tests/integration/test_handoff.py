@@ -15,16 +15,20 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
+import threading
 import time
 
 import aiohttp
 import pytest
 
 from common import bus
+from common.security import LINK_NONCE_BYTES
+from common.transport.tcp import recv_exactly
 from common.transport import resolve
 from schemas import subjects
 from schemas.pool import PoolStatus
-from tests.integration.conftest import collect_request_events, post, reference_greedy, start_cluster
+from tests.integration.conftest import collect_request_events, free_port, post, reference_greedy, start_cluster
 from tests.integration.test_kv_pool import text_of
 
 pytestmark = pytest.mark.integration
@@ -32,16 +36,88 @@ CHUNK = 128
 BOUND_S = 90
 KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 16 * 4  # tiny-random: 4 layers x K,V x 2 kv heads x 16 dims x float32
 STRIPE_MIN = 16 << 10
+RELAY_HOST = "127.0.0.2"  # loopback too: node-d1's KV goes through the relay there
 assert CHUNK * KV_BYTES_PER_TOKEN // 4 >= STRIPE_MIN  # one layer's slice of a chunk is striped
+
+
+class CorruptingRelay:
+    """A TCP relay in front of node-d1's transport listener (node-d1 advertises the relay's address):
+    bytes pass unchanged, except that once `arm()`ed, the first write frame of the next connection
+    gets one bit of its payload flipped on the way, as a bad NIC or bad memory would do. The sender's
+    checksum is of the bytes it meant to send."""
+
+    HANDSHAKE = LINK_NONCE_BYTES + 32  # what the client sends first: its nonce and its proof (HMAC-SHA256)
+
+    def __init__(self, listen: tuple[str, int], upstream: tuple[str, int]) -> None:
+        self.listener = socket.create_server(listen)
+        self.upstream = upstream
+        self.armed = False
+        self.flipped: list[dict] = []  # the header of each write corrupted
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def arm(self) -> None:
+        with self.lock:
+            self.armed = True
+
+    def close(self) -> None:
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+                server = socket.create_connection(self.upstream)
+            except OSError:
+                return
+            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, outbound: bool) -> None:
+        try:
+            if outbound:
+                self._first_frame(src, dst)
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def _first_frame(self, src: socket.socket, dst: socket.socket) -> None:
+        dst.sendall(recv_exactly(src, self.HANDSHAKE))
+        head = recv_exactly(src, 5)
+        header = recv_exactly(src, int.from_bytes(head[1:], "big"))
+        dst.sendall(head + header)
+        if head[:1] != b"W":
+            return
+        frame = json.loads(header)
+        payload = bytearray(recv_exactly(src, sum(n for _, n in frame["pieces"]) + 8))  # the bytes and their xxh3
+        with self.lock:
+            if self.armed and len(payload) > 8 + 1000:
+                self.armed = False
+                payload[1000] ^= 0x10
+                self.flipped.append(frame)
+        dst.sendall(payload)
 
 
 @pytest.fixture(scope="module", params=resolve("auto"))  # every transport this host can run (rdma: a device)
 def streamed(request, tmp_path_factory, tiny_profile):
     striped = ["--tcp-streams", "2", "--tcp-stripe-min", str(STRIPE_MIN)] if request.param == "tcp" else []
+    port = free_port()  # node-d1's transport listener; the relay listens on the same port of another address
+    relay = CorruptingRelay((RELAY_HOST, port), ("127.0.0.1", port))
     cluster = start_cluster(tmp_path_factory.mktemp("handoff"), decode=2, prefill_chunk=CHUNK, profile=tiny_profile,
-                            transport=request.param, service_args={"prefill": ["--transfer-timeout", "3", *striped]})
+                            transport=request.param, service_args={
+                                "prefill": ["--transfer-timeout", "3", *striped],
+                                "messenger-d1": ["--transfer-port", str(port), "--advertise-host", RELAY_HOST]})
+    cluster.relay = relay
     yield cluster
     cluster.stop()
+    relay.close()
 
 
 def body(prompt: str, max_tokens: int = 16) -> dict:
@@ -56,7 +132,7 @@ async def test_greedy_output_is_identical_with_the_streamed_handoff(streamed, ti
     assert len(ids) > 10 * CHUNK  # many chunks, each layer's slices streamed while the next computes
     status, first, headers = await post(f"{streamed.spec.url}/v1/completions", body(prompt))
     assert status == 200, first
-    assert first["choices"][0]["token_ids"] == reference_greedy(model, ids, 16)
+    assert first["choices"][0]["token_ids"] == reference_greedy(model, ids, 16, True)
     events = await collect_request_events(streamed.spec.nats_url, headers["X-Request-Id"])
     [moved] = [e["data"] for e in events if e["kind"] == "kv_transferred"]
     assert moved["streamed"] and moved["transport"] == streamed.spec.transport
@@ -152,7 +228,7 @@ async def test_a_frozen_destination_fails_the_handoff_and_the_request_resumes_wi
         assert hit, "every request was handed off before its destination could be frozen"
         ids = tokenizer(prompt)["input_ids"]
         assert events[-1] == {"done": True} and not [e for e in events if "error" in e], events[-3:]
-        assert tokens_of(events) == reference_greedy(model, ids, 24)  # resumed: nothing lost or repeated
+        assert tokens_of(events) == reference_greedy(model, ids, 24, True)  # resumed: nothing lost or repeated
         path = await collect_request_events(cluster.spec.nats_url, request_id)
         kinds = [e["kind"] for e in path]
         assert [k for k in kinds if k in ("completed", "failed", "cancelled", "rejected")] == ["completed"]
@@ -182,7 +258,7 @@ async def test_a_destination_killed_midway_fails_or_resumes_the_request_cleanly(
     if errors:  # one clear error, no hang
         assert len(errors) == 1 and errors[0]["error"]["message"], errors
     else:
-        assert tokens_of(events) == reference_greedy(model, tokenizer(prompt)["input_ids"], 24)
+        assert tokens_of(events) == reference_greedy(model, tokenizer(prompt)["input_ids"], 24, True)
     path = await collect_request_events(cluster.spec.nats_url, request_id)
     assert len([e for e in path if e["kind"] in ("completed", "failed", "cancelled", "rejected")]) == 1
     for messenger in killed:
@@ -191,4 +267,38 @@ async def test_a_destination_killed_midway_fails_or_resumes_the_request_cleanly(
     await asyncio.sleep(3)
     status, after, _ = await post(f"{cluster.spec.url}/v1/completions", body(text_of(400, seed=920)), timeout_s=BOUND_S)
     assert status == 200, after
+    await no_request_files_left(cluster)
+
+
+async def test_a_slice_corrupted_on_the_wire_is_caught_on_arrival_and_the_request_completes_elsewhere(streamed, tiny):
+    """One bit of a slice flipped between prefill and node-d1 (the relay): node-d1's messenger finds
+    the slice's checksum wrong on arrival, the completion fails naming it, and the request is
+    dispatched again, away from node-d1, with the tokens an undisturbed run gives."""
+    if streamed.spec.transport != "tcp":
+        pytest.skip("the relay reads tcp frames; rdma writes land without a byte stream to corrupt")
+    tokenizer, model = tiny
+    cluster, relay = streamed, streamed.relay
+    relay.arm()
+    hit = None
+    for round_ in range(6):  # the conductor picks the decode node: three at once, so that node-d1 gets one
+        prompts = [text_of(1200, seed=930 + 3 * round_ + i) for i in range(3)]
+        answers = await asyncio.gather(*(post(f"{cluster.spec.url}/v1/completions", body(p), timeout_s=BOUND_S)
+                                         for p in prompts))
+        for prompt, (status, out, headers) in zip(prompts, answers):
+            assert status == 200, out
+            assert out["choices"][0]["token_ids"] == reference_greedy(model, tokenizer(prompt)["input_ids"], 16, True)
+            path = await collect_request_events(cluster.spec.nats_url, headers["X-Request-Id"])
+            kinds = [e["kind"] for e in path]
+            assert [k for k in kinds if k in ("completed", "failed", "cancelled", "rejected")] == ["completed"]
+            if "migrated" in kinds:
+                hit = path
+        if relay.flipped:
+            break
+    assert len(relay.flipped) == 1, "no request's KV went to node-d1 in 18 requests"
+    assert hit is not None, "the corrupted slice went unnoticed"
+    [migrated] = [e["data"] for e in hit if e["kind"] == "migrated"]
+    assert "checksum" in migrated["reason"] and "node-d1" in migrated["reason"], migrated
+    path = hit
+    [moved] = [e["data"] for e in path if e["kind"] == "kv_transferred"]
+    assert moved["dest_node"] == "node-d0"  # the new attempt avoided the node whose handoff failed
     await no_request_files_left(cluster)

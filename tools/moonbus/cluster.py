@@ -89,7 +89,7 @@ class ClusterSpec:
     auth: bool = True  # a closed bus: one NATS user per role (tools/moonbus/security.py), a cluster secret
     api_keys: str = ""  # the gateways' key file ("" = open: no key needed, one shared cache)
     extra_env: dict[str, str] = field(default_factory=dict)
-    service_args: dict[str, list[str]] = field(default_factory=dict)  # service kind -> extra flags
+    service_args: dict[str, list[str]] = field(default_factory=dict)  # service kind, or instance name -> extra flags
 
     @property
     def nats_addr(self) -> str:
@@ -257,7 +257,7 @@ class Cluster:
         if self.secrets is not None:  # the role's own user, and the cluster secret
             argv += ["--nats-user", kind, "--nats-password-file", str(self.secrets.password_file(kind)),
                      "--cluster-secret-file", str(self.secrets.cluster_key)]
-        argv += self.spec.service_args.get(kind, [])
+        argv += self.spec.service_args.get(kind, []) + self.spec.service_args.get(name, [])
         metrics = ""
         if self.spec.metrics and kind != "gateway":  # the gateway serves /metrics on its API port
             port = free_port()
