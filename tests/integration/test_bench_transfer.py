@@ -1,5 +1,5 @@
 """`moonbus bench transfer`, run small: real receiving processes over loopback, a few sizes, two
-short prompts for the handoff tail (tiny-random). Checks the report's structure and that every
+short prompts for the handoff tail (tiny-random), our tcp with one connection per peer and with two. Checks the report's structure and that every
 byte arrived intact (the receivers' checksums of what they hold); speed is printed by the
 benchmark, never asserted here."""
 
@@ -19,15 +19,15 @@ from tools.moonbus.bench_transfer_peers import OursPeer, RawSocketPeer
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
-SIZES = [4096, 1 << 20]
+SIZES = [4096, 1 << 20, 8 << 20]  # the last is striped over ours_tcp_x2's two connections
 TAIL_TOKENS = [32, 96]
-CASES = ["ours_tcp", "raw_socket", "mooncake_te"]
+CASES = ["ours_tcp", "ours_tcp_x2", "raw_socket", "mooncake_te"]
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     argv = [sys.executable, "-m", "tools.moonbus.cli", "bench", "transfer", "--json", "--model", "tiny-random",
-            "--home", str(tmp_path_factory.mktemp("home")), "--sizes", "4096,1MiB", "--repeats", "2",
+            "--home", str(tmp_path_factory.mktemp("home")), "--sizes", "4096,1MiB,8MiB", "--repeats", "2",
             "--tail-tokens", ",".join(map(str, TAIL_TOKENS))]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
@@ -42,7 +42,7 @@ def test_every_case_has_a_row_per_size_with_the_promised_fields(report):
         if r["case"] == "mooncake_te" and report["mooncake"] != "installed":
             assert r["seconds"] is None and r["note"].startswith("not installed")
             continue
-        assert r["seconds"] > 0
+        assert r["seconds"] > 0 and r["runs"] >= 2
         assert r["gib_s"] == pytest.approx(r["bytes"] / r["seconds"] / (1 << 30))
     raw = {r["bytes"]: r["gib_s"] for r in rows if r["case"] == "raw_socket"}
     for r in rows:

@@ -342,7 +342,7 @@ class Cluster:
             self.check_alive()
             health = self.health()
             instances = health.get("instances", {})
-            if instances.get("prefill", 0) >= self.spec.num_prefill and instances.get("decode", 0) >= self.spec.num_decode \
+            if health and instances.get("prefill", 0) >= self.spec.num_prefill and instances.get("decode", 0) >= self.spec.num_decode \
                     and instances.get("messenger", 0) >= self.spec.num_messengers \
                     and all(self.health(i) for i in range(1, self.spec.gateways)):  # every gateway answers
                 return
