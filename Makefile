@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip -q --disable-pip-version-check
 STAMP := $(VENV)/.moonbus-installed
 
-.PHONY: setup browser run test unit integration soak clean compose-test docker-tools bench-transfer rdma-tools
+.PHONY: setup browser run test unit integration soak clean compose-test docker-tools bench-transfer rdma-tools rdma-model-test
 
 setup: $(STAMP)
 
@@ -58,6 +58,11 @@ bench-transfer: setup
 RDMA_PACKAGES := qemu-system-x86 seabios ipxe-qemu debootstrap e2fsprogs
 rdma-tools:
 	@sh tools/ensure_packages.sh "rdma VM test" "qemu-system-x86_64 debootstrap mkfs.ext4" "$(RDMA_PACKAGES)"
+
+# Opt-in, about 15 minutes (torch under qemu's emulation): prefill and decode with tiny-random inside the VM, their KV handed off
+# over rdma, the control plane on this host; greedy output checked against generate() in the guest.
+rdma-model-test: setup rdma-tools
+	MOONBUS_RDMA_MODEL=1 $(PY) -m pytest -q -p no:cacheprovider -rs tests/integration/test_rdma_vm.py -k model
 
 # Needs a running cluster: `make run` in another terminal (reads .moonbus/cluster.json).
 soak: setup

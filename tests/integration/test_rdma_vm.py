@@ -27,9 +27,11 @@ from pathlib import Path
 
 import pytest
 
+from common import models
+from tools.moonbus.cluster import Cluster, ClusterSpec, free_port
 from tools.rdma_vm import image as vm_image
 from tools.rdma_vm import vm
-from tools.rdma_vm.session import guest_pytest, with_host_nats
+from tools.rdma_vm.session import GUEST_PYTEST, guest_pytest, with_host_nats
 
 ROOT = Path(__file__).resolve().parents[2]
 RDMA_TESTS = ROOT / "tests" / "rdma"
@@ -146,3 +148,43 @@ def _available_memory() -> int:
     except OSError:
         pass
     return 1 << 62  # unknown: let qemu say
+
+
+# --- a model's KV over rdma (opt-in) ----------------------------------------------------------------
+MODEL_VM_S = 1800  # boot, three processes importing torch under emulation (minutes each), the requests
+MODEL_GUEST_MEMORY_MB = 3072
+
+
+@pytest.mark.timeout(BUILD_S + MODEL_VM_S + 300)
+@pytest.mark.skipif(os.environ.get("MOONBUS_RDMA_MODEL") != "1",
+                    reason="opt-in, about 15 minutes (`make rdma-model-test`): prefill and decode with a model "
+                           "in the VM, their KV handed off over rdma")
+def test_a_models_kv_handed_off_over_rdma_gives_the_greedy_output_of_generate(tmp_path, capsys):
+    """Prefill and decode nodes in the guest (tests/rdma/model), the control plane here: greedy
+    output through the gateway equals generate() in the guest, the KV streamed over rdma."""
+    why = why_unusable()
+    if why is not None:
+        pytest.skip(f"RDMA VM test: {why}")
+    image = build_image()
+    # the model where the guest sees it too (the project's tree is shared in, read-only, at /work)
+    ref = models.prepare(models.TINY_RANDOM, ROOT / ".moonbus" / "rdma-vm-model")
+    guest_model = "/work/" + str(ref.path.relative_to(ROOT))
+    spec = ClusterSpec(home=tmp_path, model=str(ref.path), prefill=0, decode=0, auth=False, admission="none",
+                       ttft_slo_s=600.0, port=free_port(), nats_port=free_port())
+    cluster = Cluster(spec)  # nats-server, conductor, cache index, gateway: the nodes join from the guest
+    cluster.start(ready_timeout_s=120)
+    try:
+        env = {"MOONBUS_RDMA_MODEL": "1", "MOONBUS_RDMA_MODEL_DIR": guest_model,
+               "MOONBUS_RDMA_NATS_URL": f"nats://{vm.HOST_FROM_GUEST}:{spec.nats_port}",
+               "MOONBUS_RDMA_GATEWAY_URL": f"http://{vm.HOST_FROM_GUEST}:{spec.port}"}
+        command = f"PYTHONPATH=$PYTHONPATH:/work/.venv/lib/python3.11/site-packages {GUEST_PYTEST} -o timeout={MODEL_VM_S - 120} -s tests/rdma/model"
+        r = vm.run(image, command, env=env, timeout_s=MODEL_VM_S, memory_mb=MODEL_GUEST_MEMORY_MB)
+    finally:
+        cluster.stop()
+    with capsys.disabled():
+        print(f"\n--- RDMA VM (model): guest pytest exit {r.rc}; VM wall {r.wall_s:.0f} s; logs in {r.run_dir}\n"
+              f"{r.output.rstrip()[-6000:]}\n---")
+    assert r.rc == 0, f"pytest in the guest exited {r.rc} (logs in {r.run_dir}; the host's in {cluster.log_dir})"
+    outcomes = junit_outcomes(r.run_dir / "junit.xml")
+    assert outcomes == {"test_model_handoff::test_greedy_output_with_the_kv_handed_off_over_rdma_equals_generate":
+                        "passed"}, outcomes
