@@ -13,6 +13,9 @@ import socket
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
+from common.transport import MODES, STRIPE_MIN
+from schemas.transfer import MAX_STRIPES
+
 T = TypeVar("T")
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
@@ -89,8 +92,16 @@ def add_transport_flag(parser: argparse.ArgumentParser) -> None:
     flag(parser, "--tcp-streams", "MOONBUS_TCP_STREAMS", 1, int,
          help="tcp connections per peer: a write of --tcp-stripe-min bytes or more is striped over them (more than 1 helps where one "
               "connection's core or window cannot fill the link; `moonbus bench transfer --streams` measures it)")
-    flag(parser, "--tcp-stripe-min", "MOONBUS_TCP_STRIPE_MIN", 4 << 20, int,
+    flag(parser, "--tcp-stripe-min", "MOONBUS_TCP_STRIPE_MIN", STRIPE_MIN, int,
          help="bytes from which a write is striped over the --tcp-streams connections (parts of at least half)")
+
+
+def check_transport(transport: str, tcp_streams: int, tcp_stripe_min: int) -> None:
+    """What add_transport_flag's flags may be (one check for every service that has them)."""
+    if transport not in MODES:
+        raise ValueError(f"transport must be one of {', '.join(MODES)}; got {transport!r}")
+    if not 1 <= tcp_streams <= MAX_STRIPES or tcp_stripe_min < 2:
+        raise ValueError(f"tcp streams must be within 1..{MAX_STRIPES} and the stripe minimum >= 2 bytes")
 
 
 DEFAULT_BLOCK_TOKENS = 16

@@ -51,6 +51,7 @@ from schemas.transfer import RegionRef
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "tcp", "rdma")
+STRIPE_MIN = 4 << 20  # tcp: bytes from which a write is striped over a channel's connections (see tcp.py)
 PREFERENCE = ("rdma", "tcp")  # connect() takes the first backend both ends serve
 _BACKENDS = {"tcp": "common.transport.tcp:TcpBackend", "rdma": "common.transport.rdma:RdmaBackend"}
 
@@ -246,7 +247,7 @@ class Transports:
     """A process's backends, with one region table and one set of call handlers shared by all."""
 
     def __init__(self, mode: str = "auto", secret: bytes | None = None, timeout_s: float = 30.0,
-                 region_grace_s: float = 0.0, tcp_streams: int = 1, tcp_stripe_min: int = 4 << 20) -> None:
+                 region_grace_s: float = 0.0, tcp_streams: int = 1, tcp_stripe_min: int = STRIPE_MIN) -> None:
         self.mode = mode
         self.secret = secret  # peers prove they hold it (the cluster secret); None: no proof asked
         self.timeout_s = timeout_s  # connect, and every read of a frame (a deadline: a silent peer cannot hold on)

@@ -17,8 +17,9 @@ header]` (schemas.transfer) and its payload:
 A failed write (unknown region, out of bounds, checksum mismatch, refused by its owner) has its
 payload drained, so that framing holds, and fails the next call on the connection.
 
-Several connections per peer (`Transports.tcp_streams`): a write of `tcp_stripe_min` bytes or more is
-cut into parts of about equal bytes, sent at once, one per connection, each a write frame of its
+Several connections per peer (`Transports.tcp_streams`), for links that one connection's core or
+window cannot fill: a write of `tcp_stripe_min` bytes or more is cut into parts of about equal
+bytes (at least half that each), sent at once, one per connection, each a write frame of its
 own (own checksum) naming the write's group and its number of parts; the listener hands the
 owner the write's own pieces once every part landed (`_Groups`), or its first failure at once. A
 call then follows a FENCE on each other connection written since the last call, so a call still
@@ -45,12 +46,13 @@ import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import xxhash
 
 from common.security import LINK_NONCE_BYTES, link_proof, proofs_match
-from common.transport import Backend, Channel, Peer, Pieces, Region, TransportError, TransportRefused
+from common.transport import STRIPE_MIN, Backend, Channel, Peer, Pieces, Region, TransportError, TransportRefused
 from schemas.codec import WireError
 from schemas.transfer import MAX_STRIPES, CallFrame, ReadFrame, RegionRef, ReplyFrame, WriteFrame
 
@@ -65,10 +67,6 @@ CHUNK = 1 << 20  # bytes hashed and sent (or received and hashed) at a time: the
 # 4 MiB here): measured, a fixed 4 MiB moved less and cost the receiver more CPU per byte
 SOCKET_BUFFER = 0
 HANDSHAKE_TIMEOUT_S = 10.0
-# A write of at least `Transports.tcp_stripe_min` bytes (4 MiB unless set) is cut into parts of at
-# least half that, sent at once over as many of the channel's connections (`Transports.tcp_streams`):
-# one connection's copy and checksum run on one core at a time, and one window may not fill a long
-# fat link.
 FENCE = "fence"  # a call each connection answers itself: the writes before it landed (or the first failed)
 OPEN_GROUPS = 1024  # striped writes a listener waits on at once; more are refused
 _PROOF_BYTES = 32
@@ -126,13 +124,13 @@ def recv_exactly(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def send_all(sock: socket.socket, bufs: list, flags: int = 0) -> None:
+def send_all(sock: socket.socket, bufs: list) -> None:
     """sendmsg until every buffer is out (a partial send resumes mid-buffer; no concatenation)."""
     views = [memoryview(b).cast("B") for b in bufs]
     views = [v for v in views if v.nbytes]
     try:
         while views:
-            sent = sock.sendmsg(views[:_IOV_MAX], (), flags)
+            sent = sock.sendmsg(views[:_IOV_MAX])
             i = 0
             while i < len(views) and sent >= views[i].nbytes:
                 sent -= views[i].nbytes
@@ -230,7 +228,7 @@ class TcpChannel(Channel):
     transport = "tcp"
 
     def __init__(self, locator: str, secret: bytes | None, timeout_s: float, streams: int = 1,
-                 stripe_min: int = 4 << 20) -> None:
+                 stripe_min: int = STRIPE_MIN) -> None:
         self.locator = locator
         self.secret = secret
         self.timeout_s = timeout_s
@@ -269,18 +267,13 @@ class TcpChannel(Channel):
         parts = stripes(views, k)
         self._groups += 1
         group, whole = f"{self._group}{self._groups}", [[off, v.nbytes] for off, v in views]
-        socks = [self.sock] + self._extra_socks(len(parts) - 1)
-        sends = []
-        for i, part in enumerate(parts):
-            header = WriteFrame(dest.region, [[off, v.nbytes] for off, v in part], meta or {}, group, len(parts),
-                                whole if i == 0 else [])
-            if i:
-                self._dirty.add(i - 1)
-                sends.append(self._pool.submit(send_write, socks[i], header, [v for _, v in part]))
-            else:
-                first = (header, [v for _, v in part])
+        frames = [(WriteFrame(dest.region, [[off, v.nbytes] for off, v in part], meta or {}, group, len(parts),
+                              whole if i == 0 else []), [v for _, v in part]) for i, part in enumerate(parts)]
+        extra = self._extra_socks(len(parts) - 1)
+        self._dirty.update(range(len(extra)))
+        sends = [self._pool.submit(send_write, sock, *f) for sock, f in zip(extra, frames[1:])]
         try:
-            send_write(self.sock, *first)
+            send_write(self.sock, *frames[0])
         finally:
             for f in sends:
                 f.result()  # TransportError from a part's connection: raised here, after every part ended
@@ -523,11 +516,19 @@ def _reply_bytes(reply: ReplyFrame) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
+@dataclass
+class _Group:
+    left: int  # parts not ended yet
+    opened: float  # monotonic
+    whole: list = field(default_factory=list)  # the write's own pieces (from its first part)
+    error: str = ""  # the first failure of its parts
+
+
 class _Groups:
-    """The striped writes a listener has seen some parts of (group id -> parts left, whole, first error)."""
+    """The striped writes a listener has seen some parts of, by group id."""
 
     def __init__(self) -> None:
-        self._open: dict[str, list] = {}
+        self._open: dict[str, _Group] = {}
         self._lock = threading.Lock()
 
     def land(self, req: WriteFrame, error: str) -> tuple[list, str, bool]:
@@ -538,15 +539,14 @@ class _Groups:
             if group is None:
                 if len(self._open) >= OPEN_GROUPS:  # drop groups whose other parts never came (a broken connection)
                     stale = time.monotonic() - HANDSHAKE_TIMEOUT_S
-                    for gid in [g for g, v in self._open.items() if v[3] < stale]:
+                    for gid in [g for g, v in self._open.items() if v.opened < stale]:
                         del self._open[gid]
                 if len(self._open) >= OPEN_GROUPS:
                     raise TransportError(f"{OPEN_GROUPS} striped writes are already waiting for their parts")
-                group = self._open[req.group] = [req.parts, [], "", time.monotonic()]
-            group[0] -= 1
-            group[1] = group[1] or req.whole
-            earlier = group[2]
-            group[2] = group[2] or error
-            if group[0] <= 0:
+                group = self._open[req.group] = _Group(req.parts, time.monotonic())
+            group.left -= 1
+            group.whole = group.whole or req.whole
+            earlier, group.error = group.error, group.error or error
+            if group.left <= 0:
                 del self._open[req.group]
-            return group[1], earlier, group[0] <= 0
+            return group.whole, earlier, group.left <= 0

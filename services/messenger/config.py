@@ -8,8 +8,6 @@ from pathlib import Path
 
 from common import config as common
 from common.kv.eviction import POLICIES
-from common.transport import MODES
-from schemas.transfer import MAX_STRIPES
 
 
 @dataclass(frozen=True)
@@ -59,10 +57,7 @@ class MessengerConfig:
             raise ValueError("block tokens must be >= 1 and capacities >= 0")
         if self.eviction not in POLICIES:
             raise ValueError(f"eviction must be one of {', '.join(POLICIES)}; got {self.eviction!r}")
-        if not 1 <= self.tcp_streams <= MAX_STRIPES or self.tcp_stripe_min < 2:
-            raise ValueError(f"tcp streams must be within 1..{MAX_STRIPES} and the stripe minimum >= 2 bytes")
-        if self.transport not in MODES:
-            raise ValueError(f"transport must be one of {', '.join(MODES)}; got {self.transport!r}")
+        common.check_transport(self.transport, self.tcp_streams, self.tcp_stripe_min)
 
     @property
     def transfer_addr_host(self) -> str:

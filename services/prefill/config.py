@@ -7,8 +7,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common import config as common
-from common.transport import MODES
-from schemas.transfer import MAX_STRIPES
 
 
 @dataclass(frozen=True)
@@ -47,10 +45,7 @@ class PrefillConfig:
             raise ValueError("drain grace must be >= 0")
         if self.heartbeat_interval_s <= 0 or self.transfer_timeout_s <= 0:
             raise ValueError("intervals and timeouts must be > 0")
-        if not 1 <= self.tcp_streams <= MAX_STRIPES or self.tcp_stripe_min < 2:
-            raise ValueError(f"tcp streams must be within 1..{MAX_STRIPES} and the stripe minimum >= 2 bytes")
-        if self.transport not in MODES:
-            raise ValueError(f"transport must be one of {', '.join(MODES)}; got {self.transport!r}")
+        common.check_transport(self.transport, self.tcp_streams, self.tcp_stripe_min)
 
 
 def load(argv: list[str] | None = None) -> PrefillConfig:

@@ -31,7 +31,7 @@ from common import models
 from tools.moonbus.cluster import Cluster, ClusterSpec, free_port
 from tools.rdma_vm import image as vm_image
 from tools.rdma_vm import vm
-from tools.rdma_vm.session import GUEST_PYTEST, guest_pytest, with_host_nats
+from tools.rdma_vm.session import guest_pytest, with_host_nats
 
 ROOT = Path(__file__).resolve().parents[2]
 RDMA_TESTS = ROOT / "tests" / "rdma"
@@ -175,10 +175,10 @@ def test_a_models_kv_handed_off_over_rdma_gives_the_greedy_output_of_generate(tm
     cluster.start(ready_timeout_s=120)
     try:
         env = {"MOONBUS_RDMA_MODEL": "1", "MOONBUS_RDMA_MODEL_DIR": guest_model,
-               "MOONBUS_RDMA_NATS_URL": f"nats://{vm.HOST_FROM_GUEST}:{spec.nats_port}",
                "MOONBUS_RDMA_GATEWAY_URL": f"http://{vm.HOST_FROM_GUEST}:{spec.port}"}
-        command = f"PYTHONPATH=$PYTHONPATH:/work/.venv/lib/python3.11/site-packages {GUEST_PYTEST} -o timeout={MODEL_VM_S - 120} -s tests/rdma/model"
-        r = vm.run(image, command, env=env, timeout_s=MODEL_VM_S, memory_mb=MODEL_GUEST_MEMORY_MB)
+        r = guest_pytest(image, f"nats://{vm.HOST_FROM_GUEST}:{spec.nats_port}",
+                         ["-o", f"timeout={MODEL_VM_S - 120}", "-s", "tests/rdma/model"], timeout_s=MODEL_VM_S, env=env,
+                         python_path="/work/.venv/lib/python3.11/site-packages", memory_mb=MODEL_GUEST_MEMORY_MB)
     finally:
         cluster.stop()
     with capsys.disabled():

@@ -46,9 +46,14 @@ def with_host_nats(fn: Callable[[str], T]) -> T:
                 proc.wait()
 
 
-def guest_pytest(image: Image, nats_url: str, args: list[str] | None = None, timeout_s: float = 600) -> vm.GuestResult:
+def guest_pytest(image: Image, nats_url: str, args: list[str] | None = None, timeout_s: float = 600,
+                 env: dict[str, str] | None = None, python_path: str = "", memory_mb: int = 1536) -> vm.GuestResult:
+    """`python_path`: more for the guest's PYTHONPATH (e.g. the shared venv's site-packages, for torch)."""
     command = f"{GUEST_PYTEST} {' '.join(shlex.quote(a) for a in (args or ['tests/rdma']))}"
-    return vm.run(image, command, env={"MOONBUS_RDMA_NATS_URL": nats_url}, timeout_s=timeout_s)
+    if python_path:
+        command = f"PYTHONPATH=$PYTHONPATH:{shlex.quote(python_path)} {command}"
+    return vm.run(image, command, env={"MOONBUS_RDMA_NATS_URL": nats_url, **(env or {})}, timeout_s=timeout_s,
+                  memory_mb=memory_mb)
 
 
 def run_bench(image: Image, mib: int, timeout_s: float = 900) -> tuple[vm.GuestResult, str]:
