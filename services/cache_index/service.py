@@ -89,8 +89,9 @@ class CacheIndexService:
         if last is None and info.node not in self.epochs:
             self.start_resync(info.node, "first seen")
         elif last is not None and now - last > SILENCE_RESYNC_S:
-            # cut off (or we were): its KV events of that time may never have reached us, and a
-            # gap would show only at its next event, which may be long in coming
+            # cut off (or we were: then every node is heard again after a silence): its KV events
+            # of that time may never have reached us, and a gap would show only at its next event,
+            # which may be long in coming
             self.start_resync(info.node, f"silence: heard again after {now - last:.1f} s")
 
     def start_resync(self, node: str, why: str) -> None:
@@ -142,8 +143,8 @@ class CacheIndexService:
     async def sweep(self) -> None:
         now = time.monotonic()
         if not self.nc.is_connected or bus.recently_reconnected(self.nc, self.cfg.node_timeout_s):
-            for node in self.last_seen:  # our silence, not the nodes': keep them
-                self.last_seen[node] = now
+            # our silence, not the nodes': judge them once we have listened for a whole timeout.
+            # last_seen keeps their true last heartbeat, so that each is resynced when heard again
             return
         for node, seen in list(self.last_seen.items()):
             if now - seen > self.cfg.node_timeout_s:

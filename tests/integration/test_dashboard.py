@@ -125,7 +125,7 @@ async def test_the_page_lists_the_cluster_and_follows_its_requests(cluster, page
     completed_before = int(await page.text("#count-completed"))
     request_ids = []
     for i in range(2):
-        status, body, headers = await post(f"{url}/v1/completions", {"model": "tiny-random", "max_tokens": 3,
+        status, body, headers = await post(f"{url}/v1/completions", {"model": "tiny-random", "max_tokens": 3, "ignore_eos": True,
                                                                       "prompt": f"dashboard request {i} " * 3})
         assert status == 200, body
         assert body["usage"]["completion_tokens"] == 3
