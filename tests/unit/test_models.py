@@ -1,0 +1,39 @@
+"""Where models come from: the machine's converted copy of SmolLM2, taken by a new home instead of
+converting again (the conversion itself runs in tests/integration/test_real_model.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from common import models
+
+
+@pytest.fixture
+def machine_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOONBUS_MODEL_CACHE", str(tmp_path / "machine"))
+    return tmp_path
+
+
+def test_a_new_home_takes_the_machines_converted_copy(machine_cache):
+    kept = models.machine_copy()
+    assert kept is not None and kept.parent == machine_cache / "machine"
+    assert f"-v{models.BUILD_VERSION}-" in kept.name  # a new conversion recipe is a new copy
+    converted = machine_cache / "converted"  # what a conversion left in some other home
+    converted.mkdir()
+    (converted / "config.json").write_text("{}")
+    (converted / "model.safetensors").write_bytes(b"weights")
+    models._keep_machine_copy(converted)
+    assert (kept / "model.safetensors").read_bytes() == b"weights"
+
+    ref = models.prepare(models.SMOLLM2, machine_cache / "home")  # no conversion: taken from the copy
+    assert ref.path == models.resolve(models.SMOLLM2, machine_cache / "home").path
+    assert (ref.path / "model.safetensors").read_bytes() == b"weights"
+    assert os.stat(ref.path / "model.safetensors").st_ino == os.stat(kept / "model.safetensors").st_ino  # linked
+
+
+def test_an_empty_model_cache_setting_keeps_no_machine_copy(machine_cache, monkeypatch):
+    monkeypatch.setenv("MOONBUS_MODEL_CACHE", "")
+    assert models.machine_copy() is None
+    assert not models._take_machine_copy(machine_cache / "out")
