@@ -165,6 +165,6 @@ moonbus is ready: {spec.url}   (model {model})
 
 try:
   curl {spec.url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\
-    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32}}'
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}'
 
 Ctrl-C stops every process.""", flush=True)
