@@ -28,13 +28,11 @@ a frame has a deadline (`Transports.timeout_s`): a silent peer cannot hold a con
 region, open. At most MAX_CONNECTIONS are served at once; more are closed at once.
 
 Speed (measured by `moonbus bench transfer`): each connection is served by its own thread on a
-blocking socket (deadlines by SO_RCVTIMEO/SO_SNDTIMEO, see `tune`). Its small reads (ops,
-headers, checksums, call bodies) come out of one buffer that each recv fills with whatever has
-arrived (`_Inbox`: a small write and the call after it often take one recv); a payload is
-received with recv_into straight into the region, CHUNK bytes per call (MSG_WAITALL: one wakeup
-each), each part hashed as it lands, while it is in cache. The sender sends memoryviews of the
-source with sendmsg (no concatenation, no intermediate bytes) and hashes each part right after
-sending it, while the peer is already receiving it. asyncio's StreamReader, the
+blocking socket (deadlines by SO_RCVTIMEO/SO_SNDTIMEO, see `tune`), receiving with recv_into
+straight into the region, CHUNK bytes per call (MSG_WAITALL: one wakeup each), and hashing each
+part as it lands, while it is in cache; the sender
+hashes CHUNK-sized parts and sends them with sendmsg of memoryviews of the source (no
+concatenation, no intermediate bytes). asyncio's StreamReader, the
 link before this one, copied every payload twice (readexactly into bytes, then into a file) and
 moved 0.35 GiB/s where a plain socket moved 2.6.
 """
@@ -75,8 +73,6 @@ _PROOF_BYTES = 32
 _LEN = struct.Struct(">I")
 _SUM = struct.Struct(">Q")
 _IOV_MAX = 512
-SEND_EARLY = 64 << 10  # payload bytes from which a write sends before it hashes (send_write)
-INBOX = 16 << 10  # bytes a connection's small reads take from the socket at once (_Inbox)
 
 
 def tune(sock: socket.socket, deadline_s: float) -> None:
@@ -188,25 +184,17 @@ def stripes(pieces: list[tuple[int, memoryview]], k: int) -> list[list[tuple[int
 
 
 def send_write(sock: socket.socket, header: WriteFrame, views: Sequence[memoryview]) -> None:
-    """One write frame: the header, the views' bytes in CHUNK-sized parts, their xxh3-64.
-
-    Parts are sent once SEND_EARLY bytes are waiting and hashed right after, while they are still
-    in cache and the peer is already receiving them: the sender's hashing is off the transfer's
-    critical path. A smaller write is hashed first and goes out with its checksum in one send."""
+    """One write frame: the header, the views' bytes in CHUNK-sized parts, their xxh3-64."""
     h = xxhash.xxh3_64()
     batch: list = [frame(OP_WRITE, header.to_bytes())]
-    sent = len(batch)  # batch[sent:] are payload parts not sent yet
     size = 0
     for part in _parts(views):
+        h.update(part)  # NOTE: hashed right before it is sent, while it is in cache
         batch.append(part)
         size += part.nbytes
-        if size >= SEND_EARLY:
+        if size >= CHUNK:
             send_all(sock, batch)
-            for p in batch[sent:]:
-                h.update(p)
-            batch, sent, size = [], 0, 0
-    for p in batch[sent:]:
-        h.update(p)
+            batch, size = [], 0
     batch.append(_SUM.pack(h.intdigest()))
     send_all(sock, batch)
 
@@ -341,7 +329,7 @@ class TcpBackend(Backend):
         self._locator = ""
         self._listener: socket.socket | None = None
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self.groups = _Groups(transports.timeout_s)
+        self.groups = _Groups()
 
     @property
     def locator(self) -> str:
@@ -402,67 +390,6 @@ class TcpBackend(Backend):
             self._slots.release()
 
 
-class _Inbox:
-    """A served connection's bytes as they arrive: the small reads (op, header, checksum, a call's
-    body) come out of one buffer that each recv fills with as much as has arrived, so that a small
-    write and the call after it often take one recv in all; a payload goes straight into its
-    destination, after what the buffer already holds of it."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.buf = memoryview(bytearray(INBOX))
-        self.start = self.end = 0  # buf[start:end] is received and not consumed
-
-    @property
-    def held(self) -> int:
-        return self.end - self.start
-
-    def fill(self, n: int, at_boundary: bool = False) -> bool:
-        """At least n (<= INBOX) bytes held. False when the peer closed, or sent nothing within the
-        deadline, before a frame began (at_boundary, nothing held): it is done, or idle."""
-        if self.start + n > self.buf.nbytes:  # move what is held to the front
-            held = self.held
-            self.buf[:held] = self.buf[self.start:self.end]
-            self.start, self.end = 0, held
-        while self.held < n:
-            try:
-                k = self.sock.recv_into(self.buf[self.end:])
-            except BlockingIOError as exc:  # SO_RCVTIMEO: the read deadline
-                if at_boundary and not self.held:
-                    return False
-                raise TransportError(f"peer sent nothing for {deadline_of(self.sock):g} s") from exc
-            except OSError as exc:
-                raise TransportError(f"connection broke: {exc}") from exc
-            if not k:
-                if at_boundary and not self.held:
-                    return False
-                raise TransportError(f"peer closed the connection mid-frame ({self.held} of {n} bytes)")
-            self.end += k
-        return True
-
-    def take(self, n: int) -> bytes:
-        """The next n bytes."""
-        if n > self.buf.nbytes:  # a large header: what is held, then the rest from the socket
-            first = bytes(self.buf[self.start:self.end])
-            self.start = self.end = 0
-            return first + recv_exactly(self.sock, n - len(first))
-        self.fill(n)
-        out = bytes(self.buf[self.start:self.start + n])
-        self.start += n
-        return out
-
-    def into(self, dest: memoryview, hasher=None) -> None:
-        """Fill dest exactly (hashing it when given a hasher): first from what is held, then the socket."""
-        k = min(self.held, dest.nbytes)
-        if k:
-            dest[:k] = self.buf[self.start:self.start + k]
-            self.start += k
-            if hasher is not None:
-                hasher.update(dest[:k])
-        if k < dest.nbytes:
-            recv_into(self.sock, dest[k:], hasher)
-
-
 class _Connection:
     """One accepted connection's requests, served in order on its thread."""
 
@@ -472,21 +399,23 @@ class _Connection:
         self.sock = sock
         self.peer = peer
         self.failed = ""  # the first failed write since the last call: the next call reports it
-        self.inbox = _Inbox(sock)
         self._scratch = memoryview(bytearray(CHUNK))
 
     def run(self) -> None:
         ops = {OP_WRITE: self.write, OP_READ: self.read, OP_CALL: self.call}
-        head = 1 + _LEN.size
-        while self.inbox.fill(head, at_boundary=True):  # False: the peer is done, or idle past the deadline
-            got = self.inbox.take(head)
-            handler = ops.get(got[:1])
+        while True:
+            try:
+                head = self.sock.recv(1 + _LEN.size, socket.MSG_WAITALL)  # the op and its header's length at once
+            except BlockingIOError:
+                return  # idle past the deadline: the peer connects again when it has something to send
+            if not head:
+                return  # the peer is done
+            handler = ops.get(head[:1])
             if handler is None:
-                raise TransportError(f"unknown op {got[:1]!r}")
-            size = _LEN.unpack_from(got, 1)[0]
-            if size > MAX_HEADER:
-                raise TransportError(f"header of {size} bytes is larger than {MAX_HEADER}")
-            handler(self.inbox.take(size))
+                raise TransportError(f"unknown op {head[:1]!r}")
+            if len(head) < 1 + _LEN.size:
+                head += recv_exactly(self.sock, 1 + _LEN.size - len(head))
+            handler(read_sized(self.sock, _LEN.unpack_from(head, 1)[0]))
 
     def write(self, header: bytes) -> None:
         req = WriteFrame.from_bytes(header)
@@ -508,8 +437,8 @@ class _Connection:
             h = xxhash.xxh3_64()
             for off, n in spans:
                 with region.buf[off: off + n] as part:
-                    self.inbox.into(part, h)  # NOTE: each part hashed as it lands, while in cache
-            (expected,) = _SUM.unpack(self.inbox.take(_SUM.size))
+                    recv_into(self.sock, part, h)  # NOTE: each part hashed as it lands, while in cache
+            (expected,) = _SUM.unpack(recv_exactly(self.sock, _SUM.size))
             error = "" if h.intdigest() == expected else \
                 f"write {req.meta or ''} to region {req.region} failed its checksum ({total} bytes)"
             self.landed(region, req, spans, error)
@@ -542,7 +471,7 @@ class _Connection:
     def drain(self, n: int) -> None:
         while n:
             k = min(n, self._scratch.nbytes)
-            self.inbox.into(self._scratch[:k])
+            recv_into(self.sock, self._scratch[:k])
             n -= k
 
     def read(self, header: bytes) -> None:
@@ -563,7 +492,7 @@ class _Connection:
 
     def call(self, header: bytes) -> None:
         req = CallFrame.from_bytes(header)
-        body = self.inbox.take(req.nbytes)
+        body = recv_exactly(self.sock, req.nbytes)
         handler = self.transports.handlers.get(req.op)
         if req.op == FENCE and not self.failed:
             reply, out = ReplyFrame(True), b""
@@ -598,8 +527,7 @@ class _Group:
 class _Groups:
     """The striped writes a listener has seen some parts of, by group id."""
 
-    def __init__(self, stale_s: float) -> None:
-        self.stale_s = stale_s  # a group whose other parts have not come after this long never will: their connection broke
+    def __init__(self) -> None:
         self._open: dict[str, _Group] = {}
         self._lock = threading.Lock()
 
@@ -610,7 +538,7 @@ class _Groups:
             group = self._open.get(req.group)
             if group is None:
                 if len(self._open) >= OPEN_GROUPS:  # drop groups whose other parts never came (a broken connection)
-                    stale = time.monotonic() - self.stale_s
+                    stale = time.monotonic() - HANDSHAKE_TIMEOUT_S
                     for gid in [g for g, v in self._open.items() if v.opened < stale]:
                         del self._open[gid]
                 if len(self._open) >= OPEN_GROUPS:
