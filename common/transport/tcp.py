@@ -329,7 +329,7 @@ class TcpBackend(Backend):
         self._locator = ""
         self._listener: socket.socket | None = None
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self.groups = _Groups()
+        self.groups = _Groups(transports.timeout_s)
 
     @property
     def locator(self) -> str:
@@ -527,7 +527,8 @@ class _Group:
 class _Groups:
     """The striped writes a listener has seen some parts of, by group id."""
 
-    def __init__(self) -> None:
+    def __init__(self, stale_s: float) -> None:
+        self.stale_s = stale_s  # a group whose other parts have not come after this long never will: their connection broke
         self._open: dict[str, _Group] = {}
         self._lock = threading.Lock()
 
@@ -538,7 +539,7 @@ class _Groups:
             group = self._open.get(req.group)
             if group is None:
                 if len(self._open) >= OPEN_GROUPS:  # drop groups whose other parts never came (a broken connection)
-                    stale = time.monotonic() - HANDSHAKE_TIMEOUT_S
+                    stale = time.monotonic() - self.stale_s
                     for gid in [g for g, v in self._open.items() if v.opened < stale]:
                         del self._open[gid]
                 if len(self._open) >= OPEN_GROUPS:

@@ -95,6 +95,37 @@ def test_a_corrupted_write_is_reported_to_the_owner_and_fails_the_next_call(owne
     assert owner.landed[-1][2] is None
 
 
+def test_frames_cut_anywhere_or_packed_together_are_served_alike(owner):
+    """The listener reads small frames several at a time and payloads straight into the region:
+    how the bytes are cut on the way must not matter (a header larger than its buffer included)."""
+    import random
+
+    rng = random.Random(7)
+    writes = [(rng.randrange(0, 3 * MiB), os.urandom(rng.choice([1, 100, 5000, 70_000, 300_000]))) for _ in range(12)]
+    stream = bytearray()
+    for i, (off, data) in enumerate(writes):
+        meta = {f"k{j}": j for j in range(3000)} if i == 5 else {"i": i}  # i == 5: a header of ~30 KiB
+        header = WriteFrame("r1", [[off, len(data)]], meta).to_bytes()
+        stream += tcp.frame(tcp.OP_WRITE, header) + data + tcp._SUM.pack(checksum([data]))
+        stream += tcp.frame(tcp.OP_CALL, b'{"op": "echo", "nbytes": 3}') + b"abc"
+    with raw_connection(owner) as sock:
+        sent = 0
+        while sent < len(stream):  # cut at random places, from one byte to many frames at once
+            n = rng.choice([1, 7, 4096, 100_000])
+            sock.sendall(stream[sent:sent + n])
+            sent += n
+        replies = []
+        for _ in writes:
+            replies.append(tcp.read_header(sock))
+            replies[-1] += tcp.recv_exactly(sock, 3)
+    assert all(b'"ok":true' in r and r.endswith(b"cba") for r in replies), replies
+    assert [error for _, _, error in owner.landed] == [None] * len(writes)
+    expected = bytearray(len(owner.memory))  # the region began zeroed; later writes may overlap earlier ones
+    for off, data in writes:
+        expected[off:off + len(data)] = data
+    assert owner.memory == expected
+
+
 def test_writes_outside_a_region_or_to_no_region_fail_the_next_call_and_framing_holds(owner, peer):
     with peer.connect(owner.ref.endpoints) as ch:
         ch.write(owner.ref, [(4 * MiB - 1, b"ab")])
