@@ -9,6 +9,7 @@ import json
 import os
 import random
 import shutil
+import subprocess
 from pathlib import Path
 
 import aiohttp
@@ -18,7 +19,7 @@ import torch
 
 from common import models
 from common.traces import resolve_trace
-from tools.moonbus.cluster import Cluster, ClusterSpec, free_port
+from tools.moonbus.cluster import Cluster, ClusterSpec, free_port, nats_server_binary
 
 TINY = models.TINY_RANDOM
 
@@ -30,6 +31,12 @@ def start_cluster(home: Path, model: str = TINY, **kwargs) -> Cluster:
     cluster = Cluster(spec)
     cluster.start(ready_timeout_s=300)
     return cluster
+
+
+def bare_nats_server(port: int) -> subprocess.Popen:
+    """A real nats-server on the loopback, without JetStream, for tests that need the broker alone."""
+    return subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def seed_model(built_in: Path, home: Path) -> None:

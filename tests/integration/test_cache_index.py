@@ -18,7 +18,8 @@ from schemas import subjects
 from schemas.index import IndexQuery, IndexReply
 from schemas.pool import SnapshotReply
 from schemas.workers import WorkerInfo
-from tools.moonbus.cluster import free_port, nats_server_binary
+from tests.integration.conftest import bare_nats_server
+from tools.moonbus.cluster import free_port
 
 NODE = "node-x"
 
@@ -30,8 +31,7 @@ class Broker:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        self.proc = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = bare_nats_server(self.port)
 
     def stop(self) -> None:
         self.proc.kill()

@@ -24,8 +24,8 @@ from schemas import subjects
 from schemas.workers import StatusReply, WorkerInfo
 from services.gateway.dashboard import Dashboard
 from services.gateway.tenants import KeyBook
-from tests.integration.conftest import post
-from tools.moonbus.cluster import free_port, nats_server_binary
+from tests.integration.conftest import bare_nats_server, post
+from tools.moonbus.cluster import free_port
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -166,8 +166,7 @@ async def test_the_page_lists_the_cluster_and_follows_its_requests(cluster, page
 @pytest.fixture
 async def bare_nats(tmp_path):
     port = free_port()
-    proc = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = bare_nats_server(port)
     try:
         nc = await bus.connect(f"nats://127.0.0.1:{port}", "test-dashboard", first_connect_timeout_s=20)
         yield nc

@@ -47,7 +47,7 @@ def with_host_nats(fn: Callable[[str], T]) -> T:
 
 
 def guest_pytest(image: Image, nats_url: str, args: list[str] | None = None, timeout_s: float = 600,
-                 env: dict[str, str] | None = None, python_path: str = "", memory_mb: int = 1536) -> vm.GuestResult:
+                 env: dict[str, str] | None = None, python_path: str = "", memory_mb: int = vm.GUEST_MEMORY_MB) -> vm.GuestResult:
     """`python_path`: more for the guest's PYTHONPATH (e.g. the shared venv's site-packages, for torch)."""
     command = f"{GUEST_PYTEST} {' '.join(shlex.quote(a) for a in (args or ['tests/rdma']))}"
     if python_path:

@@ -70,8 +70,11 @@ def qemu_args(image: Image, run_dir: Path, memory_mb: int, cpus: int, repo: Path
     ]
 
 
+GUEST_MEMORY_MB = 1536  # the guest's RAM unless a run asks for more
+
+
 def run(image: Image, command: str, env: dict[str, str] | None = None, timeout_s: float = 600,
-        memory_mb: int = 1536, cpus: int = 2, repo: Path = ROOT_DIR, log_to: Path | None = None) -> GuestResult:
+        memory_mb: int = GUEST_MEMORY_MB, cpus: int = 2, repo: Path = ROOT_DIR, log_to: Path | None = None) -> GuestResult:
     """Boot, run `command` (sh syntax) in the guest's /work, power off; never longer than timeout_s."""
     if shutil.which(QEMU) is None:
         raise QemuUnavailable(f"{QEMU} is not installed (apt-get install qemu-system-x86)")
