@@ -27,6 +27,7 @@ from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 from nats.js.api import StorageType, StreamConfig
 from nats.js.errors import BadRequestError, ServiceUnavailableError
 
+from common import runner
 from common.audit import Chain
 from schemas import subjects
 from schemas.events import Event
@@ -325,8 +326,7 @@ class EventPublisher:
         await self._nc.subscribe(f"{inbox}.*", cb=self._on_ack)
         backoff = 0.1
         while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wakeup.wait(), EVENT_ACK_S / 4)
+            await runner.wait_set(self._wakeup, EVENT_ACK_S / 4)
             self._wakeup.clear()
             now = time.monotonic()
             self._drop_old(now)

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from common import runner
+
 
 async def beacon(path: str, nc, stop: asyncio.Event, ready: Callable[[], bool] = lambda: True,
                  interval_s: float = 2.0) -> None:
@@ -28,10 +30,7 @@ async def beacon(path: str, nc, stop: asyncio.Event, ready: Callable[[], bool] =
                 target.touch()
             else:
                 target.unlink(missing_ok=True)
-            try:
-                await asyncio.wait_for(stop.wait(), interval_s)
-            except asyncio.TimeoutError:
-                pass
+            await runner.wait_set(stop, interval_s)
     finally:
         target.unlink(missing_ok=True)
 

@@ -109,6 +109,21 @@ async def wait_or_hard(stop: Stop | asyncio.Event, aw: Awaitable[Any], timeout_s
     return True
 
 
+async def wait_set(event: asyncio.Event, timeout_s: float) -> bool:
+    """Wait until `event` is set (True) or `timeout_s` passed (False).
+
+    NOTE: not `asyncio.wait_for`: on Python 3.11 it swallows a cancellation that arrives as the
+    event is set, so a loop around it is never cancelled and whoever awaits its task hangs (a
+    refused worker never exited). `asyncio.timeout` counts cancellations and re-raises them.
+    """
+    try:
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
+        return True
+    except TimeoutError:
+        return event.is_set()
+
+
 async def every(interval_s: float, stop: asyncio.Event, fn: Callable[[], Awaitable[None]]) -> None:
     """Call fn every interval until stop is set (errors are logged, the loop goes on)."""
     while not stop.is_set():
@@ -116,5 +131,4 @@ async def every(interval_s: float, stop: asyncio.Event, fn: Callable[[], Awaitab
             await fn()
         except Exception:
             log.exception("periodic task failed")
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), interval_s)
+        await wait_set(stop, interval_s)

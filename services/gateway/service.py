@@ -297,8 +297,9 @@ class Gateway:
         progress = time.monotonic()
         while True:
             try:
-                chunk = await asyncio.wait_for(gen.state.chunks.get(), self.cfg.probe_after_s)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(self.cfg.probe_after_s):
+                    chunk = await gen.state.chunks.get()
+            except TimeoutError:
                 chunk = None
             if chunk is None:  # quiet for a while, or the connection just came back: is it still held?
                 if time.monotonic() - progress > self.cfg.stall_timeout_s:
