@@ -3,16 +3,25 @@ else an analytic estimate from the model's dimensions (logged, since it is only 
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
 from common import models
-from common.perf import HardwareSpec, ModelSpec, Profile, analytic_profile
+from common.decide.perf import HardwareSpec, ModelSpec, Profile, analytic_profile
 
 log = logging.getLogger(__name__)
 
 # NOTE: a rough 2-core CPU running float32 torch; only used until `moonbus profile` has run.
 CPU_GUESS = HardwareSpec("cpu-guess", gpu_flops=20e9, hbm_bytes_s=10e9, h2d_bytes_s=10e9, nic_bytes_s=1e9)
+
+
+def save(profile: Profile, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
+
+
+def read(path: str | Path) -> Profile:
+    return Profile.from_dict(json.loads(Path(path).read_text()))
 
 
 def profile_path(home: Path, model_name: str) -> Path:
@@ -22,11 +31,11 @@ def profile_path(home: Path, model_name: str) -> Path:
 def load(home: Path, model: str, explicit: str = "") -> tuple[Profile, str]:
     """(profile, where it came from)."""
     if explicit:
-        return Profile.load(explicit), explicit
+        return read(explicit), explicit
     ref = models.resolve(model, home)
     path = profile_path(home, ref.name)
     if path.exists():
-        return Profile.load(path), str(path)
+        return read(path), str(path)
     shape = models.read_shape(ref)
     spec = ModelSpec(ref.name, layers=shape.num_layers, d_model=shape.hidden_size,
                      n_heads=shape.num_heads, n_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,

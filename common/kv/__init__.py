@@ -19,8 +19,8 @@ from common.kv.blocks import (
     unpack_block,
     verify,
 )
-from common.kv.eviction import POLICIES, EvictionPolicy, NotPinned, UnknownBlock, make_policy
-from common.kv.pool import (
+from common.decide.eviction import POLICIES, EvictionPolicy, NotPinned, UnknownBlock, make_policy
+from common.decide.pool import (
     DRAM,
     SSD,
     Demoted,

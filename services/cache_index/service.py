@@ -26,7 +26,7 @@ from schemas.index import IndexDumpReply, IndexDumpRequest, IndexQuery, IndexRep
 from schemas.pool import KvEventData, SnapshotReply
 from schemas.workers import WorkerInfo
 from services.cache_index.config import CacheIndexConfig
-from services.cache_index.index import KINDS, KvEvent, PrefixIndex
+from common.decide.index import KINDS, KvEvent, PrefixIndex
 
 log = logging.getLogger(__name__)
 SILENCE_RESYNC_S = 3.0  # a messenger heard again after this long (it heartbeats every second) is reloaded

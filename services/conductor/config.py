@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common import config as common
-from services.conductor.admission import MODES, AdmissionSettings
-from services.conductor.policy import POLICIES
+from common.decide.admission import MODES, AdmissionSettings
+from common.decide.policy import POLICIES
 
 
 @dataclass(frozen=True)

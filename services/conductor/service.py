@@ -2,10 +2,10 @@
 
 Per route request: the prompt's block keys -> the cache index (who holds how long a prefix) ->
 a snapshot of every instance (queued prefill seconds, decode batches, bytes being pulled from
-each node) -> the pure policy (services/conductor/policy.py) and admission
-(services/conductor/admission.py) -> a PrefillTask (with a pull plan when the chosen instance
+each node) -> the pure policy (common/decide/policy.py) and admission
+(common/decide/admission.py) -> a PrefillTask (with a pull plan when the chosen instance
 should fetch a remote prefix) and a `routed` event carrying every candidate and cost term.
-The load comes from the instances themselves (common/cluster_state.py): heartbeats every
+The load comes from the instances themselves (common/decide/cluster_state.py): heartbeats every
 ~150 ms and a progress message at each change of state carry what each holds, and this
 conductor adds only its own dispatches that have not arrived yet, so any number of conductors
 see the same load. Nothing steers by the audit stream, which is write-only here. Heartbeats also
@@ -32,7 +32,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from common import bus, health, metrics, models, profiles, runner, security, worker
 from common.kv.blocks import DEFAULT_SEED, block_keys
-from common.perf import Profile
+from common.decide.perf import Profile
 from schemas import subjects
 from schemas.codec import WireError
 from schemas.index import IndexQuery, IndexReply
@@ -40,9 +40,9 @@ from schemas.prefill import PipelineSpec, PrefillTask, PullSpec
 from schemas.route import RouteReply, RouteRequest
 from schemas.tokens import Cancel
 from schemas.workers import Layout, Progress, Refused, StatusReply, WorkerInfo
-from services.conductor import admission, policy
+from common.decide import admission, policy
 from services.conductor.config import ConductorConfig
-from common.cluster_state import ClusterState, Refusal, Routed
+from common.decide.cluster_state import ClusterState, Refusal, Routed
 
 log = logging.getLogger(__name__)
 POLICY_VERSION = "moonbus-conductor/1"

@@ -11,10 +11,10 @@ import argparse
 from dataclasses import dataclass, replace
 
 from common import config as common
-from services.decode import config as decode_config
-from services.decode.config import DecodeConfig
-from services.prefill import config as prefill_config
-from services.prefill.config import PrefillConfig
+from common.roles import decode_config
+from common.roles.decode_config import DecodeConfig
+from common.roles import prefill_config
+from common.roles.prefill_config import PrefillConfig
 
 
 @dataclass(frozen=True)

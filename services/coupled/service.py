@@ -20,9 +20,9 @@ import logging
 
 from common import bus, health, metrics, models, profiles, runner
 from services.coupled.config import CoupledConfig
-from services.decode.batch import BatchEngine
-from services.decode.service import DecodeService
-from services.prefill.service import PrefillService
+from common.engine.batch import BatchEngine
+from common.roles.decode import DecodeService
+from common.roles.prefill import PrefillService
 
 log = logging.getLogger(__name__)
 

@@ -1,56 +1,11 @@
-"""Decode instance settings (flags and MOONBUS_* environment variables)."""
+"""The decode service's settings: the decode role's flags (common/roles/decode_config.py) on their own parser."""
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
-from pathlib import Path
 
 from common import config as common
-
-
-@dataclass(frozen=True)
-class DecodeConfig:
-    nats_url: str
-    nats_auth: common.NatsAuth  # this role's NATS credentials
-    cluster_secret_file: str  # '' = no cluster secret
-    instance_id: str
-    node: str
-    shm_dir: Path
-    model: str
-    block_tokens: int
-    home: Path
-    log_level: str
-    health_file: str  # kept fresh while ready (common/health.py); '' = none
-    metrics_port: int  # Prometheus (common/metrics.py); 0 = off
-    metrics_host: str
-    threads: int
-    heartbeat_interval_s: float
-    drain_grace_s: float  # after SIGTERM: time to finish the work held before handing the rest back
-    orphan_kv_s: float  # a KV file landed for us this long ago whose task never came is removed
-    max_batch: int
-    kv_budget_tokens: int  # KV tokens the batch may reserve (prompt + tokens still to generate)
-    tbt_slo_s: float  # a request whose KV arrives when the batch could not meet this is rejected (late)
-    late_check: bool  # False with admission "none"
-    profile: str
-
-    def __post_init__(self) -> None:
-        common.check_subject_token("instance id", self.instance_id)
-        common.check_subject_token("node", self.node)
-        if self.threads < 0:
-            raise ValueError("threads must be >= 0 (0 = torch default)")
-        if self.orphan_kv_s <= 0:
-            raise ValueError("orphan KV age must be > 0")
-        if self.drain_grace_s < 0:
-            raise ValueError("drain grace must be >= 0")
-        if self.heartbeat_interval_s <= 0:
-            raise ValueError("heartbeat interval must be > 0")
-        if self.tbt_slo_s <= 0:
-            raise ValueError("tbt slo must be > 0")
-        if self.kv_budget_tokens < 1:
-            raise ValueError("kv budget must be >= 1 token")
-        if self.max_batch < 1:
-            raise ValueError("max batch must be >= 1")
+from common.roles.decode_config import DecodeConfig, add_flags, from_args
 
 
 def load(argv: list[str] | None = None) -> DecodeConfig:
@@ -58,27 +13,3 @@ def load(argv: list[str] | None = None) -> DecodeConfig:
     common.add_common_flags(parser, "decode")
     add_flags(parser)
     return from_args(parser.parse_args(argv))
-
-
-def add_flags(parser: argparse.ArgumentParser) -> None:
-    """Every flag but the common ones (services/coupled adds these and the prefill ones to one parser)."""
-    common.add_node_flags(parser)
-    common.add_model_flags(parser)
-    common.flag(parser, "--threads", "MOONBUS_THREADS", 0, int, help="torch intra-op threads (0 = default)")
-    common.flag(parser, "--heartbeat-interval", "MOONBUS_HEARTBEAT_INTERVAL", 0.15, float, dest="heartbeat_interval_s",
-                help="seconds between heartbeats, each with this instance's load report")
-    common.flag(parser, "--orphan-kv", "MOONBUS_ORPHAN_KV", 30.0, float, dest="orphan_kv_s",
-                help="seconds after which a KV file landed for this instance, whose task never came, is removed")
-    common.flag(parser, "--drain-grace", "MOONBUS_DRAIN_GRACE", 30.0, float, dest="drain_grace_s",
-                help="seconds to finish held work after SIGTERM; what is left is resumed elsewhere")
-    common.flag(parser, "--max-batch", "MOONBUS_MAX_BATCH", 64, int, help="most requests decoding at once")
-    common.flag(parser, "--kv-budget-tokens", "MOONBUS_KV_BUDGET_TOKENS", 32768, int,
-                help="KV tokens the batch may hold, counting what each request may still generate")
-    common.flag(parser, "--tbt-slo", "MOONBUS_TBT_SLO", 1.0, float, help="seconds; checked when a request's KV arrives", dest="tbt_slo_s")
-    common.flag(parser, "--admission", "MOONBUS_ADMISSION", "predictive", help="none turns the arrival check off")
-    common.flag(parser, "--profile", "MOONBUS_PROFILE", "", help="performance profile file")
-
-
-def from_args(args: argparse.Namespace) -> DecodeConfig:
-    return common.build(DecodeConfig, args, shm_dir=common.shm_dir_for(args.node, args.shm_dir), home=Path(args.home),
-                        late_check=args.admission != "none")

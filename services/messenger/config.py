@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common import config as common
-from common.kv.eviction import POLICIES
+from common.decide.eviction import POLICIES
 
 
 @dataclass(frozen=True)

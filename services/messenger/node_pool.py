@@ -1,6 +1,6 @@
 """One node's KV pool: TieredPool's decisions executed on the DRAM slab and the LMDB store.
 
-TieredPool (common/kv/pool.py) decides what is stored, demoted, promoted or evicted; this class
+TieredPool (common/decide/pool.py) decides what is stored, demoted, promoted or evicted; this class
 carries the decisions out on real storage and turns them into numbered KV events for the cache
 index. Single-threaded: the messenger calls it from its event loop only.
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 from common.kv import blocks as kvblocks
 from common.kv.blocks import ChecksumMismatch, KvLayout
-from common.kv.pool import DRAM, SSD, Demoted, Evicted, NoRoom, PoolAction, Promoted, Stored, TieredPool
+from common.decide.pool import DRAM, SSD, Demoted, Evicted, NoRoom, PoolAction, Promoted, Stored, TieredPool
 from schemas.pool import KvEventData, SlotRef
 from common.kv.slab import DramSlab
 from services.messenger.ssd import PutStatus, SsdStore, map_size_for

@@ -31,7 +31,7 @@ from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge, Histogram
 
 from common import bus, health, kvfiles, metrics, models, runner, security, worker
-from common.kv.pool import capacity_in_blocks
+from common.decide.pool import capacity_in_blocks
 from common.transport import Transports
 from schemas import subjects
 from schemas.codec import Wire

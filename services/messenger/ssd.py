@@ -9,7 +9,7 @@ The map size is fixed at open: LMDB cannot grow past it, and a put that does not
 lmdb.MapFullError inside the library. We turn that into `PutStatus.FULL` (the transaction is
 aborted, nothing is half written) so the caller evicts a block and retries; it never crashes the
 messenger. Size the map from the SSD capacity in blocks with headroom: LMDB pages add overhead
-and a promotion briefly needs one extra block (see common/kv/pool.py); `map_size_for` does it.
+and a promotion briefly needs one extra block (see common/decide/pool.py); `map_size_for` does it.
 
 Checksums are verified on every `get`: a mismatch raises `ChecksumMismatch`; the caller must
 treat the block as a miss and `delete` it (the pool then `discard`s it).

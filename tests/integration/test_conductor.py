@@ -9,9 +9,8 @@ import time
 import aiohttp
 import pytest
 
-from common import bus
+from common import bus, profiles
 from common.kv.blocks import block_keys
-from common.perf import Profile
 from schemas import subjects
 from tests.integration.conftest import start_cluster
 from tests.integration.test_kv_pool import _holds, text_of
@@ -114,7 +113,7 @@ FLOOD_CHARS = 2000  # tiny-random's tokenizer is byte-level: about one token per
 @pytest.fixture(scope="module")
 def tight_slo(tmp_path_factory, tiny_profile):
     """A TTFT SLO of about 5 prefills, as the measured profile predicts them: 40 at once overload it."""
-    predicted = Profile.load(tiny_profile).prefill.seconds(FLOOD_CHARS, 0)
+    predicted = profiles.read(tiny_profile).prefill.seconds(FLOOD_CHARS, 0)
     slo = round(5 * predicted, 3)
     cluster = start_cluster(tmp_path_factory.mktemp("flood"), ttft_slo_s=slo, profile=tiny_profile)
     yield cluster, slo

@@ -6,9 +6,9 @@ within the SLO while it already runs at most 8 requests. t_d = 5 s in decode per
 
 import pytest
 
-from common.perf import DecodeModel, PrefillModel, Profile
-from services.conductor.admission import AdmissionSettings, DecodeLoad, DecodeLoadSnapshot, admit, decode_admits
-from services.conductor.policy import DecodeCandidate
+from common.decide.perf import DecodeModel, PrefillModel, Profile
+from common.decide.admission import AdmissionSettings, DecodeLoad, DecodeLoadSnapshot, admit, decode_admits
+from common.decide.policy import DecodeCandidate
 
 PERF = Profile(PrefillModel((0.0, 0.001, 0.0, 0.0)), DecodeModel((0.01, 0.01, 0.0)))
 NOW = 100.0
@@ -126,7 +126,7 @@ def test_predictive_verdict_matches_decode_load_at_exactly():
     """admit's predictive loop gives, to the bit, min over instances of step(DecodeLoad.at(T) + this)."""
     import random
 
-    from common.perf import analytic_profile
+    from common.decide.perf import analytic_profile
 
     rng = random.Random(3)
     perf = analytic_profile()

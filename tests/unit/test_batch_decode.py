@@ -1,16 +1,17 @@
-"""Continuous batching (services/decode/batch.py) against per-sequence decoding on tiny-random.
+"""Continuous batching (common/engine/batch.py) against per-sequence decoding on tiny-random.
 
-The reference for every row is common.engine: prefill, then decode_step one token at a time,
+The reference for every row is common.engine.reference: prefill, then decode_step one token at a time,
 sampled with common.sampling.sample at the same step index the engine uses.
 """
 
 import pytest
 import torch
 
-from common import engine, models, sampling
-from common.perf import DecodeModel, PrefillModel, Profile
+from common import models, sampling
+from common.engine import reference as single
+from common.decide.perf import DecodeModel, PrefillModel, Profile
 from schemas.route import SamplingParams
-from services.decode.batch import BatchEngine, BatchFull
+from common.engine.batch import BatchEngine, BatchFull
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=64, seed=7)
@@ -29,16 +30,16 @@ def make_prompt(n: int, seed: int) -> list[int]:
 
 def make_start(model, prompt: list[int], params: SamplingParams) -> tuple[torch.Tensor, int]:
     """What prefill hands decode: the prompt's KV and the first token."""
-    cache, logits = engine.prefill(model, prompt)
-    return engine.kv_from_cache(cache), sampling.sample(logits, params, step=0)
+    cache, logits = single.prefill(model, prompt)
+    return single.kv_from_cache(cache), sampling.sample(logits, params, step=0)
 
 
 def reference(model, prompt: list[int], params: SamplingParams, steps: int) -> list[int]:
     """Tokens 1..steps of one sequence decoded alone."""
-    cache, logits = engine.prefill(model, prompt)
+    cache, logits = single.prefill(model, prompt)
     token, out = sampling.sample(logits, params, step=0), []
     for step in range(1, steps + 1):
-        token = sampling.sample(engine.decode_step(model, token, cache), params, step=step)
+        token = sampling.sample(single.decode_step(model, token, cache), params, step=step)
         out.append(token)
     return out
 

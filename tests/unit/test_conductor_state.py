@@ -1,9 +1,9 @@
-"""common.cluster_state: the load every conductor (and the simulator) sees, from the instances'
+"""common.decide.cluster_state: the load every conductor (and the simulator) sees, from the instances'
 reports plus its own dispatches that have not arrived yet."""
 
 from __future__ import annotations
 
-from common.cluster_state import ClusterState, Refusal, Routed
+from common.decide.cluster_state import ClusterState, Refusal, Routed
 from schemas.workers import Coming, DecodeReport, Joined, Layout, PrefillReport, WorkerInfo
 
 LAYOUT = Layout("tiny-random", 16, 2048, "4x2x2x16 float32")

@@ -1,8 +1,8 @@
-"""Eviction policies (common/kv/eviction.py): exact victims on hand-made access sequences."""
+"""Eviction policies (common/decide/eviction.py): exact victims on hand-made access sequences."""
 
 import pytest
 
-from common.kv.eviction import NotPinned, UnknownBlock, make_policy
+from common.decide.eviction import NotPinned, UnknownBlock, make_policy
 
 
 def drain(policy) -> list[int]:

@@ -1,10 +1,10 @@
-"""The global prefix index (services/cache_index/index.py): matching, gaps, resync."""
+"""The global prefix index (common/decide/index.py): matching, gaps, resync."""
 
 import random
 
 import pytest
 
-from services.cache_index.index import KvEvent, NodeMatch, PrefixIndex
+from common.decide.index import KvEvent, NodeMatch, PrefixIndex
 
 
 class Feeder:

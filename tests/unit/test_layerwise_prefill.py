@@ -1,4 +1,4 @@
-"""Layer-wise prefill (services/prefill/layerwise.py) against the plain transformers forward on tiny-random."""
+"""Layer-wise prefill (common/engine/layerwise.py) against the plain transformers forward on tiny-random."""
 
 import threading
 import time
@@ -6,8 +6,9 @@ import time
 import pytest
 import torch
 
-from common import engine, kvfiles, models
-from services.prefill.layerwise import (FileSink, KvAssembly, LayerwisePrefill, PrefillAborted, TensorPrefix,
+from common import kvfiles, models
+from common.engine import reference
+from common.engine.layerwise import (FileSink, KvAssembly, LayerwisePrefill, PrefillAborted, TensorPrefix,
                                         pipelined_prefill)
 
 # Chunked attention runs masked sdpa over prefix + chunk instead of one causal sdpa, so KV agrees
@@ -28,15 +29,15 @@ def prompt() -> list[int]:
 @pytest.fixture(scope="module")
 def whole(model, prompt):
     """The reference: one transformers forward over the whole prompt -> (KV [L,2,H,S,D], logits)."""
-    cache, logits = engine.prefill(model, prompt)
-    return engine.kv_from_cache(cache), logits
+    cache, logits = reference.prefill(model, prompt)
+    return reference.kv_from_cache(cache), logits
 
 
 def greedy_continuation(model, kv: torch.Tensor, logits: torch.Tensor, steps: int = 5) -> list[int]:
-    cache, token, out = engine.cache_from_kv(kv), int(torch.argmax(logits)), []
+    cache, token, out = reference.cache_from_kv(kv), int(torch.argmax(logits)), []
     for _ in range(steps):
         out.append(token)
-        token = int(torch.argmax(engine.decode_step(model, token, cache)))
+        token = int(torch.argmax(reference.decode_step(model, token, cache)))
     return out
 
 

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from common.perf import (
+from common import profiles
+from common.decide.perf import (
     A800_X8,
     LLAMA3_70B,
     AnalyticDecodeModel,
@@ -104,15 +105,15 @@ def test_profile_round_trip(tmp_path):
     fitted = Profile(PrefillModel.fit(make_prefill_samples(0.0, 0)), DecodeModel.fit(make_decode_samples(0.0, 0)),
                      model="SmolLM2-135M-Instruct", device="cpu", kv_bytes_per_token=46080, meta={"threads": 16})
     path = tmp_path / "profile.json"
-    fitted.save(path)
-    loaded = Profile.load(path)
+    profiles.save(fitted, path)
+    loaded = profiles.read(path)
     assert loaded == fitted and loaded.meta == {"threads": 16}
     assert loaded.prefill.fit_error == fitted.prefill.fit_error
     assert loaded.prefill.seconds(500, 100) == fitted.prefill.seconds(500, 100)
 
     analytic = analytic_profile()
-    analytic.save(path)
-    assert Profile.load(path) == analytic
+    profiles.save(analytic, path)
+    assert profiles.read(path) == analytic
 
 
 def test_profile_rejects_unknown_kind():

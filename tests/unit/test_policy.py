@@ -9,8 +9,8 @@ Numbers are chosen so each term is easy to check by hand:
 import orjson
 import pytest
 
-from common.perf import DecodeModel, PrefillModel, Profile
-from services.conductor.policy import (
+from common.decide.perf import DecodeModel, PrefillModel, Profile
+from common.decide.policy import (
     ClusterSnapshot,
     DecodeCandidate,
     Decision,
@@ -266,7 +266,7 @@ def test_colocate_without_a_shared_node_is_no_instances():
 def test_best_holder_is_least_queued_then_name_among_longest():
     import random
 
-    from services.conductor.policy import best_prefix
+    from common.decide.policy import best_prefix
 
     rng = random.Random(5)
     for _ in range(500):

@@ -1,10 +1,10 @@
-"""Two-tier pool accounting (common/kv/pool.py): exact actions for demotion, promotion, pins."""
+"""Two-tier pool accounting (common/decide/pool.py): exact actions for demotion, promotion, pins."""
 
 import pytest
 
 from common.kv.blocks import KvLayout
-from common.kv.eviction import NotPinned, UnknownBlock
-from common.kv.pool import Demoted, Evicted, NoRoom, Promoted, Stored, TieredPool, capacity_in_blocks
+from common.decide.eviction import NotPinned, UnknownBlock
+from common.decide.pool import Demoted, Evicted, NoRoom, Promoted, Stored, TieredPool, capacity_in_blocks
 
 
 def put(pool, *keys, depth=0):

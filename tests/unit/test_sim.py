@@ -3,7 +3,7 @@
 import pytest
 
 from common.measures import OK
-from common.perf import LLAMA3_70B
+from common.decide.perf import LLAMA3_70B
 from common.traces import TraceRow
 from tools.sim import SimConfig, build_profile, simulate
 

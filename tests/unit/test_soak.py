@@ -95,9 +95,10 @@ def test_load_sets_the_time_scale_from_the_target_rate():
 @pytest.mark.parametrize("result, kind, reason", [
     (make_result(), "completed", ""),
     (make_result(REJECTED_ARRIVAL, 429, "HTTP 429: busy"), "429", ""),
-    (make_result(REJECTED_LATE, 200, "{'code': 429}", 429), "429", ""),
+    (make_result(REJECTED_LATE, 200, "{'code': 429}", 429), "failed",
+     "rejected late, after the stream started (its prefill wasted): {'code': 429}"),
     (make_result(FAILED, 503, "HTTP 503: no instance"), "503", ""),
-    (make_result(FAILED, 200, "{'code': 503}", 503), "503", ""),
+    (make_result(FAILED, 200, "{'code': 503}", 503), "failed", "error event 503 in the stream: {'code': 503}"),
     (make_result(FAILED, 500, "HTTP 500: internal"), "failed", "HTTP 500: internal"),
     (make_result(FAILED, 200, "{'code': 504}", 504), "failed", "error event 504 in the stream: {'code': 504}"),
     (make_result(FAILED, 0, "ClientConnectorError: refused", request_id=""), "failed", "connection error: ClientConnectorError: refused"),
@@ -274,7 +275,8 @@ async def test_send_one_records_request_id_status_and_stream_error_code():
     assert (rejected.status, rejected.http_status, rejected.request_id, rejected.error_code) == (REJECTED_ARRIVAL, 429, "cmpl-r", 0)
     assert (broken.status, broken.http_status, broken.request_id, broken.error_code) == (FAILED, 200, "cmpl-s", 503)
     assert broken.output_tokens == 1
-    assert [sv.classify(r).kind for r in (rejected, broken)] == ["429", "503"]
+    # a stream that started and broke is a failed request, not a 503 (its migration failed)
+    assert [sv.classify(r).kind for r in (rejected, broken)] == ["429", "failed"]
 
 
 # --------------------------------------------------------------------------- the report

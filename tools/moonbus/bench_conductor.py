@@ -10,7 +10,7 @@ Setup (scaled to the released trace, so nothing needs a model):
     decode: up to 48 decoding and 8 in prefill per decode instance) comes from a pool of
     --states states drawn from a seeded RNG, outside the timed section. Like the live conductor,
     the pool keeps candidate objects built (they change on dispatch/completion, not per request).
-  - Performance model: analytic LLaMA3-70B on 8xA800 (common/perf.py), NIC link 100 GB/s.
+  - Performance model: analytic LLaMA3-70B on 8xA800 (common/decide/perf.py), NIC link 100 GB/s.
 
 Timed, per request (time.perf_counter_ns): the full decision the conductor makes,
     index match -> snapshot (holders from the match + snapshot objects) -> policy decide
@@ -41,11 +41,11 @@ import numpy as np
 import orjson
 
 from common.kv.blocks import block_keys_from_hash_ids
-from common.perf import A800_X8, LLAMA3_70B, Profile, analytic_profile
+from common.decide.perf import A800_X8, LLAMA3_70B, Profile, analytic_profile
 from common.traces import TRACE_BLOCK_TOKENS, load_trace, resolve_trace
-from services.cache_index.index import KvEvent, PrefixIndex
-from services.conductor.admission import AdmissionSettings, DecodeLoad, DecodeLoadSnapshot, Verdict, admit
-from services.conductor.policy import (
+from common.decide.index import KvEvent, PrefixIndex
+from common.decide.admission import AdmissionSettings, DecodeLoad, DecodeLoadSnapshot, Verdict, admit
+from common.decide.policy import (
     POLICIES,
     ClusterSnapshot,
     Decision,

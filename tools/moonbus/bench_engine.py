@@ -33,11 +33,12 @@ from pathlib import Path
 import orjson
 import torch
 
-from common import engine, kvfiles, models
+from common import kvfiles, models
+from common.engine import reference
 from common.config import default_home
 from schemas.route import SamplingParams
-from services.decode.batch import BatchEngine
-from services.prefill.layerwise import FileSink, LayerwisePrefill, pipelined_prefill
+from common.engine.batch import BatchEngine
+from common.engine.layerwise import FileSink, LayerwisePrefill, pipelined_prefill
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
 DECODE_GOAL = 0.9
@@ -118,8 +119,8 @@ def _time_generate(model, prompts: torch.Tensor, new_tokens: int) -> float:
 def _starts(model, prompts: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
     out = []
     for row in prompts.tolist():
-        cache, logits = engine.prefill(model, row)
-        out.append((engine.kv_from_cache(cache), int(torch.argmax(logits))))
+        cache, logits = reference.prefill(model, row)
+        out.append((reference.kv_from_cache(cache), int(torch.argmax(logits))))
     return out
 
 
@@ -142,10 +143,10 @@ def _time_batch(batch: BatchEngine, starts, new_tokens: int) -> tuple[float, flo
 
 
 def _time_loop(model, starts, new_tokens: int) -> float:
-    caches = [(engine.cache_from_kv(kv), first) for kv, first in starts]
+    caches = [(reference.cache_from_kv(kv), first) for kv, first in starts]
     t0 = time.perf_counter()
     for _ in range(new_tokens - 1):
-        caches = [(c, int(torch.argmax(engine.decode_step(model, tok, c)))) for c, tok in caches]
+        caches = [(c, int(torch.argmax(reference.decode_step(model, tok, c)))) for c, tok in caches]
     return time.perf_counter() - t0
 
 
@@ -179,7 +180,7 @@ def _bench_prefill(model, args: argparse.Namespace) -> list[dict]:
     shape = None
 
     def compute_only() -> None:
-        engine.prefill(model, ids)
+        reference.prefill(model, ids)
 
     def layerwise_only() -> None:
         layerwise.run(ids)
@@ -192,8 +193,8 @@ def _bench_prefill(model, args: argparse.Namespace) -> list[dict]:
         (shm / sink.path.name).unlink()
 
     def store_after() -> None:
-        cache, _ = engine.prefill(model, ids)
-        handle = kvfiles.write(shm, "bench", f"moonbus-bench-{os.getpid()}-after.kv", engine.kv_from_cache(cache))
+        cache, _ = reference.prefill(model, ids)
+        handle = kvfiles.write(shm, "bench", f"moonbus-bench-{os.getpid()}-after.kv", reference.kv_from_cache(cache))
         kvfiles.remove(shm, handle)
 
     cases = {"compute-only (transformers forward)": compute_only, "layer-wise, no sink": layerwise_only,

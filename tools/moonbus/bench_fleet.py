@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 
 from common.kv.blocks import block_keys
-from common.perf import Profile
+from common.decide.perf import Profile
 from common.traces import TraceRow, block_token_ids, scaled_input_length
 from schemas import subjects
 from schemas.pool import SnapshotReply

@@ -40,9 +40,9 @@ import orjson
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from common import bus, models
+from common import bus, models, profiles
 from common.config import default_home
-from common.perf import DecodeModel, PrefillModel, Profile
+from common.decide.perf import DecodeModel, PrefillModel, Profile
 from common.traces import TraceRow
 from schemas import subjects
 from schemas.index import IndexDumpReply, IndexDumpRequest
@@ -156,7 +156,7 @@ def _prepare_home(home: Path, ref: models.ModelRef) -> tuple[Layout, Profile, Pa
                    shape.kv_bytes_per_token, {"source": "moonbus bench conductor: fixed coefficients, not measured"})
     path = home / "profiles" / f"{ref.name}.json"
     path.parent.mkdir(parents=True)
-    perf.save(path)
+    profiles.save(perf, path)
     return layout, perf, path
 
 

@@ -1,6 +1,6 @@
 """`moonbus cachesim`: replay a trace through the KV pool's own eviction code, with no model.
 
-One node, one pool (`common.kv.pool.TieredPool`, DRAM capacity in blocks, no SSD unless
+One node, one pool (`common.decide.pool.TieredPool`, DRAM capacity in blocks, no SSD unless
 --ssd-capacity-blocks). For every request in arrival order:
 
     keys  = chained keys of its hash ids (one key per 512-token trace block)
@@ -22,8 +22,8 @@ from typing import Sequence
 import orjson
 
 from common.kv.blocks import block_keys_from_hash_ids
-from common.kv.eviction import DEFAULT_POLICY, POLICIES
-from common.kv.pool import NoRoom, TieredPool
+from common.decide.eviction import DEFAULT_POLICY, POLICIES
+from common.decide.pool import NoRoom, TieredPool
 from common.traces import TRACE_BLOCK_TOKENS, add_trace_arguments, load_trace
 
 INF = "inf"

@@ -18,10 +18,10 @@ import torch
 
 from common import models, profiles
 from common.config import default_home
-from common.perf import DecodeModel, DecodeSample, PrefillModel, PrefillSample, Profile
+from common.decide.perf import DecodeModel, DecodeSample, PrefillModel, PrefillSample, Profile
 from schemas.route import SamplingParams
-from services.decode.batch import BatchEngine
-from services.prefill.layerwise import LayerwisePrefill
+from common.engine.batch import BatchEngine
+from common.engine.layerwise import LayerwisePrefill
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
                             "held_out_error": {"prefill": _err(prefill_err), "decode": _err(decode_err)}})
     out = args.out or profiles.profile_path(args.home.resolve(), ref.name)
     out.parent.mkdir(parents=True, exist_ok=True)
-    profile.save(out)
+    profiles.save(profile, out)
     summary = {"model": ref.name, "profile": str(out), "prefill_points": len(prefill_samples),
                "decode_points": len(decode_samples), "prefill_held_out_error": _err(prefill_err),
                "decode_held_out_error": _err(decode_err)}

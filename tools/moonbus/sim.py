@@ -15,8 +15,8 @@ import orjson
 
 from common.measures import format_summary
 from common.traces import TRACE_BLOCK_TOKENS, add_trace_arguments, load_trace
-from services.conductor.admission import MODES
-from services.conductor.policy import POLICIES
+from common.decide.admission import MODES
+from common.decide.policy import POLICIES
 from tools.sim import SimConfig, build_profile, simulate
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from common.perf import PrefillPredictor
+from common.decide.perf import PrefillPredictor
 from common.traces import TRACE_BLOCK_TOKENS, TraceRow, scaled_input_length
 
 # `--trace conversation` and `--trace synthetic` name the released traces beside the repository.

@@ -3,8 +3,11 @@
 Pure: results, recorded events and probes of the cluster in, verdicts out (the unit tests feed
 them made-up data). The rules:
 
-    outcome      completed | 429 | 503 | failed (with a reason); a 429 or 503 that arrived as an
-                 error event inside a started stream counts as 429 / 503 (a late rejection)
+    outcome      completed | 429 | 503 | failed (with a reason). 429 and 503 are answers to the
+                 request itself (HTTP status, before any token). A stream that started and then
+                 ended in an error event is failed, whatever its code: the client got a broken
+                 answer (a late 429 wasted its prefill; a 503 means a migration failed). A
+                 request that was migrated and completed is simply completed.
     exactly once every request the gateway gave an X-Request-Id has exactly one terminal event
                  (completed, failed, rejected, cancelled) in MOONBUS_EVENTS: two is "ended twice",
                  none is "never ended"; a client stream still open at --timeout is "never ended"
@@ -60,15 +63,16 @@ def classify(r: RequestResult) -> Outcome:
     """A finished `replay.send_one` result as a soak outcome."""
     if r.status == OK:
         return Outcome(COMPLETED)
-    code = r.error_code or (r.http_status if r.http_status not in (0, 200) else 0)
-    if code == 429:
+    if r.http_status == 429:
         return Outcome(REJECTED_429)
-    if code == 503:
+    if r.http_status == 503:
         return Outcome(UNAVAILABLE_503)
     if _is_timeout(r.error):
         return Outcome(FAILED, f"timeout: {r.error}", timed_out=True)
     if r.http_status not in (0, 200):
         return Outcome(FAILED, r.error or f"HTTP {r.http_status}")
+    if r.error_code == 429:
+        return Outcome(FAILED, f"rejected late, after the stream started (its prefill wasted): {r.error}")
     if r.error_code:
         return Outcome(FAILED, f"error event {r.error_code} in the stream: {r.error}")
     if r.error:

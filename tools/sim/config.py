@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.perf import HARDWARE_PRESETS, MODEL_PRESETS, Profile, analytic_profile
-from services.conductor.admission import MODES
-from services.conductor.policy import POLICIES
+from common.decide.perf import HARDWARE_PRESETS, MODEL_PRESETS, Profile, analytic_profile
+from common.decide.admission import MODES
+from common.decide.policy import POLICIES
 
 # lower-cased alias -> preset name
 MODEL_ALIASES = {name.lower(): name for name in MODEL_PRESETS}

@@ -25,14 +25,14 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from common.cluster_state import ClusterState, Routed
+from common.decide.cluster_state import ClusterState, Routed
 from common.kv.blocks import block_keys_from_hash_ids
 from common.measures import FAILED, OK, REJECTED_ARRIVAL, REJECTED_LATE, RequestResult, summarize
-from common.perf import Profile
+from common.decide.perf import Profile
 from common.traces import TraceRow
-from services.cache_index.index import PrefixIndex
-from services.conductor.admission import AdmissionSettings, DecodeLoadSnapshot, admit, decode_admits
-from services.conductor.policy import ClusterSnapshot, NoInstances, PolicySettings, RequestInfo, decide
+from common.decide.index import PrefixIndex
+from common.decide.admission import AdmissionSettings, DecodeLoadSnapshot, admit, decode_admits
+from common.decide.policy import ClusterSnapshot, NoInstances, PolicySettings, RequestInfo, decide
 from tools.sim.config import SimConfig, build_profile
 from tools.sim.coupled import CoupledInstance
 from tools.sim.decode import DecodeBatch

@@ -4,17 +4,17 @@ Each instance sits on its own node, named after it. Prefill nodes hold the KV po
 `TieredPool`, so eviction is the live code); their pool actions become `KvEvent`s for the real
 `PrefixIndex`, exactly as messengers publish them. Each instance reports its load the way a live
 one does (`info(t)`: a WorkerInfo with its PrefillReport / DecodeReport), and the simulator's
-conductor keeps the live conductor's bookkeeping, common.cluster_state.ClusterState.
+conductor keeps the live conductor's bookkeeping, common.decide.cluster_state.ClusterState.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from common.kv.pool import Demoted, Evicted, NoRoom, Promoted, Stored, TieredPool
+from common.decide.pool import Demoted, Evicted, NoRoom, Promoted, Stored, TieredPool
 from schemas.workers import Coming, DecodeReport, Joined, PrefillReport, WorkerInfo
-from services.cache_index.index import KvEvent, PrefixIndex
-from services.conductor.policy import DecodeCandidate
+from common.decide.index import KvEvent, PrefixIndex
+from common.decide.policy import DecodeCandidate
 from tools.sim.decode import DecodeBatch
 from tools.sim.request import SimRequest
 

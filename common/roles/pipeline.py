@@ -1,7 +1,7 @@
 """Chunked pipeline parallelism across prefill instances: the KV stream between stages.
 
 Chunk i of a long prompt runs on stage i mod X (schemas.prefill.PipelineSpec). Each stage
-computes its chunks layer by layer into one KvAssembly (services/prefill/layerwise.py) and
+computes its chunks layer by layer into one KvAssembly (common/engine/layerwise.py) and
 streams every layer slice it computes to the other stages that need it (`PeerSink`), through
 the point-to-point transports (common/transport): a one-sided write of the slice straight into
 the peer's assembly, which that stage registered as a region when its task arrived
@@ -29,7 +29,7 @@ from common.kv.slices import SliceGeometry, from_meta, meta
 from common.transport import Channel, TransportError, Transports
 from schemas.prefill import PipelineSpec
 from schemas.transfer import RegionRef
-from services.prefill.layerwise import KvAssembly
+from common.engine.layerwise import KvAssembly
 
 log = logging.getLogger(__name__)
 

@@ -36,11 +36,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from common.perf import Profile
+from common.decide.perf import Profile
 from common.sampling import SamplingError, is_greedy, sample
 from schemas.route import SamplingParams
-from services.conductor.admission import decode_admits
-from services.conductor.policy import DecodeCandidate
+from common.decide.admission import decode_admits
+from common.decide.policy import DecodeCandidate
 
 
 class BatchFull(RuntimeError):
@@ -125,7 +125,7 @@ class BatchEngine:
     def tbt_admits(self, context_tokens: int, perf: Profile, tbt_slo_s: float) -> bool:
         """The late TBT re-check when a request's KV arrives: predicted step time with it added <= SLO.
 
-        `perf` is a common.perf.Profile (only `perf.decode.step_seconds(batch, context)` is used).
+        `perf` is a common.decide.perf.Profile (only `perf.decode.step_seconds(batch, context)` is used).
         KV room is `can_admit`'s job (it counts reservations), so it is not re-checked here.
         """
         return decode_admits(replace(self.admission_state(), kv_free_tokens=None), context_tokens, perf, tbt_slo_s)

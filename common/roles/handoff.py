@@ -12,7 +12,7 @@ Protocol (the receiving end and every way a reservation ends: services/messenger
 
 When the decode instance is on this node (a coupled instance), no bytes need to move: the sink
 writes the node-local file (FileSink) the decode reads, and complete() just names it.
-Failures raise `HandoffFailed`; the caller decides what the request gets (services/prefill/service.py:
+Failures raise `HandoffFailed`; the caller decides what the request gets (common/roles/prefill.py:
 before the first token it is dispatched again, after it the gateway resumes it).
 """
 
@@ -33,7 +33,7 @@ from schemas import subjects
 from schemas.codec import WireError
 from schemas.prefill import PrefillTask
 from schemas.transfer import AbortKv, AcceptKv, AcceptKvReply, CompleteKv, CompleteKvReply, KvHandle, RegionRef
-from services.prefill.layerwise import FileSink
+from common.engine.layerwise import FileSink
 
 log = logging.getLogger(__name__)
 MESSENGER_RESTART_S = 5.0  # a decode node's messenger that is not there is asked again this long (a restart takes 1-3 s)

@@ -29,7 +29,7 @@ request must stay there; p* is chosen as above, but only among prefill instances
 decode instance with KV room, and d* is the lowest-TBT one of those on p*'s node (random: the
 draw's fraction picks among them).
 Every policy prices every candidate with the same terms, so a decision event can be audited and
-replayed. Admission (reject or not) is a separate step: services/conductor/admission.py.
+replayed. Admission (reject or not) is a separate step: common/decide/admission.py.
 
 Settings (PolicySettings):
     policy                       one of POLICIES; default kvcache-centric
@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any, Mapping, NamedTuple
 
-from common.perf import Profile, transfer_seconds
+from common.decide.perf import Profile, transfer_seconds
 
 _new_row = tuple.__new__
 POLICIES = ("random", "load-balancing", "cache-aware", "kvcache-centric")

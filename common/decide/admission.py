@@ -37,8 +37,8 @@ from itertools import accumulate
 from operator import itemgetter
 from typing import Iterator
 
-from common.perf import Profile
-from services.conductor.policy import DecodeCandidate
+from common.decide.perf import Profile
+from common.decide.policy import DecodeCandidate
 
 MODES = ("none", "baseline", "early", "predictive")
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Iterable, Literal, Union
 
 from common.kv.blocks import KvLayout
-from common.kv.eviction import DEFAULT_POLICY, UnknownBlock, make_policy
+from common.decide.eviction import DEFAULT_POLICY, UnknownBlock, make_policy
 
 Tier = Literal["dram", "ssd"]
 DRAM: Tier = "dram"

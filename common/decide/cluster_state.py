@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Collection
 
 from schemas.workers import DecodeReport, Layout, PrefillReport, WorkerInfo
-from services.conductor.admission import DecodeLoad
-from services.conductor.policy import DecodeCandidate, PrefillCandidate
+from common.decide.admission import DecodeLoad
+from common.decide.policy import DecodeCandidate, PrefillCandidate
 
 
 @dataclass

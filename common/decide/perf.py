@@ -26,9 +26,7 @@ modelled as waiting for the bytes already queued there.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterable, NamedTuple, Protocol
 
 import numpy as np
@@ -386,13 +384,6 @@ class Profile:
             raise ValueError(f"profile version {obj.get('version')!r}, expected {PROFILE_VERSION}")
         return cls(_load_kind(PREFILL_KINDS, obj["prefill"], "prefill"), _load_kind(DECODE_KINDS, obj["decode"], "decode"),
                    obj.get("model", ""), obj.get("device", ""), int(obj.get("kv_bytes_per_token", 0)), dict(obj.get("meta", {})))
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-
-    @classmethod
-    def load(cls, path: str | Path) -> Profile:
-        return cls.from_dict(json.loads(Path(path).read_text()))
 
 
 def _load_kind(kinds: dict[str, Any], obj: dict[str, Any], what: str) -> Any:

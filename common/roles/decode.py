@@ -1,0 +1,389 @@
+"""Decode instance: continuous batching over every request whose KV has arrived.
+
+DecodeTask (NATS) -> late TBT re-check (reject now rather than break the batch's SLO) -> wait
+for KV room -> load the KV from the node's shared memory into the batch -> every iteration ONE
+forward for the whole batch (common/engine/batch.py), each request sampled with its own
+settings, its token published to its gateway -> finished or cancelled requests leave, and the
+KV of finished ones is stored in the node's pool so that the next turn of a conversation hits.
+
+Faults stay with their request: a KV that cannot be loaded, a row that cannot sample or a
+publish that fails ends that request with one error (retryable when the cluster, not the
+request, is at fault, so the gateway resumes it elsewhere); a forward that raises fails the rows
+of that iteration as retryable; the loop itself goes on.
+
+Drain (first SIGTERM): heartbeats say `draining` so the conductor routes nothing new here; the
+requests held (and any still arriving) run to completion for up to `drain_grace_s`; whatever is
+left then gets a retryable error, so its gateway resumes it on another decode instance.
+
+`compute_lock`: in a coupled instance (services/coupled) the PrefillService holds the same lock
+around its forward, so an iteration waits while a prefill runs (the prefill pauses the batch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from nats.aio.msg import Msg
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from common import bus, kvfiles, metrics, runner, security, worker
+from common.pool_client import PoolClient, PoolUnavailable
+from schemas import subjects
+from schemas.codec import WireError
+from schemas.decode import DecodeTask
+from schemas.tokens import Probe, ProbeReply, TokenChunk
+from schemas.workers import DecodeReport, Joined, Layout, Progress, WorkerInfo
+from common.engine.batch import BatchEngine
+from common.roles.decode_config import DecodeConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Running:
+    task: DecodeTask
+    generated: list[int]  # this attempt's tokens so far (the first came from prefill)
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def request_id(self) -> str:
+        return self.task.request_id
+
+    def index_of_last(self) -> int:
+        """Position of the newest token among the completion's tokens (earlier attempts included)."""
+        return self.task.num_generated + len(self.generated) - 1
+
+
+class DecodeMetrics:
+    def __init__(self, registry: CollectorRegistry, service: "DecodeService") -> None:
+        r = self.registry = registry
+        Gauge("moonbus_decode_batch", "requests in the batch", registry=r).set_function(
+            lambda: service.engine.num_running)
+        Gauge("moonbus_decode_waiting", "requests whose KV arrived, waiting for room", registry=r).set_function(
+            lambda: len(service.waiting) + service.arrived.qsize())
+        Gauge("moonbus_decode_kv_reserved_tokens", "KV tokens reserved by the batch", registry=r).set_function(
+            lambda: service.engine.reserved_tokens)
+        self.step_s = Histogram("moonbus_decode_step_seconds", "one iteration of the whole batch",
+                                buckets=metrics.FAST_BUCKETS + (2.5, 5.0), registry=r)
+        self.tokens = Counter("moonbus_decode_tokens", "tokens generated", registry=r)
+        self.requests = Counter("moonbus_decode_requests", "requests by how they left (finished, failed)",
+                                ["outcome"], registry=r)
+
+
+class DecodeService:
+    def __init__(self, cfg: DecodeConfig, nc, engine: BatchEngine, eos_token_id: int | None,
+                 layout, tasks: runner.TaskGroup, perf, compute_lock: asyncio.Lock | None = None,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.cfg = cfg
+        self.nc = nc
+        self.engine = engine
+        self.eos_token_id = eos_token_id
+        self.tasks = tasks
+        self.perf = perf
+        self.incarnation = worker.new_incarnation()
+        self.layout = layout  # KvLayout of the model
+        self.model_name = cfg.model
+        self.cluster_layout: Layout | None = None  # set at start: what the conductors check
+        self.events = bus.EventPublisher(nc, "decode", cfg.instance_id, incarnation=self.incarnation,
+                                          secret=security.read_secret(cfg.cluster_secret_file))
+        self.pool = PoolClient(nc, cfg.node, layout, f"{cfg.instance_id}:{self.incarnation}")
+        self.arrived: asyncio.Queue[DecodeTask] = asyncio.Queue()
+        self.waiting: collections.deque[DecodeTask] = collections.deque()  # passed the TBT check, no KV room yet
+        self.running: dict[str, Running] = {}  # request_id -> Running
+        self.cancelled = worker.Cancellations()
+        self.compute_lock = compute_lock or contextlib.nullcontext()
+        # request_id -> (task, tokens, finish reason) of requests that ended here lately, so a
+        # token lost to a broker outage can be sent again when the gateway probes
+        self.recent: collections.OrderedDict[str, tuple[DecodeTask, list[int], str]] = collections.OrderedDict()
+        self.metrics = DecodeMetrics(registry or metrics.registry(), self)
+        self.draining = False
+        self.wakeup = asyncio.Event()  # set when work arrives
+        self.gone = asyncio.Event()  # heartbeats go on while draining (they say so) and end with leave()
+
+    # --- messages -------------------------------------------------------------------------------
+    async def on_task(self, msg: Msg) -> None:
+        try:
+            task = DecodeTask.from_bytes(msg.data)
+        except WireError as exc:
+            log.error("dropping a malformed decode task: %s", exc)
+            return
+        await self.arrived.put(task)
+        self.wakeup.set()
+        await self.progress("accepted", task)
+
+    @property
+    def num_held(self) -> int:
+        return self.arrived.qsize() + len(self.waiting) + len(self.running)
+
+    # --- the loop -----------------------------------------------------------------------------------
+    async def loop(self) -> None:
+        while True:
+            if not self.num_held:
+                self.wakeup.clear()
+                await self.wakeup.wait()
+            while not self.arrived.empty():
+                await self.guarded(self.check_in, self.arrived.get_nowait())
+            await self.admit_waiting()
+            await self.drop_cancelled()
+            if self.running:
+                await self.iterate()
+            elif self.waiting:
+                await asyncio.sleep(0.01)  # KV room frees only when requests finish: cannot happen here
+
+    async def guarded(self, step, task: DecodeTask) -> None:
+        """Run one request's step; anything it throws fails that request alone (retryable)."""
+        try:
+            await step(task)
+        except Exception as exc:
+            log.exception("request %s: decode failed", task.request_id)
+            self.forget(task.request_id)
+            kvfiles.remove(self.cfg.shm_dir, task.kv)
+            await self.fail(task, f"decode failed: {exc}", 500, retryable=True)
+
+    async def check_in(self, task: DecodeTask) -> None:
+        """A request's KV has arrived: the late TBT re-check, then the wait for KV room."""
+        rid = task.request_id
+        if self.cancelled.covers(rid, task.attempt):
+            kvfiles.remove(self.cfg.shm_dir, task.kv)
+            await self.progress("finished", task)
+            return
+        old = self.running.get(rid)
+        if old is not None:  # an abandoned attempt of the same request still runs here: the new one wins
+            self.forget(rid)
+        if self.cfg.late_check and not self.engine.tbt_admits(len(task.prompt_token_ids), self.perf, self.cfg.tbt_slo_s):
+            await self.reject_late(task, f"decode instance {self.cfg.instance_id} cannot meet the TBT SLO")
+        elif self.needed(task) > self.engine.kv_budget_tokens:
+            await self.reject_late(task, f"the request needs {self.needed(task)} KV tokens; "
+                                         f"the decode budget is {self.engine.kv_budget_tokens}")
+        else:
+            self.waiting.append(task)
+
+    def needed(self, task: DecodeTask) -> int:
+        return self.engine.tokens_needed(len(task.prompt_token_ids), task.sampling, task.num_generated + 1)
+
+    async def admit_waiting(self) -> None:
+        while self.waiting and self.engine.can_admit(self.needed(self.waiting[0])):
+            await self.guarded(self.admit, self.waiting.popleft())
+
+    async def admit(self, task: DecodeTask) -> None:
+        rid = task.request_id
+        try:
+            kv = await asyncio.to_thread(kvfiles.read, self.cfg.shm_dir, task.kv, True)
+        except (OSError, kvfiles.KvChecksumError) as exc:
+            log.error("request %s: cannot load its KV: %s", rid, exc)
+            await self.fail(task, f"decode could not load the KV: {exc}", 500, retryable=True)
+            return
+        self.engine.add(rid, kv, task.first_token, task.sampling, task.num_generated + 1)
+        self.running[rid] = Running(task, [task.first_token])
+
+    async def drop_cancelled(self) -> None:
+        for seq in [seq for rid, seq in self.running.items() if self.cancelled.covers(rid, seq.task.attempt)]:
+            self.forget(seq.request_id)
+            await self.progress("finished", seq.task)
+        for task in [t for t in self.waiting if self.cancelled.covers(t.request_id, t.attempt)]:
+            self.waiting.remove(task)
+            kvfiles.remove(self.cfg.shm_dir, task.kv)
+            await self.progress("finished", task)
+
+    def forget(self, request_id: str) -> None:
+        self.engine.remove(request_id)
+        self.running.pop(request_id, None)
+
+    async def iterate(self) -> None:
+        try:
+            async with self.compute_lock:
+                result = await asyncio.to_thread(self.engine.step)
+            if self.engine.last_step is not None:
+                self.metrics.step_s.observe(self.engine.last_step.seconds)
+            self.metrics.tokens.inc(len(result.tokens))
+        except Exception as exc:  # the forward itself: no row got a token, so every row is resumed elsewhere
+            log.exception("decode iteration failed; resuming its %d requests elsewhere", len(self.running))
+            for seq in list(self.running.values()):
+                self.forget(seq.request_id)
+                await self.fail(seq.task, f"decode iteration failed: {exc}", 500, retryable=True)
+            return
+        for rid, why in result.errors.items():
+            seq = self.running[rid]
+            log.error("request %s: %s", rid, why)
+            self.forget(rid)
+            await self.fail(seq.task, f"sampling failed: {why}", 500, retryable=False)
+        for rid, token in result.tokens.items():
+            seq = self.running[rid]
+            seq.generated.append(token)
+            finish = self.finish_reason(seq, token)
+            if finish is not None:  # the event goes before the last token: the gateway's terminal event follows it
+                kv = self.engine.kv_of(rid)
+                self.forget(rid)
+                self.remember(seq, finish)
+                await self.progress("finished", seq.task)
+                await self.events.request("decode_finished", rid, tokens=len(seq.generated),
+                                          seconds=round(time.perf_counter() - seq.started, 6), finish_reason=finish,
+                                          attempt=seq.task.attempt)
+                self.tasks.spawn(self.store_kv(seq, kv), f"store-{rid}", essential=False)
+            await worker.reply(self.nc, seq.task.reply_subject,
+                               TokenChunk(rid, seq.index_of_last(), [token], finish_reason=finish,
+                                          source=self.cfg.instance_id, attempt=seq.task.attempt))
+
+    def remember(self, seq: Running, finish: str, keep: int = 1000) -> None:
+        self.recent[seq.request_id] = (seq.task, seq.generated, finish)
+        while len(self.recent) > keep:
+            self.recent.popitem(last=False)
+
+    async def on_probe(self, msg: Msg) -> None:
+        """Do we hold this attempt? If so, send its tokens from `from_index` again (they may have
+        been lost while the broker was away); the gateway resumes the request elsewhere if not."""
+        probe = Probe.from_bytes(msg.data)
+        reply = ProbeReply(False)
+        seq = self.running.get(probe.request_id)
+        if seq is not None and seq.task.attempt == probe.attempt:
+            reply = ProbeReply(True, "decode", await self.resend(seq.task, seq.generated, None, probe.from_index))
+        elif probe.request_id in self.recent and self.recent[probe.request_id][0].attempt == probe.attempt:
+            task, tokens, finish = self.recent[probe.request_id]
+            reply = ProbeReply(True, "finished", await self.resend(task, tokens, finish, probe.from_index))
+        elif any(t.request_id == probe.request_id and t.attempt == probe.attempt
+                 for t in list(self.waiting) + list(self.arrived._queue)):  # noqa: SLF001 - a read-only look
+            reply = ProbeReply(True, "queued")
+        await msg.respond(reply.to_bytes())
+
+    async def resend(self, task: DecodeTask, tokens: list[int], finish: str | None, from_index: int) -> int:
+        skip = from_index - task.num_generated
+        if skip < 0 or skip >= len(tokens):
+            return 0
+        await worker.reply(self.nc, task.reply_subject, TokenChunk(
+            task.request_id, from_index, tokens[skip:], finish_reason=finish, source=self.cfg.instance_id,
+            attempt=task.attempt))
+        return len(tokens) - skip
+
+    def finish_reason(self, seq: Running, token: int) -> str | None:
+        if token == self.eos_token_id and not seq.task.sampling.ignore_eos:
+            return "stop"
+        if len(seq.generated) >= seq.task.sampling.max_tokens:
+            return "length"
+        if len(seq.task.prompt_token_ids) + len(seq.generated) >= self.engine.max_context:
+            return "length"
+        return None
+
+    async def fail(self, task: DecodeTask, why: str, status: int, retryable: bool) -> None:
+        await worker.reply(self.nc, task.reply_subject, worker.error_chunk(
+            task.request_id, task.attempt, task.num_generated + 1, why, status, self.cfg.instance_id, retryable))
+        await self.progress("failed", task)
+
+    async def progress(self, kind: str, task: DecodeTask) -> None:
+        """Tell the conductors (control, not audit), with this instance's load after the change."""
+        if kind != "accepted":
+            self.metrics.requests.labels(kind).inc()
+        report = Progress(kind, task.request_id, task.attempt, self.info())
+        await bus.publish(self.nc, subjects.control_progress(self.cfg.instance_id), report.to_bytes())
+
+    def report(self) -> DecodeReport:
+        """The batch and the requests waiting for it, as the conductors should see them."""
+        now = time.perf_counter()
+        engine = self.engine
+        joined = [Joined(rid, round(now - seq.started, 6), int(engine.kv_lens[engine.index[rid]]))
+                  for rid, seq in self.running.items() if rid in engine.index]
+        joined += [Joined(t.request_id, 0.0, len(t.prompt_token_ids))
+                   for t in list(self.waiting) + list(self.arrived._queue)]  # noqa: SLF001 - a read-only look
+        context = engine.context_tokens
+        tbt = self.perf.decode.step_seconds(max(1, engine.num_running), context)
+        return DecodeReport(engine.num_running, context, engine.reserved_tokens,
+                            engine.kv_budget_tokens - engine.reserved_tokens, round(tbt, 6), joined)
+
+    async def reject_late(self, task: DecodeTask, why: str) -> None:
+        rid = task.request_id
+        kvfiles.remove(self.cfg.shm_dir, task.kv)
+        wasted = len(task.prompt_token_ids) - task.cached_tokens
+        log.warning("request %s: rejected late (%s); %d prefill tokens wasted", rid, why, wasted)
+        await self.events.request("rejected_late", rid, reason=why, running=self.engine.num_running,
+                                  tbt_slo_s=self.cfg.tbt_slo_s, wasted_prefill_tokens=wasted,
+                                  wasted_prefill_s=round(task.prefill_s, 6), attempt=task.attempt)
+        await worker.reply(self.nc, task.reply_subject, worker.error_chunk(
+            rid, task.attempt, task.num_generated + 1, why, 429, self.cfg.instance_id, False, retry_after_s=1.0,
+            stage="decode", wasted_prefill_tokens=wasted, wasted_prefill_s=task.prefill_s))
+        await self.progress("failed", task)
+
+    async def store_kv(self, seq: Running, kv: torch.Tensor) -> None:
+        """Keep the prompt's and the completion's KV in the node's pool, so the next turn hits."""
+        # the KV covers every token but the last one sampled (it was never fed back)
+        tokens = seq.task.prompt_token_ids + seq.generated[:-1]
+        try:
+            await self.pool.store(seq.request_id, tokens, kv, seq.task.key_seed)
+        except PoolUnavailable as exc:
+            log.warning("request %s: KV not stored: %s", seq.request_id, exc)
+
+    async def sweep_orphans(self) -> None:
+        """Files landed for us whose task never came (lost while the broker was away): the request
+        was resumed elsewhere, so nothing will ever read them."""
+        held = {t.kv.name for t in list(self.waiting) + list(self.arrived._queue)}  # noqa: SLF001 - a read-only look
+        removed = kvfiles.sweep_incoming(self.cfg.shm_dir, self.cfg.instance_id, self.cfg.orphan_kv_s, held)
+        if removed:
+            log.warning("removed %d landed KV files whose task never arrived", removed)
+
+    # --- presence and drain ---------------------------------------------------------------------------
+    def info(self, leaving: bool = False) -> WorkerInfo:
+        return WorkerInfo(self.cfg.instance_id, "decode", self.cfg.node, self.model_name,
+                          num_queued=self.arrived.qsize() + len(self.waiting), num_running=self.engine.num_running,
+                          leaving=leaving, draining=self.draining, incarnation=self.incarnation,
+                          layout=self.cluster_layout, decode=self.report(), sent_at=time.time())
+
+    async def heartbeat(self) -> None:
+        await bus.publish(self.nc, subjects.WORKER_HEARTBEAT, self.info().to_bytes())
+
+    async def start(self, stop: asyncio.Event, model_name: str, profile_source: str) -> None:
+        """Subscribe, start the batch loop and the heartbeats, announce the instance."""
+        cfg = self.cfg
+        kvfiles.sweep_incoming(cfg.shm_dir, cfg.instance_id)  # landed for a predecessor that died before reading them
+        await bus.subscribe(self.nc, subjects.decode_tasks(cfg.instance_id), self.on_task)
+        await bus.subscribe(self.nc, subjects.REQUEST_CANCEL, self.cancelled.on_cancel)
+        await self.pool.watch_messenger()
+        await bus.subscribe(self.nc, subjects.worker_probe(cfg.instance_id), self.on_probe)
+        await worker.obey_refusal(self.nc, cfg.instance_id, self.tasks)
+        self.model_name = model_name
+        self.cluster_layout = Layout(model_name, cfg.block_tokens, 0, self.layout.signature)
+        self.tasks.spawn(self.loop(), f"decode-loop-{cfg.instance_id}")
+        self.tasks.spawn(runner.every(cfg.heartbeat_interval_s, self.gone, self.heartbeat), f"heartbeat-{cfg.instance_id}")
+        self.tasks.spawn(runner.every(10.0, self.gone, self.sweep_orphans), f"orphans-{cfg.instance_id}")
+        await self.heartbeat()
+        await self.events.instance("started", cfg.instance_id, role="decode", node=cfg.node, model=model_name,
+                                   incarnation=self.incarnation)
+        log.info("decode %s ready on node %s (model %s): batch <= %d, KV budget %d tokens, late TBT check %s "
+                 "(slo %gs), profile %s", cfg.instance_id, cfg.node, model_name, cfg.max_batch, cfg.kv_budget_tokens,
+                 "on" if cfg.late_check else "off", cfg.tbt_slo_s, profile_source)
+
+    async def drain(self, stop: runner.Stop, grace_s: float) -> None:
+        """Finish what is held (route nothing new here), then resume the rest elsewhere."""
+        self.draining = True
+        await self.heartbeat()
+        log.info("decode %s draining: %d requests held, grace %gs", self.cfg.instance_id, self.num_held, grace_s)
+
+        async def emptied() -> None:
+            while self.num_held:
+                await asyncio.sleep(0.05)
+
+        if not await runner.wait_or_hard(stop, emptied(), grace_s):
+            log.warning("decode %s: %d requests left after the grace period; resuming them elsewhere",
+                        self.cfg.instance_id, self.num_held)
+        await self.hand_back("decode instance %s is shutting down" % self.cfg.instance_id)
+
+    async def hand_back(self, why: str) -> None:
+        """Every request still held gets a retryable error: its gateway resumes it elsewhere."""
+        held = [seq.task for seq in self.running.values()] + list(self.waiting)
+        while not self.arrived.empty():
+            held.append(self.arrived.get_nowait())
+        for task in held:
+            self.forget(task.request_id)
+            kvfiles.remove(self.cfg.shm_dir, task.kv)
+            await self.fail(task, why, 503, retryable=True)
+        self.waiting.clear()
+
+    async def leave(self) -> None:
+        self.gone.set()
+        await bus.publish(self.nc, subjects.WORKER_HEARTBEAT, self.info(leaving=True).to_bytes())
+
+

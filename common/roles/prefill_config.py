@@ -1,0 +1,72 @@
+"""Prefill instance settings (flags and MOONBUS_* environment variables)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from common import config as common
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    nats_url: str
+    nats_auth: common.NatsAuth  # this role's NATS credentials
+    cluster_secret_file: str  # '' = no cluster secret
+    instance_id: str
+    node: str
+    shm_dir: Path
+    model: str
+    block_tokens: int
+    home: Path
+    log_level: str
+    health_file: str  # kept fresh while ready (common/health.py); '' = none
+    metrics_port: int  # Prometheus (common/metrics.py); 0 = off
+    metrics_host: str
+    threads: int
+    prefill_chunk: int  # prompts longer than this are computed in chunks of it (0 = never)
+    heartbeat_interval_s: float
+    drain_grace_s: float  # after SIGTERM: time to finish the work held before handing the rest back
+    transfer_timeout_s: float
+    transport: str  # auto | tcp | rdma: how KV goes to decode nodes and pipeline stages (common/transport)
+    tcp_streams: int  # tcp connections per peer a large write is striped over
+    tcp_stripe_min: int  # bytes from which a write is striped
+    stream_host: str  # where this instance listens for pipeline stages' KV slices
+    advertise_host: str  # how other instances reach that listener ("" = stream_host)
+    pipeline_listener: bool  # listen for pipeline stages' KV (only when the conductor pipelines)
+
+    def __post_init__(self) -> None:
+        common.check_subject_token("instance id", self.instance_id)
+        common.check_subject_token("node", self.node)
+        if self.threads < 0:
+            raise ValueError("threads must be >= 0 (0 = torch default)")
+        if self.drain_grace_s < 0:
+            raise ValueError("drain grace must be >= 0")
+        if self.heartbeat_interval_s <= 0 or self.transfer_timeout_s <= 0:
+            raise ValueError("intervals and timeouts must be > 0")
+        common.check_transport(self.transport, self.tcp_streams, self.tcp_stripe_min)
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """Every flag but the common ones (services/coupled adds these and the decode ones to one parser)."""
+    common.add_node_flags(parser)
+    common.add_model_flags(parser)
+    common.flag(parser, "--prefill-chunk", "MOONBUS_PREFILL_CHUNK", 2048, int,
+                help="compute prompts in chunks of this many tokens (0 = one pass)")
+    common.flag(parser, "--threads", "MOONBUS_THREADS", 0, int, help="torch intra-op threads (0 = default)")
+    common.flag(parser, "--heartbeat-interval", "MOONBUS_HEARTBEAT_INTERVAL", 0.15, float, dest="heartbeat_interval_s",
+                help="seconds between heartbeats, each with this instance's load report")
+    common.flag(parser, "--drain-grace", "MOONBUS_DRAIN_GRACE", 30.0, float, dest="drain_grace_s",
+                help="seconds to finish held work after SIGTERM; what is left is resumed elsewhere")
+    common.flag(parser, "--transfer-timeout", "MOONBUS_TRANSFER_TIMEOUT", 60.0, float, dest="transfer_timeout_s",
+                help="seconds for one KV transfer step (a reservation, a connection, a slice, the completion notice)")
+    common.add_transport_flag(parser)
+    common.flag(parser, "--stream-host", "MOONBUS_STREAM_HOST", "127.0.0.1", help="bind address for pipeline KV streams")
+    common.flag(parser, "--advertise-host", "MOONBUS_ADVERTISE_HOST", "", help="host other instances connect to")
+    common.flag(parser, "--pipeline-listener", "MOONBUS_PIPELINE_LISTENER", False, common.boolean, nargs="?", const=True,
+                help="listen for pipeline stages' KV slices (needed when the conductor's --pipeline-group >= 2)")
+
+
+def from_args(args: argparse.Namespace) -> PrefillConfig:
+    return common.build(PrefillConfig, args, shm_dir=common.shm_dir_for(args.node, args.shm_dir), home=Path(args.home))

@@ -1,0 +1,54 @@
+"""The floors, checked from the imports: schemas/ and common/ import nothing above them, no
+service imports another, and the decision floor (common/decide) imports no I/O of its own."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def imports(path: Path) -> set[str]:
+    """Every module a file imports, anywhere in it (function-local imports count too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def modules(folder: str) -> list[Path]:
+    return sorted((ROOT / folder).rglob("*.py"))
+
+
+@pytest.mark.parametrize("floor", ["common", "schemas"])
+def test_the_lower_floors_import_nothing_above_them(floor):
+    bad = {str(p.relative_to(ROOT)): sorted(m for m in imports(p) if m.split(".")[0] in ("services", "tools"))
+           for p in modules(floor)}
+    assert not {k: v for k, v in bad.items() if v}
+
+
+def test_no_service_imports_another():
+    bad = {}
+    for path in modules("services"):
+        own = path.relative_to(ROOT / "services").parts[0]
+        other = sorted(m for m in imports(path) if m.startswith("services.") and m.split(".")[1] != own)
+        if other:
+            bad[str(path.relative_to(ROOT))] = other
+    assert not bad
+
+
+def test_the_decision_floor_is_pure():
+    # decisions take a snapshot and return a verdict: no clock, no files, no sockets, no bus
+    impure = {"time", "os", "pathlib", "socket", "asyncio", "nats", "aiohttp", "torch", "lmdb", "json"}
+    bad = {str(p.relative_to(ROOT)): sorted(m for m in imports(p) if m.split(".")[0] in impure)
+           for p in modules("common/decide")}
+    assert not {k: v for k, v in bad.items() if v}
+    inside = {m for p in modules("common/decide") for m in imports(p) if m.startswith("common.")}
+    assert all(m.startswith(("common.decide", "common.kv.blocks")) for m in inside), inside
