@@ -42,7 +42,7 @@ def flag(
 @dataclasses.dataclass(frozen=True)
 class NatsAuth:
     """How a service proves who it is to NATS (a per-role user of the cluster, see
-    tools/moonbus/security.py) and whom it trusts for TLS. Empty = no authentication."""
+    tools/moonbus/cluster/security.py) and whom it trusts for TLS. Empty = no authentication."""
 
     user: str = ""
     password_file: str = ""  # the password is read from a file (0600), never passed as a flag

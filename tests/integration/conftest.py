@@ -19,7 +19,7 @@ import torch
 
 from common import models
 from common.traces import resolve_trace
-from tools.moonbus.cluster import Cluster, ClusterSpec, free_port, nats_server_binary
+from tools.moonbus.cluster.processes import Cluster, ClusterSpec, free_port, nats_server_binary
 
 TINY = models.TINY_RANDOM
 

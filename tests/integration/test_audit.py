@@ -18,7 +18,7 @@ from common.audit import Stored
 from schemas import subjects
 from schemas.events import Event
 from tests.integration.conftest import collect_request_events, post, start_cluster
-from tools.moonbus.audit import read_stream
+from tools.moonbus.observe.audit import read_stream
 
 pytestmark = pytest.mark.integration
 

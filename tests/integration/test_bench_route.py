@@ -14,7 +14,7 @@ import pytest
 
 from common.traces import load_trace, prompt_token_ids
 from tests.integration.conftest import conversation_trace
-from tools.moonbus.bench_fleet import PromptBuilder
+from tools.moonbus.bench.fleet import PromptBuilder
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]

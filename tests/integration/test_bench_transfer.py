@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from tools.moonbus.bench_transfer_peers import OursPeer, RawSocketPeer
+from tools.moonbus.bench.transfer_peers import OursPeer, RawSocketPeer
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,7 +19,7 @@ from schemas.index import IndexQuery, IndexReply
 from schemas.pool import SnapshotReply
 from schemas.workers import WorkerInfo
 from tests.integration.conftest import bare_nats_server
-from tools.moonbus.cluster import free_port
+from tools.moonbus.cluster.processes import free_port
 
 NODE = "node-x"
 

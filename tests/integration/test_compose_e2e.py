@@ -39,9 +39,9 @@ from tools.compose_e2e import engine as docker_engine
 from tools.compose_e2e import images
 from tools.compose_e2e.compose import Compose
 from tools.compose_e2e.host import HostState
-from tools.moonbus import compose_secrets
-from tools.moonbus.cluster import free_port
-from tools.moonbus.security import ClusterSecrets
+from tools.moonbus.cluster import compose_secrets
+from tools.moonbus.cluster.processes import free_port
+from tools.moonbus.cluster.security import ClusterSecrets
 
 pytestmark = pytest.mark.integration
 

@@ -25,7 +25,7 @@ from schemas.workers import StatusReply, WorkerInfo
 from services.gateway.dashboard import Dashboard
 from services.gateway.tenants import KeyBook
 from tests.integration.conftest import bare_nats_server, post
-from tools.moonbus.cluster import free_port
+from tools.moonbus.cluster.processes import free_port
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"

@@ -25,8 +25,8 @@ import pytest
 from common import models
 from common.measures import RequestResult
 from tests.integration.conftest import TINY, collect_request_events, post, reference_greedy
-from tools.moonbus import replay
-from tools.moonbus import soak_verdict as sv
+from tools.moonbus.traces import replay
+from tools.moonbus.soak import verdict as sv
 from tools.netns import net
 
 pytestmark = pytest.mark.integration

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from common import models
-from tools.moonbus.cluster import Cluster, ClusterSpec, free_port
+from tools.moonbus.cluster.processes import Cluster, ClusterSpec, free_port
 from tools.rdma_vm import image as vm_image
 from tools.rdma_vm import vm
 from tools.rdma_vm.session import guest_pytest, with_host_nats

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import conversation_trace
-from tools.moonbus.cluster import free_port
+from tools.moonbus.cluster.processes import free_port
 
 pytestmark = pytest.mark.integration
 

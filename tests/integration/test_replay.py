@@ -5,7 +5,7 @@ from argparse import Namespace
 from pathlib import Path
 
 from common.traces import TraceRow
-from tools.moonbus import replay
+from tools.moonbus.traces import replay
 
 
 def test_short_replay_gives_a_valid_summary(cluster, tmp_path: Path):

@@ -23,7 +23,7 @@ from schemas import subjects
 from schemas.transfer import CallFrame, WriteFrame
 from schemas.workers import WorkerInfo
 from tests.integration.conftest import start_cluster
-from tools.moonbus import keys as keys_tool
+from tools.moonbus.cluster import keys as keys_tool
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,7 @@ import pytest
 from common import bus
 from common.audit import ZERO, Chain, ChainSummary, Problem, Stored, verify
 from schemas.events import Event
-from tools.moonbus.audit import complete_since, expected_stream_seqs, parse_since, request_record
+from tools.moonbus.observe.audit import complete_since, expected_stream_seqs, parse_since, request_record
 
 SECRET = bytes(range(32))
 GW = "gateway/gateway/aaaa"

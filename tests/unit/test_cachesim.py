@@ -1,4 +1,4 @@
-"""`moonbus cachesim` (tools/moonbus/cachesim.py): exact hit counts on tiny and real traces."""
+"""`moonbus cachesim` (tools/moonbus/traces/cachesim.py): exact hit counts on tiny and real traces."""
 
 import argparse
 import json
@@ -8,7 +8,7 @@ import pytest
 
 from common.kv.blocks import block_keys_from_hash_ids
 from common.traces import TraceFormatError, load_trace, resolve_trace
-from tools.moonbus import cachesim
+from tools.moonbus.traces import cachesim
 
 CONVERSATION = resolve_trace("conversation")
 

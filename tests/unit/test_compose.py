@@ -134,7 +134,7 @@ def test_each_service_waits_for_healthy_nats(services: dict, name: str) -> None:
 
 
 def test_nats_runs_jetstream_and_has_a_healthcheck(services: dict, tmp_path: Path) -> None:
-    from tools.moonbus import compose_secrets
+    from tools.moonbus.cluster import compose_secrets
 
     nats = services["nats"]
     argv = as_argv(nats["command"])
@@ -162,7 +162,7 @@ def test_each_service_gets_the_cluster_key_and_its_own_role_password_only(servic
 
 
 def test_compose_secrets_writes_every_file_compose_reads(compose: dict, tmp_path: Path) -> None:
-    from tools.moonbus import compose_secrets
+    from tools.moonbus.cluster import compose_secrets
 
     key = compose_secrets.prepare(tmp_path)
     assert key and key.startswith("mb-")

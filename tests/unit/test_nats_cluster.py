@@ -5,7 +5,7 @@ import json
 import pytest
 
 from common import bus
-from tools.moonbus.security import ClusterSecrets, NatsRoutes, nats_config
+from tools.moonbus.cluster.security import ClusterSecrets, NatsRoutes, nats_config
 
 
 def test_comma_separated_urls_name_every_server():

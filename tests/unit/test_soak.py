@@ -16,7 +16,11 @@ from common.measures import FAILED, OK, REJECTED_ARRIVAL, REJECTED_LATE, Request
 from common.traces import TraceRow
 from schemas.events import Event
 from schemas.pool import PoolStatus
-from tools.moonbus import replay, soak_cluster as sc, soak_load as sl, soak_report, soak_verdict as sv
+from tools.moonbus.traces import replay
+from tools.moonbus.soak import cluster as sc
+from tools.moonbus.soak import load as sl
+from tools.moonbus.soak import report as soak_report
+from tools.moonbus.soak import verdict as sv
 
 
 def make_rows(*timestamps_ms: int, input_length: int = 1024) -> list[TraceRow]:

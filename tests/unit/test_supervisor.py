@@ -4,8 +4,8 @@ import json
 import sys
 import time
 
-from tools.moonbus.cluster import Cluster, ClusterSpec
-from tools.moonbus.supervisor import RestartPolicy
+from tools.moonbus.cluster.processes import Cluster, ClusterSpec
+from tools.moonbus.cluster.supervisor import RestartPolicy
 
 
 def test_backoff_doubles_with_recent_exits_and_forgets_old_ones():

@@ -1,8 +1,8 @@
 """6. Live: one scaled slice of the conversation trace, replayed against a disaggregated and a coupled cluster.
 
-Both clusters are real processes on this machine, started by tools.moonbus.cluster exactly as
+Both clusters are real processes on this machine, started by tools.moonbus.cluster.processes exactly as
 `moonbus up` starts them (`--prefill 1 --decode 1`, then `--coupled 2`), with the same model,
-profile, SLOs, admission and torch threads; each one is replayed with tools.moonbus.replay under
+profile, SLOs, admission and torch threads; each one is replayed with tools.moonbus.traces.replay under
 the same settings, then stopped before the next starts. The model is SmolLM2-135M: on CPU its
 prefill (~3.5 ms per token on one thread) is long against a decode step (~60 ms), which is the
 contrast the experiment is about; tiny-random computes so little that the bus and Python
@@ -29,7 +29,7 @@ from common.measures import OK, format_summary, summarize  # noqa: E402
 from common.traces import load_trace  # noqa: E402
 from tools.experiments.runs import _write  # noqa: E402
 from tools.moonbus import replay  # noqa: E402
-from tools.moonbus.cluster import Cluster, ClusterSpec, free_port  # noqa: E402
+from tools.moonbus.cluster.processes import Cluster, ClusterSpec, free_port  # noqa: E402
 
 MODEL = models.SMOLLM2
 ROWS = 40  # first rows of the conversation trace (12 s of it)

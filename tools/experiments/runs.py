@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from common.measures import effective_capacity  # noqa: E402
 from common.traces import load_trace  # noqa: E402
-from tools.moonbus.plots import plot_load  # noqa: E402
+from tools.moonbus.traces.plots import plot_load  # noqa: E402
 from tools.sim import SimConfig, build_profile, simulate  # noqa: E402
 
 PROFILE, EXTRAS = build_profile("llama3-70b", "8xa800")

@@ -13,16 +13,16 @@ import sys
 
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("tools.moonbus.up", "start a local cluster (embedded NATS and every service)"),
-    "keys": ("tools.moonbus.keys", "API keys of the cluster, stored hashed (add, list, revoke)"),
-    "compose-secrets": ("tools.moonbus.compose_secrets", "write the secrets compose.yaml hands its containers"),
-    "tap": ("tools.moonbus.tap", "print the event stream live, filtered by kind or request id"),
-    "audit": ("tools.moonbus.audit", "prove the audit log complete and unaltered (verify), or show one request's record"),
-    "cachesim": ("tools.moonbus.cachesim", "replay a trace through the KV pool's eviction and index code"),
+    "up": ("tools.moonbus.cluster.up", "start a local cluster (embedded NATS and every service)"),
+    "keys": ("tools.moonbus.cluster.keys", "API keys of the cluster, stored hashed (add, list, revoke)"),
+    "compose-secrets": ("tools.moonbus.cluster.compose_secrets", "write the secrets compose.yaml hands its containers"),
+    "tap": ("tools.moonbus.observe.tap", "print the event stream live, filtered by kind or request id"),
+    "audit": ("tools.moonbus.observe.audit", "prove the audit log complete and unaltered (verify), or show one request's record"),
+    "cachesim": ("tools.moonbus.traces.cachesim", "replay a trace through the KV pool's eviction and index code"),
     "bench": ("tools.moonbus.bench", "side-by-side benchmarks (store, conductor, engine, transfer)"),
-    "profile": ("tools.moonbus.profile", "measure the model's prefill/decode times and fit the predictors"),
-    "replay": ("tools.moonbus.replay", "replay a trace against a live cluster"),
-    "sim": ("tools.moonbus.sim", "simulate a cluster from the same scheduling code"),
+    "profile": ("tools.moonbus.cluster.profile", "measure the model's prefill/decode times and fit the predictors"),
+    "replay": ("tools.moonbus.traces.replay", "replay a trace against a live cluster"),
+    "sim": ("tools.moonbus.traces.sim", "simulate a cluster from the same scheduling code"),
     "soak": ("tools.moonbus.soak", "drive a running cluster with trace load (and chaos); prove it stays up and leaks nothing"),
 }
 

@@ -1,6 +1,6 @@
 """A moonbus cluster spread over hosts: each host a network namespace (tools/netns/net.py).
 
-`HostsCluster` is tools.moonbus.cluster.Cluster with three changes, nothing else copied:
+`HostsCluster` is tools.moonbus.cluster.processes.Cluster with three changes, nothing else copied:
   - the broker is a NATS cluster: one nats-server per host in `nats_hosts`, routes between them
     (authenticated by their own secret), JetStream on each; the events stream is created with
     `events_replicas` copies (the conductor's --events-replicas);
@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass
 
 from common.security import new_secret_file
-from tools.moonbus.cluster import Cluster, ClusterError, ClusterSpec, nats_server_binary
-from tools.moonbus.security import NatsRoutes, nats_config
+from tools.moonbus.cluster.processes import Cluster, ClusterError, ClusterSpec, nats_server_binary
+from tools.moonbus.cluster.security import NatsRoutes, nats_config
 from tools.netns.net import Network
 
 NATS_PORT = 4222
@@ -70,7 +70,7 @@ class HostsSpec(ClusterSpec):
     def nats_url(self) -> str:
         if not self.auth:
             return self.nats_addr
-        from tools.moonbus.security import ClusterSecrets
+        from tools.moonbus.cluster.security import ClusterSecrets
 
         secrets = ClusterSecrets.create(self.home / "secrets")
         return ",".join(secrets.url(self.nats_server_url(h), "admin") for h in self.nats_hosts)

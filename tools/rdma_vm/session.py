@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Callable, TypeVar
 
-from tools.moonbus.cluster import free_port, nats_server_binary
+from tools.moonbus.cluster.processes import free_port, nats_server_binary
 from tools.rdma_vm.image import Image
 from tools.rdma_vm import vm
 

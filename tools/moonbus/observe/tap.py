@@ -30,7 +30,7 @@ def default_access(home=None):
         return os.environ["MOONBUS_NATS_URL"], None
     state = (home or default_home()) / "cluster.json"
     if state.exists():
-        from tools.moonbus.security import local_access
+        from tools.moonbus.cluster.security import local_access
 
         return local_access(json.loads(state.read_text()), "auditor")
     return "nats://127.0.0.1:4333", None

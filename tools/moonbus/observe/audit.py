@@ -32,7 +32,7 @@ from common.config import default_home
 from common.security import SecretError, read_secret
 from schemas import subjects
 from schemas.events import TERMINAL_KINDS, Event
-from tools.moonbus.tap import default_access, format_event
+from tools.moonbus.observe.tap import default_access, format_event
 
 READ_TIMEOUT_S = 3.0  # no message this long: the read is over (or the window is empty)
 _AGO = re.compile(r"(\d+(?:\.\d+)?)([smhd])")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tools.moonbus.soak_verdict import DEV_SHM_LEAK_BYTES, OUTCOMES
+from tools.moonbus.soak.verdict import DEV_SHM_LEAK_BYTES, OUTCOMES
 
 OUTCOME_COLORS = {"completed": "tab:green", "429": "tab:orange", "503": "tab:purple", "failed": "tab:red"}
 

@@ -33,8 +33,9 @@ from pathlib import Path
 import orjson
 
 from common.config import default_home
-from tools.moonbus import soak_cluster as sc, soak_report
-from tools.moonbus.soak_run import Soak, SoakError
+from tools.moonbus.soak import cluster as sc
+from tools.moonbus.soak import report as soak_report
+from tools.moonbus.soak.run import Soak, SoakError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,7 +1,7 @@
 """`moonbus bench transfer`: our point-to-point transport against a plain socket and Mooncake's, side by side.
 
 throughput  the same bytes from this process to a receiving process over loopback, three ways
-            (tools/moonbus/bench_transfer_peers.py): ours (common/transport over tcp: a
+            (tools/moonbus/bench/transfer_peers.py): ours (common/transport over tcp: a
             registered region, `write` + a call that returns once the bytes landed verified),
             a plain blocking socket (sendall / recv_into a preallocated buffer, one byte back),
             and the Mooncake Transfer Engine in TCP mode (P2PHANDSHAKE, `transfer_sync_write`)
@@ -9,7 +9,7 @@ throughput  the same bytes from this process to a receiving process over loopbac
             one --request-tokens request's KV (the model's KV layout), and 64 MiB.
 handoff     the tail of the streamed handoff per prompt length (--tail-tokens): the last
             layer's slice written + the completion notice, through the service's own code
-            (tools/moonbus/bench_transfer_tail.py), next to one decoder layer's compute time.
+            (tools/moonbus/bench/transfer_tail.py), next to one decoder layer's compute time.
 
 Every measurement is the median of at least --repeats runs (short transfers run until each case
 had MIN_CASE_SECONDS), after one warm-up; the cases take turns within each run, so machine noise
@@ -36,8 +36,8 @@ import xxhash
 from common import models
 from common.config import DEFAULT_BLOCK_TOKENS, default_home
 from schemas.transfer import MAX_STRIPES
-from tools.moonbus.bench_transfer_peers import MooncakePeer, OursPeer, RawSocketPeer, mooncake_missing
-from tools.moonbus.bench_transfer_tail import layer_compute_seconds, measure_tail
+from tools.moonbus.bench.transfer_peers import MooncakePeer, OursPeer, RawSocketPeer, mooncake_missing
+from tools.moonbus.bench.transfer_tail import layer_compute_seconds, measure_tail
 
 GIB = 1 << 30
 RAW_GOAL = 0.8  # ours / plain socket

@@ -27,9 +27,12 @@ from common.traces import load_trace, prompt_token_ids, resolve_trace
 from schemas import subjects
 from schemas.codec import WireError
 from schemas.events import Event
-from tools.moonbus import replay, soak_cluster as sc, soak_load as sl, soak_verdict as sv
-from tools.moonbus.soak_cluster import ClusterState
-from tools.moonbus.soak_verdict import EventLog, Outcome, Probe
+from tools.moonbus.traces import replay
+from tools.moonbus.soak import cluster as sc
+from tools.moonbus.soak import load as sl
+from tools.moonbus.soak import verdict as sv
+from tools.moonbus.soak.cluster import ClusterState
+from tools.moonbus.soak.verdict import EventLog, Outcome, Probe
 
 
 class SoakError(RuntimeError):

@@ -1,6 +1,6 @@
 """`moonbus up`: start a local cluster (embedded NATS, every service) and keep it running until Ctrl-C.
 
-A process that exits is restarted (tools/moonbus/supervisor.py); only Ctrl-C/SIGTERM stops all.
+A process that exits is restarted (tools/moonbus/cluster/supervisor.py); only Ctrl-C/SIGTERM stops all.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 from common import models, profiles
 from common.config import NatsAuth, default_home
 from common.security import read_secret
-from tools.moonbus.cluster import Cluster, ClusterError, ClusterSpec
-from tools.moonbus.supervisor import Action, RestartPolicy, SupervisorEvents
+from tools.moonbus.cluster.processes import Cluster, ClusterError, ClusterSpec
+from tools.moonbus.cluster.supervisor import Action, RestartPolicy, SupervisorEvents
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

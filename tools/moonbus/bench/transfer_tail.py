@@ -26,7 +26,7 @@ from pathlib import Path
 import xxhash
 
 from common.kv.blocks import KvLayout
-from tools.moonbus.bench_transfer_peers import HOST, Peer, PeerFailed, answer_error
+from tools.moonbus.bench.transfer_peers import HOST, Peer, PeerFailed, answer_error
 
 _BENCH_NODE = "bench-decode"
 

@@ -6,7 +6,7 @@ Setup, all on loopback, in a temporary home:
     --block-tokens 16 --profile <fixed profile>`, policy kvcache-centric, predictive admission with
     the default SLOs. The profile has fixed coefficients of the order of tiny-random on a CPU (the
     timing does not depend on them), so nothing is profiled.
-  - this process plays the fleet (tools/moonbus/bench_fleet.py): 16 prefill + 16 decode instances
+  - this process plays the fleet (tools/moonbus/bench/fleet.py): 16 prefill + 16 decode instances
     on 32 nodes, heartbeats with load reports every 150 ms, and one messenger per node whose
     snapshot gives the real cache index the blocks: the first rows of the conversation trace,
     prompts and keys as `moonbus replay` and the conductor make them, stored on the prefill nodes
@@ -49,9 +49,9 @@ from schemas.index import IndexDumpReply, IndexDumpRequest
 from schemas.route import RouteReply, RouteRequest, SamplingParams
 from schemas.tokens import Cancel
 from schemas.workers import Layout, StatusReply
-from tools.moonbus.bench_fleet import BLOCK_TOKENS, FakeFleet, PromptBuilder, store_blocks
-from tools.moonbus.bench_route_report import Phase, cpu_per_route, events_summary, phase_row, summary
-from tools.moonbus.cluster import Cluster, ClusterError, ClusterSpec, free_port
+from tools.moonbus.bench.fleet import BLOCK_TOKENS, FakeFleet, PromptBuilder, store_blocks
+from tools.moonbus.bench.route_report import Phase, cpu_per_route, events_summary, phase_row, summary
+from tools.moonbus.cluster.processes import Cluster, ClusterError, ClusterSpec, free_port
 
 MODEL = models.TINY_RANDOM
 PREFILL_CHUNK = 2048

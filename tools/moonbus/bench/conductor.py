@@ -22,7 +22,7 @@ pairs, so machine noise hits them alike. Goal: p99 < 200 us for kvcache-centric.
 by default the collector runs, with the setup frozen out of it (gc.freeze(), as a long-running
 conductor should do after loading), so that a full collection does not walk 155k index entries.
 
-Then, unless --no-live, the live-route rows (tools/moonbus/bench_route.py): a route request sent
+Then, unless --no-live, the live-route rows (tools/moonbus/bench/route.py): a route request sent
 end to end through a real nats-server, a real cache index holding 200k blocks and 1, then 3, real
 conductor processes, 16P+16D fake instances; p50/p99 with one route in flight, routes/s with many.
 """
@@ -55,7 +55,8 @@ from common.decide.policy import (
     RequestInfo,
     decide,
 )
-from tools.moonbus import bench_route, bench_route_report
+from tools.moonbus.bench import route as bench_route
+from tools.moonbus.bench import route_report as bench_route_report
 
 GOAL_P99_US = 200.0
 NUM_PREFILL = NUM_DECODE = 16

@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
             f.write(orjson.dumps(r.to_json()) + b"\n")
     (args.out / "summary.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     if args.plot:
-        from tools.moonbus.plots import plot_all
+        from tools.moonbus.traces.plots import plot_all
 
         plot_all(results, args.out, "replay", (args.ttft_slo, args.tbt_slo))
     print(f"replay {args.trace} -> {args.url}")

@@ -5,7 +5,7 @@
 writes, once (a second run keeps what exists, so a running deployment's secrets stay valid):
 
     <dir>/secrets/cluster.key        the cluster secret (KV link handshake, audit chain)
-    <dir>/secrets/nats-<role>.pw     one NATS password per role (tools/moonbus/security.py)
+    <dir>/secrets/nats-<role>.pw     one NATS password per role (tools/moonbus/cluster/security.py)
     <dir>/nats.conf                  the nats-server configuration admitting exactly those users
     <dir>/keys/api-keys.json         API keys, stored hashed; a first key for --tenant is made
                                      and printed once when the file does not exist yet
@@ -24,8 +24,8 @@ from pathlib import Path
 
 from common.config import default_home
 from common.security import hash_key, new_api_key
-from tools.moonbus import keys as keys_tool
-from tools.moonbus.security import SERVICE_ROLES, ClusterSecrets, nats_config
+from tools.moonbus.cluster import keys as keys_tool
+from tools.moonbus.cluster.security import SERVICE_ROLES, ClusterSecrets, nats_config
 
 NATS_PORT, NATS_MONITOR_PORT, NATS_STORE = 4222, 8222, Path("/data")
 

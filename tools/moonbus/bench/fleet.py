@@ -1,4 +1,4 @@
-"""The fleet the live-route benchmark plays over NATS (tools/moonbus/bench_route.py): prompts and
+"""The fleet the live-route benchmark plays over NATS (tools/moonbus/bench/route.py): prompts and
 the blocks each node holds, and fake prefill/decode instances and messengers.
 
 The conductors and the cache index cannot tell these from real processes on the bus:

@@ -1,4 +1,4 @@
-"""The live-route rows of `moonbus bench conductor` (tools/moonbus/bench_route.py runs them): what
+"""The live-route rows of `moonbus bench conductor` (tools/moonbus/bench/route.py runs them): what
 one phase measured, a row per conductor count, the `live` section of the report, and its table."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ GOAL_RATIO = 2.5  # routes/s with the most conductors over one conductor's
 
 @dataclass
 class Phase:
-    """What one batch of routes measured (tools/moonbus/bench_route.py RouteClient.phase)."""
+    """What one batch of routes measured (tools/moonbus/bench/route.py RouteClient.phase)."""
 
     tag: str  # the request ids' prefix
     ns: list[int]  # round trip of every answered route

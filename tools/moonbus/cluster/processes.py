@@ -3,7 +3,7 @@
 Used by `moonbus up` and by the integration tests. Every child gets PR_SET_PDEATHSIG, so even a
 supervisor killed with SIGKILL leaves no orphans; a clean stop sends SIGTERM (workers finish
 what they hold, the services drain NATS) and SIGKILLs whatever is left after a grace period.
-`supervise()` restarts processes that exited (tools/moonbus/supervisor.py has the policy), and
+`supervise()` restarts processes that exited (tools/moonbus/cluster/supervisor.py has the policy), and
 the state file `<home>/cluster.json` always names every process with its kind, node and pid.
 """
 
@@ -23,8 +23,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tools.moonbus.security import ClusterSecrets, nats_config
-from tools.moonbus.supervisor import Action, RestartPolicy, Restarts
+from tools.moonbus.cluster.security import ClusterSecrets, nats_config
+from tools.moonbus.cluster.supervisor import Action, RestartPolicy, Restarts
 
 PR_SET_PDEATHSIG = 1
 
@@ -86,7 +86,7 @@ class ClusterSpec:
     profile: str = ""  # "" = $home/profiles/<model>.json if it exists, else an analytic guess
     log_level: str = "INFO"
     metrics: bool = True  # each service serves Prometheus metrics on a free port (in cluster.json)
-    auth: bool = True  # a closed bus: one NATS user per role (tools/moonbus/security.py), a cluster secret
+    auth: bool = True  # a closed bus: one NATS user per role (tools/moonbus/cluster/security.py), a cluster secret
     api_keys: str = ""  # the gateways' key file ("" = open: no key needed, one shared cache)
     extra_env: dict[str, str] = field(default_factory=dict)
     service_args: dict[str, list[str]] = field(default_factory=dict)  # service kind, or instance name -> extra flags
@@ -303,7 +303,7 @@ class Cluster:
         env = os.environ | {"PYTHONUNBUFFERED": "1"} | self.spec.extra_env
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, cwd=Path(__file__).parents[2], preexec_fn=_die_with_parent)
+                                     env=env, cwd=Path(__file__).parents[3], preexec_fn=_die_with_parent)
         self.procs[name] = Proc(name, popen, log_path, kind, node, restarts or Restarts())
 
     def supervise(self, now: float, policy: RestartPolicy) -> list[Action]:

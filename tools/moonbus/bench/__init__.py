@@ -1,0 +1,34 @@
+"""`moonbus bench <target>`: benchmarks that measure ours against a baseline side by side, in one run.
+
+    store.py       the DRAM slab and the SSD tier against memcpy and a file per block
+    conductor.py   decisions per second at scale; route.py, route_report.py, fleet.py: the live route
+    engine.py      batched decode, layer-wise prefill and the pipeline against the plain forward
+    transfer.py    the KV transport against a plain socket and Mooncake's engine (transfer_peers.py:
+                   the receiving processes; transfer_tail.py: the streamed handoff's tail)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+
+# target -> module exposing add_arguments(parser) and run(args)
+TARGETS = {
+    "store": "tools.moonbus.bench.store",
+    "conductor": "tools.moonbus.bench.conductor",
+    "engine": "tools.moonbus.bench.engine",
+    "transfer": "tools.moonbus.bench.transfer",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="target", required=True)
+    for name, module_name in TARGETS.items():
+        if importlib.util.find_spec(module_name) is None:
+            continue
+        importlib.import_module(module_name).add_arguments(sub.add_parser(name))
+
+
+def run(args: argparse.Namespace) -> int:
+    return int(importlib.import_module(TARGETS[args.target]).run(args) or 0)
