@@ -25,8 +25,10 @@ run: setup
 browser:
 	@sh tools/ensure_packages.sh "the dashboard's browser test" "/usr/bin/chromium /usr/bin/chromedriver" "chromium chromium-driver"
 
+# -rs: every skip says why. .ci/run sets MOONBUS_REQUIRE=all, which turns a skip of a required
+# component (rdma, compose, hosts, browser: tests/required.py) into a failure.
 test: setup browser docker-tools rdma-tools
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -rs -p no:cacheprovider --durations=25 tests
 
 unit: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit

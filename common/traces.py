@@ -84,13 +84,14 @@ NAMED_TRACES = {"conversation": "conversation_trace.jsonl", "synthetic": "synthe
 
 
 def trace_dirs() -> list[Path]:
-    """Where the released traces are looked for: $MOONBUS_TRACES, then a `shared/data/traces` beside
-    or inside the repository, or beside the working directory."""
+    """Where the released traces are looked for: $MOONBUS_TRACES, then the copies kept in the
+    repository (data/traces), then a `shared/data/traces` beside the repository or the working directory."""
     import os
 
     repo = Path(__file__).resolve().parents[1]
     dirs = [Path(os.environ["MOONBUS_TRACES"])] if os.environ.get("MOONBUS_TRACES") else []
-    for base in (repo.parent, repo, Path.cwd().parent, Path.cwd()):
+    dirs.append(repo / "data" / "traces")
+    for base in (repo.parent, Path.cwd().parent, Path.cwd()):
         dirs.append(base / "shared" / "data" / "traces")
     return dirs
 

@@ -7,7 +7,6 @@ import contextlib
 import copy
 import json
 import os
-import random
 import shutil
 import subprocess
 from pathlib import Path
@@ -49,23 +48,10 @@ def seed_model(built_in: Path, home: Path) -> None:
 
 
 def conversation_trace(home: Path) -> str:
-    """The released conversation trace; where it is not on this machine, a stand-in of the same
-    shape (Mooncake rows, 3.4 requests/s, conversations that share their earlier turns), said so."""
+    """The released conversation trace (kept in the repository: data/traces)."""
     path = resolve_trace("conversation")
-    if path.exists():
-        return str(path)
-    rng, rows, t = random.Random(7), [], 0
-    for i in range(2000):
-        t += int(rng.expovariate(3.4) * 1000)
-        conversation = rng.randrange(200)
-        turns = rng.randint(1, 6)
-        ids = [conversation * 100 + k for k in range(turns * 2)]
-        rows.append({"timestamp": t, "input_length": len(ids) * 512 - rng.randrange(256),
-                     "output_length": rng.randint(16, 512), "hash_ids": ids})
-    stand_in = home / "stand-in-trace.jsonl"
-    stand_in.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    print(f"the conversation trace is not on this machine ({path}); using a stand-in: {stand_in}")
-    return str(stand_in)
+    assert path.exists(), f"the conversation trace is missing: {path}"
+    return str(path)
 
 
 @pytest.fixture(scope="session")

@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 
 from common import models
+from tests import required
 from tests.integration.conftest import collect_request_events, post, reference_greedy
 from tools.compose_e2e import engine as docker_engine
 from tools.compose_e2e import images
@@ -73,7 +74,7 @@ def test_compose_cluster_end_to_end(tmp_path: Path) -> None:
     try:
         engine = docker_engine.acquire()
     except docker_engine.EngineUnavailable as exc:
-        pytest.skip(f"compose end to end needs a Docker engine: {exc}")
+        required.missing("compose", f"compose end to end needs a Docker engine: {exc}")
     timings["engine"] = time.monotonic() - started
     print(f"\nengine: {engine.describe()} ({timings['engine']:.1f} s)")
     try:
@@ -95,13 +96,13 @@ def run_cluster(engine: docker_engine.Engine, tmp_path: Path, timings: dict[str,
            "MOONBUS_E2E_NATS_PORT": str(free_port()), "MOONBUS_LOG_LEVEL": "INFO"}
     compose = Compose.find(COMPOSE_FILES, PROJECT, ROOT, env)
     if compose is None:
-        pytest.skip("neither `docker compose` nor `docker-compose` is installed (apt-get install docker-compose)")
+        required.missing("compose", "neither `docker compose` nor `docker-compose` is installed (apt-get install docker-compose)")
 
     phase = time.monotonic()
     try:
         base = images.ensure_base_image(tmp_path / "base.log")
     except images.BaseImageUnavailable as exc:
-        pytest.skip(str(exc))
+        required.missing("compose", str(exc))
     timings["base image"] = time.monotonic() - phase
     built = images.build_project_image(ROOT, base, tmp_path / "build.log", remove_replaced=engine.ours)
     timings["project image"] = built.seconds

@@ -24,6 +24,7 @@ from schemas import subjects
 from schemas.workers import StatusReply, WorkerInfo
 from services.gateway.dashboard import Dashboard
 from services.gateway.tenants import KeyBook
+from tests import required
 from tests.integration.conftest import bare_nats_server, post
 from tools.moonbus.cluster.processes import free_port
 
@@ -43,7 +44,13 @@ def _why_no_browser() -> str:
     return ""
 
 
-pytestmark = [pytest.mark.integration, pytest.mark.skipif(bool(_why_no_browser()), reason=_why_no_browser())]
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module", autouse=True)
+def browser_here() -> None:
+    if _why_no_browser():
+        required.missing("browser", _why_no_browser())
 
 
 class Page:

@@ -24,6 +24,7 @@ import pytest
 
 from common import models
 from common.measures import RequestResult
+from tests import required
 from tests.integration.conftest import TINY, collect_request_events, post, reference_greedy
 from tools.moonbus.traces import replay
 from tools.moonbus.soak import verdict as sv
@@ -41,7 +42,7 @@ CUT_S = 10.0
 def hosts(tmp_path_factory, tiny_profile):
     why = net.usable()
     if why:
-        pytest.skip(f"nodes on separate hosts need network namespaces: {why}")
+        required.missing("hosts", f"nodes on separate hosts need network namespaces: {why}")
     if subprocess.run(["pgrep", "-x", "dockerd"], capture_output=True).returncode == 0:
         print("note: dockerd is running; the harness's FORWARD ACCEPT rule keeps the bridge open")
     from tools.netns.cluster import HostsCluster, HostsSpec

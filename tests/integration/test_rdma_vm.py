@@ -33,6 +33,8 @@ from tools.rdma_vm import image as vm_image
 from tools.rdma_vm import vm
 from tools.rdma_vm.session import guest_pytest, with_host_nats
 
+from tests import required
+
 ROOT = Path(__file__).resolve().parents[2]
 RDMA_TESTS = ROOT / "tests" / "rdma"
 BUILD_S = 1200  # debootstrap over a slow mirror; a cached image skips this
@@ -98,7 +100,7 @@ def guest_run() -> vm.GuestResult:
     """One VM boot for the module: tests/rdma in the guest, against a nats-server on this host."""
     why = why_unusable()
     if why is not None:
-        pytest.skip(f"RDMA VM test: {why}")
+        required.missing("rdma", why)
     image = build_image()
     result = with_host_nats(lambda url: guest_pytest(image, url, ["tests/rdma"], timeout_s=VM_S))
     vm.prune_runs(keep=10)

@@ -76,7 +76,6 @@ def test_malformed_row_names_the_line(tmp_path):
     assert len(load_trace(write_trace(tmp_path / "ok.jsonl", TINY), limit=2)) == 2
 
 
-@pytest.mark.skipif(not CONVERSATION.exists(), reason="real trace not present")
 def test_real_trace_infinite_capacity_matches_prefix_chain_count():
     rows = load_trace(CONVERSATION, limit=500)
     assert len(rows) == 500

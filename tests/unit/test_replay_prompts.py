@@ -1,7 +1,6 @@
 """Replay prompts: block keys of the built token ids reproduce the trace's hash-id sharing exactly."""
 
 
-import pytest
 
 from common.kv.blocks import block_keys
 from common.traces import TraceRow, block_token_ids, load_trace, prompt_token_ids, resolve_trace, scaled_input_length
@@ -33,7 +32,6 @@ def test_lengths_scale():
     assert len(prompt_token_ids(row, 16, 259, max_tokens=20)) == 20
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason="trace not available")
 def test_block_keys_reproduce_hash_id_sharing():
     rows = load_trace(TRACE, 150)
     B = 16
