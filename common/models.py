@@ -14,16 +14,15 @@ tokenizer) under $MOONBUS_HOME/models/, which every process on the machine loads
 
 from __future__ import annotations
 
-import contextlib
 import json
-import fcntl
 import importlib.util
 import logging
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+
+from filelock import FileLock
 
 # Never reach for a hub, whatever the caller's environment says.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -92,7 +91,7 @@ def prepare(model: str, home: Path) -> ModelRef:
     if (ref.path / "config.json").is_file():
         return ref
     ref.path.parent.mkdir(parents=True, exist_ok=True)
-    with file_lock(ref.path.parent / ".lock"):
+    with FileLock(ref.path.parent / ".lock"):  # across processes
         if (ref.path / "config.json").is_file():  # another process built it meanwhile
             return ref
         tmp = ref.path.with_name(ref.path.name + ".tmp")
@@ -163,17 +162,6 @@ def read_shape(ref: ModelRef) -> ModelShape:
         num_heads=heads,
         num_params=float(layers * (attention + mlp) + cfg["vocab_size"] * d),
     )
-
-
-@contextlib.contextmanager
-def file_lock(path: Path) -> Iterator[None]:
-    """An exclusive flock on `path` for the duration (across processes)."""
-    with open(path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def machine_copy() -> Path | None:

@@ -31,7 +31,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.models import file_lock
+from filelock import FileLock
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ DISK_HEADROOM_BYTES = 384 << 20  # free space in the guest's root (its writes go
 # Guest Python packages, at the versions pyproject.toml pins (what the in-guest tests import:
 # the transport, schemas, the messenger service and pytest). Pure Python or cp311 manylinux wheels.
 GUEST_PYTHON_PACKAGES = (
-    "nats-py", "orjson", "xxhash", "numpy", "lmdb", "aiohttp", "prometheus-client",
+    "nats-py", "orjson", "xxhash", "numpy", "lmdb", "aiohttp", "prometheus-client", "filelock",
     "pytest", "pytest-asyncio", "pytest-timeout",
 )
 
@@ -147,7 +147,7 @@ def ensure_image() -> Image:
         raise ImageUnavailable(f"cannot build the RDMA VM image: missing {', '.join(missing)}")
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    with file_lock(CACHE_DIR / ".lock"):
+    with FileLock(CACHE_DIR / ".lock"):
         directory = CACHE_DIR / f"image-{image_key()}"
         if not (directory / "done").exists():
             build_image(directory)
