@@ -82,15 +82,18 @@ def _decode_row(batch: float, context: float) -> tuple[float, float, float]:
 
 
 def _fit_relative(rows: np.ndarray, seconds: np.ndarray) -> tuple[float, ...]:
-    """Non-negative least squares minimising relative error; columns are scaled so that n^2 does
-    not dominate.
+    """Non-negative least squares (scipy's nnls) minimising relative error; columns are scaled so
+    that n^2 does not dominate.
 
     NOTE: every feature is a cost (more tokens, a bigger batch, a longer context never make a step
     cheaper), so a negative coefficient is measurement noise; on a CPU where fixed overhead
     dominates it is common, and a step time that falls with the batch size would send every
-    request to the busiest instance. Active set: drop the most negative feature and refit, until
-    none is negative.
+    request to the busiest instance. Hence non-negative, not plain, least squares.
     """
+    # NOTE: imported here, not at the top: only a fit needs it (`moonbus profile`), and every
+    # service imports this module; scipy.optimize costs 0.6 s at each process start.
+    from scipy.optimize import nnls
+
     if len(seconds) < rows.shape[1]:
         raise ValueError(f"need at least {rows.shape[1]} samples to fit, got {len(seconds)}")
     if np.any(seconds <= 0):
@@ -98,15 +101,7 @@ def _fit_relative(rows: np.ndarray, seconds: np.ndarray) -> tuple[float, ...]:
     weighted = rows / seconds[:, None]
     scale = np.linalg.norm(weighted, axis=0)
     scale[scale == 0] = 1.0
-    scaled, target = weighted / scale, np.ones_like(seconds)
-    active = list(range(rows.shape[1]))
-    coef = np.zeros(rows.shape[1])
-    while active:
-        fit, *_ = np.linalg.lstsq(scaled[:, active], target, rcond=None)
-        if np.all(fit >= 0):
-            coef[active] = fit
-            break
-        del active[int(np.argmin(fit))]
+    coef, _ = nnls(weighted / scale, np.ones_like(seconds))
     return tuple(float(c) for c in coef / scale)
 
 
