@@ -53,7 +53,7 @@ class PoolClient:
     async def call(self, op: str, request: Wire, reply_type: type[Wire]) -> Wire:
         try:
             msg = await bus.request(self.nc, subjects.messenger_control(self.node, op), request.to_bytes(),
-                                    timeout=self.timeout_s)
+                                    timeout=self.timeout_s, attempt_s=bus.ATTEMPT_S)
         except (NoRespondersError, NatsTimeout) as exc:
             raise PoolUnavailable(f"the messenger of node {self.node} did not answer {op!r}: {exc!r}") from exc
         try:

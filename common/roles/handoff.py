@@ -99,7 +99,7 @@ class Handoff:
         request = AcceptKv(t.request_id, t.attempt, len(t.prompt_token_ids), self.holder, t.decode_id, self.node)
         try:
             msg = await bus.request(self.nc, subjects.messenger_control(t.decode_node, "accept"), request.to_bytes(),
-                                    timeout=self.timeout_s, absent_s=MESSENGER_RESTART_S)
+                                    timeout=self.timeout_s, absent_s=MESSENGER_RESTART_S, attempt_s=bus.ATTEMPT_S)
             reply = AcceptKvReply.from_bytes(msg.data)
         except (NoRespondersError, NatsTimeout, WireError) as exc:
             raise HandoffFailed(f"no reservation on node {t.decode_node}: its messenger did not answer: {exc!r}") from exc

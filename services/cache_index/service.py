@@ -103,7 +103,7 @@ class CacheIndexService:
     async def resync(self, node: str, why: str) -> None:
         try:
             msg = await bus.request(self.nc, subjects.messenger_control(node, "snapshot"), b"{}",
-                                    timeout=self.cfg.resync_timeout_s)
+                                    timeout=self.cfg.resync_timeout_s, attempt_s=bus.ATTEMPT_S)
             snap = SnapshotReply.from_bytes(msg.data)
             self.index.load_snapshot(node, snap.seq, dict(zip(snap.keys, snap.tiers)))
             self.epochs[node] = snap.epoch

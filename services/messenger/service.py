@@ -21,7 +21,6 @@ last resort, by age.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import Awaitable, Callable
@@ -94,6 +93,7 @@ class MessengerService:
                                          cfg.reserve_idle_s, self.count_handoff)
         self.seen: dict[str, tuple[str, float]] = {}  # prefill/decode instance anywhere -> (incarnation, last heartbeat)
         self.pulls: Pulls | None = None  # set by serve(): it needs the running loop
+        self.replies = bus.Replies()  # control ops asked again after a lost reply run once
         self.loop: asyncio.AbstractEventLoop | None = None
         # op -> (handler, runs as its own task); slow ops must not hold up the others
         self.ops: dict[str, tuple[Callable[[bytes], Awaitable[Wire]], bool]] = {
@@ -122,17 +122,20 @@ class MessengerService:
             await self.answer(msg, handler)
 
     async def answer(self, msg: Msg, handler: Callable[[bytes], Awaitable[Wire]]) -> None:
-        try:
-            reply = await handler(msg.data)
-        except WireError as exc:  # a malformed request: answered, logged, dropped
-            log.warning("messenger op %s: malformed request: %s", msg.subject, exc)
-            reply = PoolReply(False, f"malformed request: {exc}")
-        except Exception as exc:  # answered, never a hang
-            log.exception("messenger op %s failed", msg.subject)
-            reply = PoolReply(False, f"{type(exc).__name__}: {exc}")
-        if msg.reply:
-            with contextlib.suppress(Exception):  # the requester may be gone (or the broker)
-                await msg.respond(reply.to_bytes())
+        """Run the op once per call (a repeat of a call whose reply was lost gets the same answer:
+        bus.Replies) and answer; a failure is an error reply, never a hang."""
+        async def run() -> bytes:
+            try:
+                reply = await handler(msg.data)
+            except WireError as exc:  # a malformed request: answered, logged, dropped
+                log.warning("messenger op %s: malformed request: %s", msg.subject, exc)
+                reply = PoolReply(False, f"malformed request: {exc}")
+            except Exception as exc:
+                log.exception("messenger op %s failed", msg.subject)
+                reply = PoolReply(False, f"{type(exc).__name__}: {exc}")
+            return reply.to_bytes()
+
+        await self.replies.answer(msg, run)
 
     async def on_heartbeat(self, msg: Msg) -> None:
         info = WorkerInfo.from_bytes(msg.data)

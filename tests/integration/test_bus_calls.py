@@ -1,0 +1,99 @@
+"""Calls over a real nats-server whose reply is lost: asked again under the same call id, run once.
+
+A responder that handles a request and then loses its reply (as when it reconnects to another
+server just then) is stood in for by one that drops its first answer on the floor. The asker
+must get the answer from its next attempt, and the handler (reserve KV, pin blocks) must have run
+once, not once per attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import pytest
+
+from common import bus
+from tests.integration.conftest import bare_nats_server
+from tools.moonbus.cluster.processes import free_port
+
+pytestmark = pytest.mark.integration
+
+
+@dataclass
+class LostReply:
+    """A request whose reply will not reach its asker."""
+
+    headers: dict
+    data: bytes
+    reply: str = ""
+
+
+@pytest.fixture
+async def nats_url():
+    port = free_port()
+    server = bare_nats_server(port)
+    try:
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        server.kill()
+        server.wait()
+
+
+async def test_a_lost_reply_costs_one_attempt_and_the_handler_runs_once(nats_url):
+    asker = await bus.connect(nats_url, "asker")
+    responder = await bus.connect(nats_url, "responder")
+    replies, runs, deliveries = bus.Replies(), [], []
+
+    async def on_call(msg) -> None:
+        deliveries.append(msg.data)
+
+        async def run() -> bytes:
+            runs.append(msg.data)
+            await asyncio.sleep(0.05)
+            return b"slot-7"
+
+        if len(deliveries) == 1:  # handled, and its reply lost on the way
+            msg = LostReply(msg.headers, msg.data)
+        await replies.answer(msg, run)
+
+    try:
+        await responder.subscribe("test.reserve", cb=on_call)
+        await responder.flush()
+        # the whole call may take 30 s; each attempt waits 0.3 s
+        reply = await bus.request(asker, "test.reserve", b"reserve 4 blocks", timeout=30.0, attempt_s=0.3)
+        assert reply.data == b"slot-7"
+        assert len(deliveries) == 2 and len(runs) == 1
+        assert replies.repeats == 1
+    finally:
+        await asker.close()
+        await responder.close()
+
+
+async def test_a_repeat_that_arrives_while_the_call_runs_waits_for_it(nats_url):
+    asker = await bus.connect(nats_url, "asker")
+    responder = await bus.connect(nats_url, "responder")
+    replies, runs = bus.Replies(), []
+    release = asyncio.Event()
+
+    async def on_call(msg) -> None:
+        async def run() -> bytes:
+            runs.append(1)
+            await release.wait()  # slower than an attempt: the asker sends the call again meanwhile
+            return b"accepted"
+
+        asyncio.get_running_loop().create_task(replies.answer(msg, run))
+
+    try:
+        await responder.subscribe("test.accept", cb=on_call)
+        await responder.flush()
+        call = asyncio.ensure_future(bus.request(asker, "test.accept", b"accept", timeout=30.0, attempt_s=0.2))
+        while replies.repeats < 2:  # two repeats arrived while the first still runs
+            await asyncio.sleep(0.05)
+        release.set()
+        assert (await call).data == b"accepted"
+        assert len(runs) == 1
+    finally:
+        await asker.close()
+        await responder.close()
+
