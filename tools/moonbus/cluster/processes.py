@@ -289,13 +289,14 @@ class Cluster:
         """Every process of a node shares its shared-memory directory (one per cluster and node)."""
         return ["--node", node, "--shm-dir", str(self.shm_root / node)]
 
-    def restart(self, name: str) -> None:
-        """Start a process again with the argv it had (after it died or was killed)."""
+    def restart(self, name: str, extra_args: tuple[str, ...] = ()) -> None:
+        """Start a process again with the argv it had (after it died or was killed), plus
+        `extra_args` (a later flag wins over an earlier one)."""
         proc = self.procs[name]
         if proc.popen.poll() is None:
             proc.popen.terminate()
             proc.popen.wait(30)
-        self.spawn(name, proc.kind, proc.popen.args, proc.node, proc.restarts)
+        self.spawn(name, proc.kind, [*proc.popen.args, *extra_args], proc.node, proc.restarts)
         self.procs[name].metrics = proc.metrics
 
     def spawn(self, name: str, kind: str, argv: list[str], node: str = "", restarts: Restarts | None = None) -> None:
