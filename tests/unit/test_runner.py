@@ -1,10 +1,32 @@
-"""common.runner: waits that a cancellation always ends."""
+"""common.runner: services run on uvloop; waits that a cancellation always ends."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+
+import uvloop
 
 from common import runner
+
+SERVICE = """
+import asyncio, sys
+from common import runner
+
+async def main(stop):
+    loop = asyncio.get_running_loop()
+    print(f"{type(loop).__module__}.{type(loop).__name__}", flush=True)
+    return sys.argv[1] == "ok"
+
+runner.run(main)
+"""
+
+
+def test_a_service_runs_on_uvloop_and_exits_with_its_status():
+    for outcome, status in (("ok", 0), ("failed", 1)):
+        proc = subprocess.run([sys.executable, "-c", SERVICE, outcome], capture_output=True, text=True, timeout=60)
+        assert (proc.returncode, proc.stdout.strip()) == (status, "uvloop.Loop"), proc.stderr
 
 
 async def _loop_until_cancelled(event: asyncio.Event, wait) -> None:
@@ -32,3 +54,7 @@ async def test_wait_set_says_whether_the_event_was_set():
     assert await runner.wait_set(event, 0.01) is False
     event.set()
     assert await runner.wait_set(event, 0.01) is True
+
+
+def test_the_cancellation_race_holds_on_uvloop_too():
+    uvloop.run(test_a_loop_on_wait_set_is_cancelled_even_as_its_event_is_set())
