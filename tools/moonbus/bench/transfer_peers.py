@@ -1,21 +1,29 @@
-"""The two ends of each `moonbus bench transfer` case: a receiving process, and how to send to it.
+"""The receiving ends of `moonbus bench transfer`, and the cases that send to them.
 
 Every receiver runs in its own process (spawned), so that the GIL never serializes the two ends,
-and holds one preallocated buffer of `capacity` bytes; the sender, in the bench's process, puts
-the first n bytes of its source at offset 0 and returns once they are at the destination:
+and holds one buffer of `capacity` bytes that starts with the same seeded content as the sender's
+source (transfer_patterns.make_buffer). Each peer gives the cases it can run of a pattern
+(transfer_patterns.Case):
 
-    ours      Transports("tcp") on both ends (the sender's with `streams` connections per peer):
-              the region registered by the receiver, written by the sender with `Channel.write`, then a call (ordered after the write: its handler
-              runs once the bytes have landed and their xxh3 was verified)
-    raw       a plain blocking socket: sendall of an 8-byte length and the bytes; the receiver
-              recv_into's them into its buffer and answers one byte
-    mooncake  the Mooncake Transfer Engine, protocol "tcp", P2PHANDSHAKE metadata: the receiver
-              registers its buffer, the sender `transfer_sync_write`s from its registered source
+    ours         Transports("tcp") at both ends (the sender's with `streams` connections per peer),
+                 the receiver's buffer a registered region. A push: one `Channel.write` per write of
+                 the pattern, then a call that returns once every write landed and its xxh3 was
+                 verified (`ours_tcp`, xxh3 both ends: the transport always checks). A pull: one
+                 `Channel.read` of the blocks into local slots, then each block's checksum compared
+                 with the announced one, as the messenger's pull does (`ours_tcp`, xxh3 on arrival),
+                 or not (`ours_tcp_unverified`).
+    mooncake     the Mooncake Transfer Engine, protocol "tcp", P2PHANDSHAKE metadata: source and local
+                 slots registered at the sender, the buffer at the receiver. A push: every write
+                 submitted at once (batch_transfer_async_write), then waited for; a pull: one
+                 batch_transfer_sync_read. `mooncake_te` checks nothing; `mooncake_te_verified` does
+                 the same work as ours: the sender hashes the bytes, and a completion over a plain
+                 socket makes the receiver hash what landed and compare (a pull: the reader hashes).
+    socket       the plain-socket baseline (transfer_socket.py).
 
-Control (the receiver's address, "what is the checksum of your first n bytes", stop) goes over a
-multiprocessing pipe, never timed. Each peer's `digest(n)` is how the bench proves that every
-byte arrived intact. (The Mooncake engine logs its handshakes to stderr through glog, which
-neither GLOG_minloglevel nor its MC_* variables quiet: the report goes to stdout.)
+Control (the receiver's address; "the checksum of these ranges of your buffer"; "stamp your
+buffer with run r"; stop) goes over a multiprocessing pipe, never timed. (The Mooncake engine logs
+its handshakes to stderr through glog, which neither GLOG_minloglevel nor its MC_* variables quiet:
+the report goes to stdout.)
 """
 
 from __future__ import annotations
@@ -29,13 +37,17 @@ from multiprocessing.connection import Connection
 import numpy as np
 import xxhash
 
+from common.kv import blocks as kvblocks
+from tools.moonbus.bench.transfer_patterns import Case, Pattern, digest, make_buffer, stamp
+
 HOST = "127.0.0.1"
-_LEN = struct.Struct(">Q")
 _SPAWN = multiprocessing.get_context("spawn")
+_NOTE = struct.Struct("<IQ")  # mooncake_te_verified's completion: count of ranges, their xxh3; then the ranges
+_SPAN = struct.Struct("<QQ")
 
 
 class PeerFailed(RuntimeError):
-    """Raised when a receiving process cannot start, or a transfer to it fails."""
+    """Raised when a receiving process cannot start, or a transfer to it fails or arrives damaged."""
 
 
 def mooncake_missing() -> str:
@@ -48,15 +60,15 @@ def mooncake_missing() -> str:
 
 
 class Peer:
-    """A receiving process with a `capacity`-byte buffer, and the sending side of one case."""
+    """A receiving process with a `capacity`-byte buffer, and the sending side of its cases."""
 
-    case = ""
-    serve = None  # the receiver's entry point: fn(conn, capacity, *extra)
+    name = ""
+    serve = None  # the receiver's entry point: fn(conn, capacity, seed, *extra)
 
-    def __init__(self, capacity: int, *extra) -> None:
+    def __init__(self, capacity: int, seed: int, *extra) -> None:
         self._conn, child = _SPAWN.Pipe()
-        self._proc = _SPAWN.Process(target=type(self).serve, args=(child, capacity, *extra), daemon=True,
-                                    name=f"bench-transfer-{self.case}")
+        self._proc = _SPAWN.Process(target=type(self).serve, args=(child, capacity, seed, *extra), daemon=True,
+                                    name=f"bench-transfer-{self.name}")
         self._proc.start()
         child.close()
         self.address = self.ask(None)  # what the receiver says once it is ready
@@ -65,19 +77,22 @@ class Peer:
         if command is not None:
             self._conn.send(command)
         if not self._conn.poll(120):
-            raise PeerFailed(f"{self.case}: the receiving process did not answer")
+            raise PeerFailed(f"{self.name}: the receiving process did not answer")
         kind, value = self._conn.recv()
         if kind == "error":
-            raise PeerFailed(f"{self.case}: the receiving process failed: {value}")
+            raise PeerFailed(f"{self.name}: the receiving process failed: {value}")
         return value
 
-    def send(self, src: memoryview) -> None:
-        """Put `src` at offset 0 of the receiver's buffer; return once it is there."""
+    def cases(self, pattern: Pattern, source: np.ndarray, local: np.ndarray) -> list[Case]:
+        """The cases this peer runs of `pattern` (none: it has no such transfer)."""
         raise NotImplementedError
 
-    def digest(self, nbytes: int) -> int:
-        """xxh3-64 of the receiver's first `nbytes`, computed by the receiver."""
-        return self.ask(("digest", nbytes))
+    def digest(self, ranges: list[tuple[int, int]]) -> int:
+        """xxh3-64 of these ranges of the receiver's buffer, computed by the receiver."""
+        return self.ask(("digest", ranges))
+
+    def stamp(self, run: int) -> None:
+        self.ask(("stamp", run))
 
     def close(self) -> None:
         try:
@@ -90,30 +105,41 @@ class Peer:
             self._proc.join()
 
 
-def _answer_digests(conn: Connection, buf) -> None:
-    """The receiver's control loop: answer checksums of its buffer until told to stop."""
-    view = memoryview(buf).cast("B")
+def answer_control(conn: Connection, buf: np.ndarray) -> None:
+    """The receiver's control loop, until told to stop."""
     while True:
-        op, n = conn.recv()
+        op, arg = conn.recv()
         if op == "stop":
             return
-        conn.send(("ok", xxhash.xxh3_64_intdigest(view[:n])))
+        if op == "digest":
+            conn.send(("ok", digest(buf, arg)))
+        elif op == "stamp":
+            stamp(buf, arg)
+            conn.send(("ok", None))
 
 
 def answer_error(conn: Connection, exc: BaseException) -> None:
     conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
+def check_blocks(views: list[memoryview], expected: list[int], case: str) -> None:
+    """A pull's check: each block against the checksum its source announced."""
+    for i, (v, e) in enumerate(zip(views, expected)):
+        if kvblocks.checksum(v) != e:
+            raise PeerFailed(f"{case}: block {i} failed its checksum")
+
+
 # --- ours: common/transport over tcp ------------------------------------------------------------
 class OursPeer(Peer):
-    case = "ours_tcp"
+    name = "ours_tcp"
 
-    def __init__(self, capacity: int, secret: bytes, streams: int = 1) -> None:
+    def __init__(self, capacity: int, seed: int, secret: bytes, streams: int = 1) -> None:
         from common.transport import Transports
         from schemas.transfer import RegionRef
 
-        self.case = self.case_for(streams)
-        super().__init__(capacity, secret)
+        self.name = self.case_for(streams)
+        self.streams = streams
+        super().__init__(capacity, seed, secret)
         self.ref = RegionRef.from_bytes(self.address)
         self.transports = Transports("tcp", secret, tcp_streams=streams)
         self.channel = self.transports.connect(self.ref.endpoints)
@@ -123,13 +149,13 @@ class OursPeer(Peer):
         return "ours_tcp" if streams == 1 else f"ours_tcp_x{streams}"
 
     @staticmethod
-    def serve(conn: Connection, capacity: int, secret: bytes) -> None:
+    def serve(conn: Connection, capacity: int, seed: int, secret: bytes) -> None:
         from common.transport import Transports
 
         try:
             transports = Transports("tcp", secret)
             transports.listen(HOST)
-            buf = bytearray(capacity)
+            buf = make_buffer(capacity, seed)
             transports.handle("landed", lambda body, peer: b"")  # a call runs after the writes before it
             ref = transports.register("bench", buf)
         except Exception as exc:
@@ -137,13 +163,33 @@ class OursPeer(Peer):
             return
         conn.send(("ok", ref.to_bytes()))
         try:
-            _answer_digests(conn, buf)
+            answer_control(conn, buf)
         finally:
             transports.close()
 
-    def send(self, src: memoryview) -> None:
-        self.channel.write(self.ref, [(0, src)])
-        self.channel.call("landed")
+    def cases(self, pattern: Pattern, source: np.ndarray, local: np.ndarray) -> list[Case]:
+        channel, ref = self.channel, self.ref
+        if pattern.kind == "push":
+            src = memoryview(source)
+            writes = [[(off, src[off:off + n]) for off, n in w] for w in pattern.writes]
+            metas = pattern.metas or (None,) * len(writes)
+
+            def push(_expected: list[int]) -> None:
+                for pieces, m in zip(writes, metas):
+                    channel.write(ref, pieces, m)
+                channel.call("landed")
+            return [Case(self.name, "xxh3 both ends", push, self)]
+        if self.streams > 1:
+            return []  # a read is not striped: the same as one connection's
+        loc = memoryview(local)
+        pieces = [(off, loc[lo:lo + n]) for off, lo, n in pattern.reads]
+        views = [v for _, v in pieces]
+
+        def pull(expected: list[int]) -> None:
+            channel.read(ref, pieces)
+            check_blocks(views, expected, self.name)
+        return [Case(self.name, "xxh3 on arrival", pull, self),
+                Case(f"{self.name}_unverified", "none", lambda _expected: channel.read(ref, pieces), self)]
 
     def close(self) -> None:
         self.channel.close()
@@ -151,100 +197,93 @@ class OursPeer(Peer):
         super().close()
 
 
-# --- the baseline: a plain blocking socket ------------------------------------------------------
-class RawSocketPeer(Peer):
-    case = "raw_socket"
-
-    def __init__(self, capacity: int) -> None:
-        super().__init__(capacity)
-        self.sock = socket.create_connection((HOST, self.address))
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # the length and the ack are small
-
-    @staticmethod
-    def serve(conn: Connection, capacity: int) -> None:
-        try:
-            listener = socket.create_server((HOST, 0))
-            buf = bytearray(capacity)
-        except Exception as exc:
-            answer_error(conn, exc)
-            return
-        conn.send(("ok", listener.getsockname()[1]))
-        threading.Thread(target=RawSocketPeer._receive, args=(listener, memoryview(buf)), daemon=True).start()
-        _answer_digests(conn, buf)
-
-    @staticmethod
-    def _receive(listener: socket.socket, buf: memoryview) -> None:
-        sock, _ = listener.accept()
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        header = bytearray(_LEN.size)
-        while True:
-            if not _recv_exactly(sock, memoryview(header)):
-                return
-            (n,) = _LEN.unpack(header)
-            if not _recv_exactly(sock, buf[:n]):
-                return
-            sock.sendall(b"\x01")
-
-    def send(self, src: memoryview) -> None:
-        self.sock.sendall(_LEN.pack(src.nbytes))
-        self.sock.sendall(src)
-        if self.sock.recv(1) != b"\x01":
-            raise PeerFailed("raw_socket: the receiver closed the connection")
-
-    def close(self) -> None:
-        self.sock.close()
-        super().close()
-
-
-def _recv_exactly(sock: socket.socket, view: memoryview) -> bool:
-    got = 0
-    while got < view.nbytes:
-        k = sock.recv_into(view[got:])
-        if not k:
-            return False
-        got += k
-    return True
-
-
 # --- the Mooncake Transfer Engine, tcp ----------------------------------------------------------
 class MooncakePeer(Peer):
-    case = "mooncake_te"
+    name = "mooncake_te"
 
-    def __init__(self, capacity: int, source: np.ndarray) -> None:
+    def __init__(self, capacity: int, seed: int, source: np.ndarray, local: np.ndarray) -> None:
         from mooncake.engine import TransferEngine
 
-        super().__init__(capacity)
-        self.session, self.dest_ptr = self.address
+        super().__init__(capacity, seed)
+        self.session, self.dest_ptr, notify_port = self.address
         self.engine = TransferEngine()
         if self.engine.initialize(HOST, "P2PHANDSHAKE", "tcp", "") != 0:
             raise PeerFailed("mooncake_te: the sender's engine did not initialize")
-        self.source = source
-        if self.engine.register_memory(source.ctypes.data, source.nbytes) != 0:
-            raise PeerFailed("mooncake_te: the source buffer could not be registered")
+        self.registered = [a for a in (source, local) if a.nbytes]
+        for a in self.registered:
+            if self.engine.register_memory(a.ctypes.data, a.nbytes) != 0:
+                raise PeerFailed("mooncake_te: a sender buffer could not be registered")
+        self.notify = socket.create_connection((HOST, notify_port))
+        self.notify.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     @staticmethod
-    def serve(conn: Connection, capacity: int) -> None:
+    def serve(conn: Connection, capacity: int, seed: int) -> None:
         try:
             from mooncake.engine import TransferEngine
 
             engine = TransferEngine()
             if engine.initialize(HOST, "P2PHANDSHAKE", "tcp", "") != 0:
                 raise PeerFailed("the engine did not initialize")
-            buf = np.zeros(capacity, np.uint8)
+            buf = make_buffer(capacity, seed)
             if engine.register_memory(buf.ctypes.data, capacity) != 0:
                 raise PeerFailed("the buffer could not be registered")
+            listener = socket.create_server((HOST, 0))
         except Exception as exc:
             answer_error(conn, exc)
             return
-        conn.send(("ok", (f"{HOST}:{engine.get_rpc_port()}", buf.ctypes.data)))
-        _answer_digests(conn, buf)
+        threading.Thread(target=MooncakePeer._verify, args=(listener, buf), daemon=True).start()
+        conn.send(("ok", (f"{HOST}:{engine.get_rpc_port()}", buf.ctypes.data, listener.getsockname()[1])))
+        answer_control(conn, buf)
 
-    def send(self, src: memoryview) -> None:
-        # NOTE: src must be a prefix of the registered source: the engine moves registered memory
-        rc = self.engine.transfer_sync_write(self.session, self.source.ctypes.data, self.dest_ptr, src.nbytes)
-        if rc != 0:
-            raise PeerFailed(f"mooncake_te: transfer_sync_write of {src.nbytes} bytes returned {rc}")
+    @staticmethod
+    def _verify(listener: socket.socket, buf: np.ndarray) -> None:
+        """mooncake_te_verified's completions: hash the ranges that landed, answer whether they match."""
+        sock, _ = listener.accept()
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while head := sock.recv(_NOTE.size, socket.MSG_WAITALL):
+            count, expected = _NOTE.unpack(head)
+            spans = list(_SPAN.iter_unpack(sock.recv(count * _SPAN.size, socket.MSG_WAITALL)))
+            sock.sendall(b"\x01" if digest(buf, spans) == expected else b"\x00")
+
+    def cases(self, pattern: Pattern, source: np.ndarray, local: np.ndarray) -> list[Case]:
+        engine, session, dest = self.engine, self.session, self.dest_ptr
+        if pattern.kind == "pull":
+            base, loc = local.ctypes.data, memoryview(local)
+            mine = [base + lo for _, lo, _ in pattern.reads]
+            theirs = [dest + off for off, _, _ in pattern.reads]
+            lens = [n for _, _, n in pattern.reads]
+            views = [loc[lo:lo + n] for _, lo, n in pattern.reads]
+
+            def pull(expected: list[int], verify: bool) -> None:
+                if engine.batch_transfer_sync_read(session, mine, theirs, lens) != 0:
+                    raise PeerFailed(f"mooncake_te: batch_transfer_sync_read of {len(lens)} blocks failed")
+                if verify:
+                    check_blocks(views, expected, "mooncake_te_verified")
+            return [Case("mooncake_te_verified", "xxh3 on arrival", lambda e: pull(e, True), self),
+                    Case("mooncake_te", "none", lambda e: pull(e, False), self)]
+        base, src = source.ctypes.data, memoryview(source)
+        writes = [([base + off for off, _ in w], [dest + off for off, _ in w], [n for _, n in w]) for w in pattern.writes]
+        spans = pattern.peer_ranges
+        note = b"".join(_SPAN.pack(off, n) for off, n in spans)
+        views = [src[off:off + n] for off, n in spans]
+
+        def push(_expected: list[int], verify: bool) -> None:
+            if verify:
+                h = xxhash.xxh3_64()
+                for v in views:
+                    h.update(v)
+            batches = [engine.batch_transfer_async_write(session, *w) for w in writes]  # back to back
+            if min(batches) < 0 or engine.get_batch_transfer_status(batches) != 0:
+                raise PeerFailed(f"mooncake_te: {len(writes)} batch writes did not all complete")
+            if verify:
+                self.notify.sendall(_NOTE.pack(len(spans), h.intdigest()) + note)
+                if self.notify.recv(1, socket.MSG_WAITALL) != b"\x01":
+                    raise PeerFailed("mooncake_te_verified: the receiver found the bytes damaged")
+        return [Case("mooncake_te_verified", "xxh3 both ends", lambda e: push(e, True), self),
+                Case("mooncake_te", "none", lambda e: push(e, False), self)]
 
     def close(self) -> None:
-        self.engine.unregister_memory(self.source.ctypes.data)
+        self.notify.close()
+        for a in self.registered:
+            self.engine.unregister_memory(a.ctypes.data)
         super().close()

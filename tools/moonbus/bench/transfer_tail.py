@@ -34,10 +34,10 @@ _BENCH_NODE = "bench-decode"
 class HandoffPeer(Peer):
     """A decode node's messenger (its `Reservations`) in its own process."""
 
-    case = "handoff_tail"
+    name = "handoff_tail"
 
     @staticmethod
-    def serve(conn: Connection, max_tokens: int, layout: KvLayout, secret: bytes) -> None:
+    def serve(conn: Connection, max_tokens: int, _seed: int, layout: KvLayout, secret: bytes) -> None:
         from common.transport import Transports
         from schemas.transfer import AcceptKv
         from services.messenger.handoff import Reservations
@@ -82,20 +82,18 @@ def measure_tail(layout: KvLayout, tokens: list[int], repeats: int, secret: byte
     `write_s` is the part of the tail until the last slice's write returned (its bytes handed to the
     kernel); the rest is the completion call: the slice received and verified, the coverage
     checked, the region unregistered and unmapped, the file renamed."""
-    import torch
-
     from common.transport import Transports
 
-    peer = HandoffPeer(max(tokens), layout, secret)
+    peer = HandoffPeer(max(tokens), 0, layout, secret)  # its region is the messenger's: no seeded buffer
     transports = Transports("tcp", secret)
     rows = []
     try:
         for n in tokens:
-            kv = torch.randn(layout.request_shape(n), generator=torch.Generator().manual_seed(n))
+            kv = _random_kv(layout, n)
             expected = xxhash.xxh3_64_intdigest(memoryview(kv.numpy()).cast("B"))
             # the first attempt warms up (connection, page faults)
             runs = [_one_handoff(peer, transports, layout, kv, expected, attempt) for attempt in range(repeats + 1)]
-            rows.append({"case": "handoff_tail", "prompt_tokens": n,
+            rows.append({"pattern": f"tail:{n}", "case": "handoff_tail", "prompt_tokens": n,
                          "bytes": n * layout.bytes_per_token // layout.num_layers,
                          "seconds": statistics.median(tail for tail, _, _ in runs[1:]),
                          "write_s": statistics.median(write for _, write, _ in runs[1:]),
@@ -104,6 +102,18 @@ def measure_tail(layout: KvLayout, tokens: list[int], repeats: int, secret: byte
         transports.close()
         peer.close()
     return rows
+
+
+def _random_kv(layout: KvLayout, tokens: int):
+    """A request's KV [L, 2, H, T, D] of random bytes in elements of the layout's size (2: int16 stands in
+    for bfloat16, which numpy cannot view; the transport moves bytes, whatever they mean)."""
+    import torch
+
+    shape = layout.request_shape(tokens)
+    generator = torch.Generator().manual_seed(tokens)
+    if layout.itemsize == 4:
+        return torch.randn(shape, generator=generator)
+    return torch.randint(-(1 << 15), 1 << 15, shape, generator=generator, dtype=torch.int16)
 
 
 def _one_handoff(peer: HandoffPeer, transports, layout: KvLayout, kv, expected: int,
