@@ -6,18 +6,25 @@ Setup (scaled to the released trace, so nothing needs a model):
     conversation trace (512-token blocks), each row stored on one prefill node (round robin,
     every 4th row in the SSD tier), so shared prefixes end up replicated over several nodes.
   - The remaining rows are the queries, replayed round robin until --decisions.
-  - Cluster state (prefill queues, sender congestion, decode batches, requests in prefill and in
-    decode: up to 48 decoding and 8 in prefill per decode instance) comes from a pool of
-    --states states drawn from a seeded RNG, outside the timed section. Like the live conductor,
-    the pool keeps candidate objects built (they change on dispatch/completion, not per request).
+  - Cluster state comes from a pool of --states ClusterStates (common/decide/cluster_state.py,
+    the live conductor's own bookkeeping), each fed, outside the timed section, what the instances
+    of a seeded random cluster report in their heartbeats: prefill queues and the requests each
+    prefill holds (up to 8, each bound for a decode instance), decode batches (up to 48) and
+    their waiting requests, plus up to 8 of this conductor's own requests on the bus, half of
+    them pulling KV from a node (sender congestion).
   - Performance model: analytic LLaMA3-70B on 8xA800 (common/decide/perf.py), NIC link 100 GB/s.
 
-Timed, per request (time.perf_counter_ns): the full decision the conductor makes,
-    index match -> snapshot (holders from the match + snapshot objects) -> policy decide
-    -> admission (mode predictive)
-Block keys are computed outside it (from the trace's hash ids; the live conductor hashes tokens).
-The `random` baseline skips the index match (it needs no prefix lengths) but builds the same
-snapshot and runs the same admission. Policies are timed interleaved, on the same (query, state)
+Timed, per request (time.perf_counter_ns): what the live route does in memory, through the same
+calls (services/conductor/service.py `route`):
+    index match -> snapshot (the candidates built from the ClusterState by the conductor's own
+    `snapshot()`, holders from the match) -> policy decide -> admission (the decode loads from the
+    ClusterState, mode predictive) -> record (ClusterState.route of an admitted request)
+Before each route the state's derived views are dropped (ClusterState.changed(), untimed), as
+the previous route's dispatch or any instance's report drops them in the live conductor: every
+route pays for building its candidates and loads, as there. After it the route ends (untimed),
+so the state stays as drawn. Block keys are computed outside it (from the trace's hash ids; the
+live conductor hashes tokens). The `random` baseline skips the index match (it needs no prefix
+lengths) but builds the same snapshot and runs the same admission. Policies are timed interleaved, on the same (query, state)
 pairs, so machine noise hits them alike. Goal: p99 < 200 us for kvcache-centric. Single thread;
 by default the collector runs, with the setup frozen out of it (gc.freeze(), as a long-running
 conductor should do after loading), so that a full collection does not walk 155k index entries.
@@ -44,17 +51,11 @@ from common.kv.blocks import block_keys_from_hash_ids
 from common.decide.perf import A800_X8, LLAMA3_70B, Profile, analytic_profile
 from common.traces import TRACE_BLOCK_TOKENS, load_trace, resolve_trace
 from common.decide.index import KvEvent, PrefixIndex
-from common.decide.admission import AdmissionSettings, DecodeLoad, DecodeLoadSnapshot, Verdict, admit
-from common.decide.policy import (
-    POLICIES,
-    ClusterSnapshot,
-    Decision,
-    DecodeCandidate,
-    PolicySettings,
-    PrefillCandidate,
-    RequestInfo,
-    decide,
-)
+from common.decide.admission import AdmissionSettings, DecodeLoadSnapshot, Verdict, admit
+from common.decide.cluster_state import ClusterState, Routed
+from common.decide.policy import POLICIES, Decision, PolicySettings, RequestInfo, decide
+from schemas.workers import Coming, DecodeReport, Joined, PrefillReport, WorkerInfo
+from services.conductor.service import ConductorService
 from tools.moonbus.bench import route as bench_route
 from tools.moonbus.bench import route_report as bench_route_report
 
@@ -64,7 +65,7 @@ PREFILL_NODES = tuple(f"node-{i:02d}" for i in range(NUM_PREFILL))
 DECODE_NODES = tuple(f"node-{i:02d}" for i in range(NUM_PREFILL, NUM_PREFILL + NUM_DECODE))
 PREFILL_IDS = tuple(f"prefill-{i:02d}" for i in range(NUM_PREFILL))
 DECODE_IDS = tuple(f"decode-{i:02d}" for i in range(NUM_DECODE))
-STAGES = ("match", "snapshot", "decide", "admit")
+STAGES = ("match", "snapshot", "decide", "admit", "record")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,14 +91,11 @@ class Query:
 
 @dataclass(frozen=True, slots=True)
 class State:
-    """What the conductor holds in memory besides the index, as it would keep it between requests."""
+    """What a conductor holds in memory besides the index between routes: the fields its `snapshot()` reads."""
 
     now: float
-    prefill: tuple[PrefillCandidate, ...]
-    decode: tuple[DecodeCandidate, ...]
-    sender_queued: dict[str, int]  # node -> bytes
-    loads: tuple[DecodeLoad, ...]
-    draw: float
+    state: ClusterState
+    rng: random.Random  # the policy's draw per route
 
 
 def run(args: argparse.Namespace) -> int:
@@ -176,26 +174,35 @@ def _fill_index(rows) -> tuple[PrefixIndex, int]:
 
 
 def _draw_state(rng: random.Random, now: float) -> State:
-    decode, loads = [], []
+    """A cluster as its instances report it, fed to a ClusterState as the conductor's heartbeats are."""
+    cluster = ClusterState(timeout_s=1e9, lease_s=1e9)
     level = rng.random()  # how loaded the decode pool is in this state, 0..1
     for did, node in zip(DECODE_IDS, DECODE_NODES):
-        running, waiting = rng.randint(int(24 * level), int(48 * level)), rng.randint(0, 8)
-        starts = sorted(now - rng.uniform(0, 25.0) for _ in range(running))
-        contexts = tuple(rng.randint(500, 30_000) for _ in range(running))
-        finishes = sorted(now + rng.uniform(0, 4.0) for _ in range(waiting))
-        loads.append(DecodeLoad(did, tuple(starts), contexts, tuple(finishes),
-                                tuple(rng.randint(500, 30_000) for _ in range(waiting))))
-        decode.append(DecodeCandidate(did, node, running, sum(contexts)))
-    prefill = tuple(PrefillCandidate(pid, node, rng.uniform(0.0, 3.0)) for pid, node in zip(PREFILL_IDS, PREFILL_NODES))
-    queued = {n: rng.choice((0, 0, rng.randint(0, 2_000_000_000))) for n in PREFILL_NODES}
-    return State(now, prefill, tuple(decode), queued, tuple(loads), rng.random())
+        running, waiting = rng.randint(int(24 * level), int(48 * level)), rng.randint(0, 4)
+        joined = [Joined(f"{did}-{j}", rng.uniform(0, 25.0), rng.randint(500, 30_000)) for j in range(running + waiting)]
+        context = sum(j.tokens for j in joined[:running])
+        report = DecodeReport(running, context, context, rng.randint(200_000, 2_000_000), 0.02, joined)
+        cluster.heard(WorkerInfo(did, "decode", node, decode=report), now - rng.uniform(0.0, 0.15))
+    for pid, node in zip(PREFILL_IDS, PREFILL_NODES):
+        coming = [Coming(f"{pid}-{j}", rng.choice(DECODE_IDS), rng.uniform(0.0, 4.0), rng.randint(500, 30_000))
+                  for j in range(rng.randint(0, 8))]
+        report = PrefillReport(rng.uniform(0.0, 3.0), sum(c.tokens for c in coming[1:]), sum(c.tokens for c in coming[:1]),
+                               [c.request_id for c in coming], coming)
+        cluster.heard(WorkerInfo(pid, "prefill", node, prefill=report), now - rng.uniform(0.0, 0.15))
+    for i in range(rng.randint(0, 8)):  # ours, routed and on the bus: no report holds them yet
+        pulls = rng.random() < 0.5
+        cluster.route(Routed(f"own-{i}", (rng.choice(PREFILL_IDS),), rng.choice(DECODE_IDS), "bench",
+                             rng.randint(500, 30_000), now - rng.uniform(0.0, 0.5), rng.uniform(0.1, 1.0),
+                             rng.uniform(0.1, 3.0), rng.choice(PREFILL_NODES) if pulls else "",
+                             rng.randint(1, 2_000_000_000) if pulls else 0))
+    return State(now, cluster, random.Random(rng.random()))
 
 
 def _bench(index: PrefixIndex, queries: list[Query], states: list[State], settings: list[PolicySettings],
            admission: AdmissionSettings, perf: Profile, decisions: int) -> dict[str, dict]:
     """Time every policy on the same (query, state) pairs, interleaved, so machine noise hits all alike."""
     warmup = min(500, decisions)
-    samples: dict[str, list[tuple[int, int, int, int, int]]] = {s.policy: [] for s in settings}
+    samples: dict[str, list[tuple[int, ...]]] = {s.policy: [] for s in settings}
     outcomes = {s.policy: [0, 0, 0] for s in settings}  # pulls, prefix blocks reused, rejects
     for i in range(warmup + decisions):
         q, state = queries[i % len(queries)], states[i % len(states)]
@@ -213,27 +220,37 @@ def _bench(index: PrefixIndex, queries: list[Query], states: list[State], settin
 
 
 def _decide_once(index: PrefixIndex, q: Query, state: State, settings: PolicySettings, admission: AdmissionSettings,
-                 perf: Profile) -> tuple[tuple[int, int, int, int, int], Decision, Verdict]:
+                 perf: Profile) -> tuple[tuple[int, ...], Decision, Verdict]:
+    cluster, now = state.state, state.now
+    cluster.changed()  # NOTE: untimed; the previous route or a report dropped the derived views (see above)
     t0 = time.perf_counter_ns()
     # 1. index match (random needs no prefix lengths)
     m = index.match(q.keys) if settings.policy != "random" else None
     t1 = time.perf_counter_ns()
-    # 2. snapshot: this request's holders, the conductor's kept candidates
+    # 2. snapshot: this request's holders, the candidates built by the live conductor's own code
     holders = {n: x.prefix_len for n, x in m.per_node.items() if x.prefix_len} if m is not None else {}
-    snap = ClusterSnapshot(state.now, state.prefill, state.decode, holders, state.sender_queued, state.draw)
-    load = DecodeLoadSnapshot(state.now, state.loads)
+    snap = ConductorService.snapshot(state, now, holders)  # type: ignore[arg-type]  # reads .state and .rng
     t2 = time.perf_counter_ns()
     # 3. policy
     decision = decide(q.request, snap, settings, perf)
     t3 = time.perf_counter_ns()
-    # 4. admission
+    # 4. admission, on the decode loads as the live route builds them
+    load = DecodeLoadSnapshot(now, tuple(cluster.decode_load(d.instance_id, now) for d in snap.decode))
     verdict = admit(decision.ttft_s, q.request.input_tokens, load, admission, perf)  # type: ignore[union-attr]
     t4 = time.perf_counter_ns()
+    # 5. record an admitted request, as the live route does before dispatching it
     assert isinstance(decision, Decision)
-    return (t4 - t0, t1 - t0, t2 - t1, t3 - t2, t4 - t3), decision, verdict
+    if verdict.admit:
+        pull = decision.pull
+        cluster.route(Routed(q.request.request_id, (decision.prefill_id,), decision.decode_id, "bench",
+                             q.request.input_tokens, now, decision.prefill_s + decision.transfer_s, decision.ttft_s,
+                             pull.source_node if pull else "", pull.nbytes if pull else 0))
+    t5 = time.perf_counter_ns()
+    cluster.end(q.request.request_id)  # untimed: the state stays as drawn
+    return (t5 - t0, t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), decision, verdict
 
 
-def _summary(rows: list[tuple[int, int, int, int, int]], outcome: list[int], decisions: int) -> dict:
+def _summary(rows: list[tuple[int, ...]], outcome: list[int], decisions: int) -> dict:
     ns = np.array(rows, dtype=np.float64) / 1e3  # columns: total, then STAGES; microseconds
     total = ns[:, 0]
     return {
@@ -257,7 +274,8 @@ def _print_table(r: dict, policies: list[str]) -> None:
           f"{r['fill_rows']:,} rows of {Path(r['trace']).name}; queries: the other {r['query_rows']:,} rows")
     print(f"  model: {r['model']}, {r['block_tokens']}-token blocks; admission {r['admission_mode']}; "
           f"{r['decisions']:,} timed decisions per policy (single thread, gc {r['gc']})")
-    print("  timed: index match + snapshot + decide + admission  (random skips the match)\n")
+    print("  timed: index match + snapshot (candidates built per route) + decide + admission + record, as the live "
+          "route does in memory  (random skips the match)\n")
     head = f"  {'policy':<17}{'decisions/s':>12}{'p50 us':>9}{'p99 us':>9}{'max us':>9}   {'pulls':>6}{'reuse':>7}{'reject':>7}"
     print(head)
     print("  " + "-" * (len(head) - 2))

@@ -82,19 +82,20 @@ class LiveConfig:
     throughput_routes: int = 4_000  # `concurrency` in flight
     concurrency: int = 32
     model_home: Path = default_home()  # where tiny-random is built once and reused
+    index_timeout_s: float = 0.5  # the conductors' --index-timeout (their default)
 
     def __post_init__(self) -> None:
         if not self.conductors or min(self.conductors) < 1 or list(self.conductors) != sorted(set(self.conductors)):
             raise ValueError(f"conductor counts must be >= 1 and increasing (conductors are added), got {self.conductors}")
         if min(self.prefill, self.decode, self.blocks, self.queries, self.latency_routes,
-               self.throughput_routes, self.concurrency) < 1 or self.warmup < 0:
-            raise ValueError("instance, block, query and route counts must be >= 1 (warmup >= 0)")
+               self.throughput_routes, self.concurrency) < 1 or self.warmup < 0 or self.index_timeout_s <= 0:
+            raise ValueError("instance, block, query and route counts must be >= 1 (warmup >= 0, index timeout > 0)")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> LiveConfig:
         return cls(tuple(int(n) for n in args.live_conductors.split(",")), args.live_prefill, args.live_decode,
                    args.live_blocks, args.live_queries, args.live_warmup, args.live_latency_routes,
-                   args.live_throughput_routes, args.live_concurrency, args.live_model_home)
+                   args.live_throughput_routes, args.live_concurrency, args.live_model_home, args.live_index_timeout)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -113,6 +114,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--live-concurrency", type=int, default=d.concurrency)
     parser.add_argument("--live-model-home", type=Path, default=d.model_home,
                         help="where tiny-random is built once (its config gives the conductors the KV layout)")
+    parser.add_argument("--live-index-timeout", type=float, default=d.index_timeout_s,
+                        help="the conductors' --index-timeout, seconds: a route whose index query takes longer goes "
+                             "on as if nothing were cached (counted in index_timeouts)")
 
 
 def run_live(cfg: LiveConfig, rows: list[TraceRow]) -> dict:
@@ -173,7 +177,8 @@ async def _drive(cfg: LiveConfig, cluster: Cluster, layout: Layout, perf: Profil
             for i in range(started, n):
                 cluster.service(f"conductor-{i}", "conductor", "--model", MODEL, "--block-tokens", str(BLOCK_TOKENS),
                                 "--profile", cluster.spec.profile, "--policy", "kvcache-centric",
-                                "--admission", "predictive", "--prefill-chunk", str(PREFILL_CHUNK))
+                                "--admission", "predictive", "--prefill-chunk", str(PREFILL_CHUNK),
+                                "--index-timeout", str(cfg.index_timeout_s))
             started = max(started, n)
             await _wait_conductors(nc, cluster, started, fleet.num_instances)
             load = os.getloadavg()[0]
@@ -195,6 +200,7 @@ async def _drive(cfg: LiveConfig, cluster: Cluster, layout: Layout, perf: Profil
     setup = {"prefill_instances": cfg.prefill, "decode_instances": cfg.decode, "nodes": cfg.prefill + cfg.decode,
              "blocks_indexed": indexed, "block_tokens": BLOCK_TOKENS, "model": MODEL, "policy": "kvcache-centric",
              "admission": "predictive", "concurrency": cfg.concurrency, "warmup_routes": cfg.warmup,
+             "index_timeout_s": cfg.index_timeout_s,
              "heartbeats_per_s": round(fleet.heartbeats_per_s, 1), "cpu_cores": os.cpu_count() or 1}
     return summary(rows, setup, started)
 
