@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip -q --disable-pip-version-check
 STAMP := $(VENV)/.moonbus-installed
 
-.PHONY: setup browser run test unit integration soak clean compose-test docker-tools bench-transfer rdma-tools rdma-model-test
+.PHONY: setup browser run test unit integration soak clean compose-test docker-tools bench bench-transfer rdma-tools rdma-model-test
 
 setup: $(STAMP)
 
@@ -48,11 +48,22 @@ DOCKER_PACKAGES := docker.io docker-compose debootstrap
 docker-tools:
 	@sh tools/ensure_packages.sh "compose test" "dockerd docker-compose debootstrap" "$(DOCKER_PACKAGES)"
 
-# `moonbus bench transfer` next to the Mooncake Transfer Engine (TCP mode). Optional: without it
-# the bench prints a "not installed" row. The non-CUDA build: the default wheel needs libcudart/libcuda.
+# Mooncake's Transfer Engine, which `moonbus bench transfer` runs next to ours (TCP mode). The non-CUDA
+# build: the default wheel needs libcudart/libcuda. Without it the bench prints a "not installed"
+# row; under these targets (--require-mooncake) its absence is a failure.
+MOONCAKE := mooncake-transfer-engine-non-cuda==0.3.13.post1
+
+# Every `moonbus bench` target side by side (tools/moonbus/bench/suite.py: each target of
+# tools/moonbus/bench/__init__.py's TARGETS, one after another), into bench-out/bench.json and
+# bench-out/BENCH.md: the date, the machine, each row's ratio. BENCH_ARGS adds to the suite's
+# arguments, e.g. BENCH_ARGS="--targets transfer --with 'transfer=--repeats 3'".
+bench: setup
+	$(PIP) install $(MOONCAKE)
+	$(PY) -m tools.moonbus.bench.suite --out bench-out --with transfer=--require-mooncake $(BENCH_ARGS)
+
 bench-transfer: setup
-	$(PIP) install mooncake-transfer-engine-non-cuda==0.3.13.post1
-	$(VENV)/bin/moonbus bench transfer
+	$(PIP) install $(MOONCAKE)
+	$(VENV)/bin/moonbus bench transfer --require-mooncake
 
 # What the RDMA VM test (tests/integration/test_rdma_vm.py) needs: qemu with its firmware, and
 # debootstrap and mkfs.ext4 to build the image once (cached); installed with apt where missing and

@@ -156,6 +156,26 @@ def run(args: argparse.Namespace) -> int:
     return status
 
 
+def summary(report: dict) -> list[dict]:
+    """`make bench`'s rows of this target (tools/moonbus/bench/suite.py)."""
+    ours, base = report["results"][report["ours"]], report["results"]["random"]
+    rows = [{"row": f"decision {q}, {report['ours']} vs random (candidates built per route)",
+             "ours": f"{ours[f'{q}_us']:.0f} us", "baseline": f"{base[f'{q}_us']:.0f} us", "ratio": report[f"ratio_{q}"],
+             "goal": f"p99 < {report['goal_p99_us']:.0f} us" if q == "p99" else None,
+             "met": report["goal_met"] if q == "p99" else None} for q in ("p50", "p99")]
+    live = report["live"] or {}
+    for r in live.get("rows", []):
+        rows.append({"row": f"live route p99, {r['conductors']} conductor(s)", "ours": f"{r['p99_us']:.0f} us",
+                     "baseline": None, "ratio": None, "goal": f"<= {live['goal_p99_us']:.0f} us",
+                     "met": r["p99_us"] <= live["goal_p99_us"]})
+    if live.get("rows"):
+        first, last = live["rows"][0], live["rows"][-1]
+        rows.append({"row": f"live routes/s, {live['ratio_of']}", "ours": f"{last['routes_per_s']:.0f}/s",
+                     "baseline": f"{first['routes_per_s']:.0f}/s", "ratio": live["ratio_routes_per_s"],
+                     "goal": f">= {live['goal_ratio']:g}x", "met": live["goal_ratio_met"]})
+    return rows
+
+
 def _fill_index(rows) -> tuple[PrefixIndex, int]:
     """Store each row's keys on one prefill node; returns the index and its (key, node) count."""
     index = PrefixIndex()

@@ -87,6 +87,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def summary(result: dict) -> list[dict]:
+    """`make bench`'s rows of this target (tools/moonbus/bench/suite.py)."""
+    rows = [{"row": f"decode, batch {r['batch']}: BatchEngine vs generate()", "ours": f"{r['ours_tps']:.0f} tok/s",
+             "baseline": f"{r['generate_tps']:.0f} tok/s", "ratio": r["ratio"], "goal": f">= {DECODE_GOAL}x",
+             "met": r["goal_met"]} for r in result["decode"]]
+    base = next((r for r in result["prefill"] if r["case"].startswith("compute-only")), None)
+    rows += [{"row": f"prefill {r['tokens']} tokens: {r['case']} vs compute-only", "ours": f"{r['seconds']:.3f} s",
+              "baseline": f"{base['seconds']:.3f} s" if base else None, "ratio": r["vs_compute_only"],
+              "goal": None if r["goal_met"] is None else f"<= {PREFILL_GOAL}x", "met": r["goal_met"]}
+             for r in result["prefill"] if r is not base]
+    first = result["ttft"][0] if result["ttft"] else None
+    rows += [{"row": f"ttft {r['tokens']} tokens: {r['case']} vs {first['case']}", "ours": f"{r['ttft_s']:.2f} s",
+              "baseline": f"{first['ttft_s']:.2f} s", "ratio": r["vs_one_instance"], "goal": None, "met": None}
+             for r in result["ttft"][1:]]
+    return rows
+
+
 # ---------------------------------------------------------------------------- decode
 
 

@@ -67,6 +67,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def summary(result: dict) -> list[dict]:
+    """`make bench`'s rows of this target (tools/moonbus/bench/suite.py)."""
+    return [{"row": f"{r['tier']} {r['op']}: {r['ours']} vs {r['baseline']}", "ours": f"{r['ours_MBps']:.0f} MB/s",
+             "baseline": f"{r['baseline_MBps']:.0f} MB/s", "ratio": r["ratio"], "goal": None, "met": None}
+            for r in result["results"]]
+
+
 def _bench_dram(payloads: list[bytes], layout: KvLayout, args: argparse.Namespace) -> list[dict]:
     n = len(payloads)
     path = os.path.join(args.shm_dir, f"moonbus-bench-{os.getpid()}.slab")

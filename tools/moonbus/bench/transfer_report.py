@@ -44,24 +44,31 @@ def goals(rows: list[dict], goal_of: dict[str, str], ours: str) -> dict:
 
 
 def summary(result: dict) -> list[dict]:
-    """`make bench`'s rows: ours against each baseline per pattern, the goals, the handoff's tail."""
+    """`make bench`'s rows: ours (the goals' case) against each baseline per pattern, ours unverified
+    against the unverified socket on the pulls, the handoff's tail. A round-trip pattern's rows
+    compare times (lower is better), the others GiB/s."""
     goal_by = {g["pattern"]: g for g in result["goals"]["rows"]}
     ours = result["goals"]["ours"]
-    rows = [r for r in result["rows"] if r["case"] != "handoff_tail"]
-    speed = {(r["pattern"], r["case"]): r for r in rows}
+    by = {(r["pattern"], r["case"]): r for r in result["rows"]}
+    pairs = [(r, base) for r in result["rows"] if r["case"] == ours for base in BASELINES]
+    pairs += [(r, "socket") for r in result["rows"] if r["case"] == f"{ours}_unverified"]
     out = []
-    for r in rows:
-        if not r["case"].startswith("ours") or r["gib_s"] is None:
+    for r, base in pairs:
+        theirs = by.get((r["pattern"], base))
+        if r["gib_s"] is None or theirs is None or theirs["gib_s"] is None:
             continue
-        for base in BASELINES:
-            theirs = speed.get((r["pattern"], base))
-            if theirs is None or theirs["gib_s"] is None:
-                continue
-            g = goal_by.get(r["pattern"]) if r["case"] == ours and base == FAIR else None
-            out.append({"row": f"{r['pattern']} {r['case']} ({r['integrity']}) vs {base} ({theirs['integrity']})",
-                        "ours": f"{r['gib_s']:.2f} GiB/s", "baseline": f"{theirs['gib_s']:.2f} GiB/s",
-                        "ratio": r[f"vs_{base}"], "goal": g and f"{g['measure']}: {g['goal']}",
-                        "met": g and g["met"]})
+        g = goal_by.get(r["pattern"]) if r["case"] == ours and base == FAIR else None
+        round_trip = goal_by.get(r["pattern"], {}).get("measure") == "round trip"
+        row = {"row": f"{r['pattern']}{' round trip' if round_trip else ''}: {r['case']} ({r['integrity']}) vs "
+                      f"{base} ({theirs['integrity']})",
+               "goal": g and f"{g['measure']}: {g['goal']}", "met": g and g["met"]}
+        if round_trip:
+            row |= {"ours": f"{r['seconds'] * 1e6:.0f} us", "baseline": f"{theirs['seconds'] * 1e6:.0f} us",
+                    "ratio": r["seconds"] / theirs["seconds"]}
+        else:
+            row |= {"ours": f"{r['gib_s']:.2f} GiB/s", "baseline": f"{theirs['gib_s']:.2f} GiB/s",
+                    "ratio": r[f"vs_{base}"]}
+        out.append(row)
     for r in result["rows"]:
         if r["case"] == "handoff_tail":
             out.append({"row": f"handoff tail at {r['prompt_tokens']} tokens vs one layer's compute",
