@@ -19,6 +19,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
+import msgspec
 import nats
 import orjson
 from nats.aio.client import Client
@@ -368,7 +369,7 @@ class EventPublisher:
             if self._chain is None:
                 payload = event.to_bytes()
             else:  # sealed in queue order, which is the order they are sent and stored in
-                fields = {f.name: getattr(event, f.name) for f in dataclasses.fields(event)}
+                fields = msgspec.structs.asdict(event)
                 payload = self._chain.seal(subject, fields)
         except Exception:  # the audit log must never take a request down
             log.exception("could not encode event %s", subject)

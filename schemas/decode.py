@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from schemas.codec import Wire, check_subject, check_token
+from schemas.codec import Subject, Token, Wire
 from schemas.route import SamplingParams
 from schemas.transfer import KvHandle
 
 
-@dataclass(frozen=True)
 class DecodeTask(Wire):
-    request_id: str
+    request_id: Token
     prompt_token_ids: list[int]
     first_token: int  # sampled by prefill, already sent to the gateway
     sampling: SamplingParams
-    reply_subject: str
+    reply_subject: Subject
     kv: KvHandle  # on the decode instance's node
     arrival_ts: float
     cached_tokens: int = 0  # prompt tokens prefill reused rather than computed
@@ -23,7 +20,3 @@ class DecodeTask(Wire):
     attempt: int = 0  # see schemas.route.RouteRequest
     num_generated: int = 0  # completion tokens the client had before this attempt's first token
     key_seed: int = 0  # see schemas.route.RouteRequest
-
-    def __post_init__(self) -> None:
-        check_token("request_id", self.request_id)
-        check_subject("reply_subject", self.reply_subject)

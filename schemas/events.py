@@ -6,7 +6,6 @@ exactly one terminal kind: completed, failed, rejected or cancelled.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 from schemas.codec import Wire
@@ -26,14 +25,13 @@ REQUEST_KINDS = (
 TERMINAL_KINDS = frozenset({"completed", "failed", "rejected", "cancelled"})
 
 
-@dataclass(frozen=True)
 class Event(Wire):
     kind: str
     ts: float  # wall clock, seconds
     service: str
     instance_id: str
     request_id: str = ""
-    data: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = {}
     # the audit chain (common/audit.py), set when the publisher holds the cluster secret
     publisher: str = ""  # <service>/<instance_id>/<incarnation>
     seq: int = 0  # 1, 2, 3, ... per publisher

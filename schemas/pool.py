@@ -10,18 +10,7 @@ nodes over the point-to-point transport (schemas/transfer.py: pin, read, unpin).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from schemas.codec import Wire, WireError, check_token
-
-
-def check_holder(holder: str) -> None:
-    """A worker process's name in its pins: '<instance>:<incarnation>'."""
-    parts = holder.split(":") if isinstance(holder, str) else []
-    if len(parts) != 2:
-        raise WireError(f"holder {holder!r} must be '<instance>:<incarnation>'")
-    for part in parts:
-        check_token("holder", part)
+from schemas.codec import OptionalHolder, Token, Wire
 
 
 class _Held:
@@ -30,81 +19,66 @@ class _Held:
     (holder, request_id), so the prefill and the decode of one request on one node never
     release each other's pins, and a dead process's pins can be released by its holder name."""
 
-    def __post_init__(self) -> None:
-        check_token("request_id", self.request_id)
-        if self.holder:
-            check_holder(self.holder)
+    request_id: str
+    holder: str
 
     @property
     def hold_key(self) -> str:
         return f"{self.holder}/{self.request_id}"
 
 
-@dataclass(frozen=True)
 class SlotRef(Wire):
     key: int
     slot: int
     checksum: int = 0  # of the payload in the slot (0 in a reservation: not written yet)
 
 
-@dataclass(frozen=True)
 class LookupRequest(_Held, Wire):
-    request_id: str
+    request_id: Token
     keys: list[int]
-    holder: str = ""
+    holder: OptionalHolder = ""
 
 
-@dataclass(frozen=True)
 class LookupReply(Wire):
     blocks: list[SlotRef]  # the leading held blocks, in order, pinned for request_id
     slab_path: str = ""
     error: str = ""
 
 
-@dataclass(frozen=True)
 class ReserveRequest(_Held, Wire):
-    request_id: str
+    request_id: Token
     keys: list[int]
     first_depth: int  # block index of keys[0] in its prompt (for length-aware eviction)
-    holder: str = ""
+    holder: OptionalHolder = ""
 
 
-@dataclass(frozen=True)
 class ReserveReply(Wire):
     slots: list[SlotRef]  # for the keys not already held, pinned until commit/release
     slab_path: str = ""
     error: str = ""
 
 
-@dataclass(frozen=True)
 class CommitRequest(_Held, Wire):
-    request_id: str
+    request_id: Token
     blocks: list[SlotRef]  # with the checksums of what was written
-    holder: str = ""
+    holder: OptionalHolder = ""
 
 
-@dataclass(frozen=True)
 class ReleaseRequest(_Held, Wire):
-    request_id: str
+    request_id: Token
     keys: list[int]  # pinned by lookup (unpinned) or reserved and not written (dropped)
-    holder: str = ""
-    corrupt: list[int] = field(default_factory=list)  # blocks whose checksum failed on the holder's read: drop them
+    holder: OptionalHolder = ""
+    corrupt: list[int] = []  # blocks whose checksum failed on the holder's read: drop them
 
 
-@dataclass(frozen=True)
 class PullRequest(_Held, Wire):
-    request_id: str
-    source_node: str
+    request_id: Token
+    source_node: Token
     keys: list[int]  # blocks to fetch from source_node and keep here
     first_depth: int = 0
-    holder: str = ""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_token("source_node", self.source_node)
+    holder: OptionalHolder = ""
 
 
-@dataclass(frozen=True)
 class PoolReply(Wire):
     ok: bool
     error: str = ""
@@ -114,7 +88,6 @@ class PoolReply(Wire):
     transport: str = ""  # a pull: how the blocks came (tcp, rdma)
 
 
-@dataclass(frozen=True)
 class SnapshotReply(Wire):
     node: str
     epoch: str  # changes when the messenger restarts: its sequence numbers start again
@@ -123,7 +96,6 @@ class SnapshotReply(Wire):
     tiers: list[str]  # tiers[i] is where keys[i] lives: "dram" | "ssd"
 
 
-@dataclass(frozen=True)
 class KvEventData(Wire):
     """The `data` of a KV event (moonbus.events.kv.<kind>.<node>): what the cache index applies."""
 
@@ -135,7 +107,6 @@ class KvEventData(Wire):
     request_id: str = ""  # a `corrupt` event: the request whose read found it (audit only)
 
 
-@dataclass(frozen=True)
 class PoolStatus(Wire):
     """messenger_control(node, "status"): how full the node's pool is and who pins what (for leak checks)."""
 

@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from schemas.codec import Wire, check_subject, check_token
+from schemas.codec import Subject, Token, Wire
 from schemas.route import SamplingParams
 
 
-@dataclass(frozen=True)
 class PullSpec(Wire):
     """Blocks the prefill instance fetches from another node before it computes (and keeps)."""
 
-    source_node: str
+    source_node: Token
     first_block: int  # index of the first block to fetch in the prompt's block keys
     num_blocks: int
 
-    def __post_init__(self) -> None:
-        check_token("source_node", self.source_node)
 
-
-@dataclass(frozen=True)
 class PipelineSpec(Wire):
     """Chunked pipeline parallelism: chunk i of the prompt is computed by stages[i % len(stages)].
 
@@ -38,14 +31,13 @@ class PipelineSpec(Wire):
         return (-(-num_tokens // self.chunk_tokens) - 1) % len(self.stages)
 
 
-@dataclass(frozen=True)
 class PrefillTask(Wire):
-    request_id: str
+    request_id: Token
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    reply_subject: str
-    decode_id: str  # where the KV and the rest of the generation go
-    decode_node: str
+    reply_subject: Subject
+    decode_id: Token  # where the KV and the rest of the generation go
+    decode_node: Token
     arrival_ts: float
     pull: PullSpec | None = None
     pipeline: PipelineSpec | None = None
@@ -54,9 +46,3 @@ class PrefillTask(Wire):
     num_generated: int = 0  # completion tokens the client has: the first token sampled here is number num_generated
     predicted_s: float = 0.0  # the conductor's prediction of this task's work (prefill + transfer)
     key_seed: int = 0  # see schemas.route.RouteRequest
-
-    def __post_init__(self) -> None:
-        check_token("request_id", self.request_id)
-        check_subject("reply_subject", self.reply_subject)
-        check_token("decode_id", self.decode_id)
-        check_token("decode_node", self.decode_node)

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from schemas.codec import Wire, check_subject, check_token
+from schemas.codec import Subject, Token, Wire
 
 
-@dataclass(frozen=True)
 class SamplingParams(Wire):
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
@@ -16,7 +13,6 @@ class SamplingParams(Wire):
     ignore_eos: bool = False
 
 
-@dataclass(frozen=True)
 class RouteRequest(Wire):
     """A request to route, or to route again (a resumed attempt after its instance was lost).
 
@@ -24,25 +20,18 @@ class RouteRequest(Wire):
     the client already has; `sampling.max_tokens` is what is left to generate.
     """
 
-    request_id: str
+    request_id: Token
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    reply_subject: str  # where workers send TokenChunks for this request
+    reply_subject: Subject  # where workers send TokenChunks for this request
     arrival_ts: float  # wall clock at the gateway, seconds
     attempt: int = 0  # 0, then +1 per migration or re-dispatch; workers tag every chunk with it
     num_generated: int = 0  # completion tokens already delivered (index and sampling step of the next)
     deadline_ts: float = 0.0  # wall clock after which the gateway stopped waiting: do not dispatch (0 = none)
     key_seed: int = 0  # seed of the request's block keys: its cache namespace (0 = the common one)
-    avoid: list[str] = field(default_factory=list)  # instances its failed attempts used: others first
-
-    def __post_init__(self) -> None:
-        check_token("request_id", self.request_id)
-        check_subject("reply_subject", self.reply_subject)
-        for instance_id in self.avoid:
-            check_token("avoid", instance_id)
+    avoid: list[Token] = []  # instances its failed attempts used: others first
 
 
-@dataclass(frozen=True)
 class RouteReply(Wire):
     admitted: bool
     status: int = 200  # 429 rejected at arrival, 503 no instance available

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from schemas.codec import Wire, check_token
+from schemas.codec import Token, Wire
 
 
-@dataclass(frozen=True)
 class TokenChunk(Wire):
-    request_id: str
+    request_id: Token
     index: int  # position of token_ids[0] among the completion's tokens
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" when this chunk ends the request
@@ -24,36 +21,24 @@ class TokenChunk(Wire):
     attempt: int = 0  # the attempt that produced it: chunks of an abandoned attempt are dropped
     retryable: bool = False  # an error of the cluster, not of the request: the gateway may resume it elsewhere
 
-    def __post_init__(self) -> None:
-        check_token("request_id", self.request_id)
 
-
-@dataclass(frozen=True)
 class Cancel(Wire):
     """gateway -> every worker (REQUEST_CANCEL): stop working on attempts <= `attempt` of a request."""
 
-    request_id: str
+    request_id: Token
     attempt: int
 
-    def __post_init__(self) -> None:
-        check_token("request_id", self.request_id)
 
-
-@dataclass(frozen=True)
 class Probe(Wire):
     """gateway -> the instance that should hold an attempt of a request (worker_probe(instance)):
     do you hold it? A decode instance that does sends its tokens from `from_index` again, so a
     chunk lost to a broker outage is recovered; one that does not lets the gateway resume it."""
 
-    request_id: str
+    request_id: Token
     attempt: int
     from_index: int
 
-    def __post_init__(self) -> None:
-        check_token("request_id", self.request_id)
 
-
-@dataclass(frozen=True)
 class ProbeReply(Wire):
     known: bool
     phase: str = ""  # "queued" | "prefill" | "handed_off" | "decode" | "finished"

@@ -19,31 +19,26 @@ The TCP backend's frames (common/transport/tcp.py): WriteFrame, ReadFrame, CallF
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import Annotated, Literal
 
-from schemas.codec import Wire, WireError, check_file_name, check_token
-from schemas.pool import SlotRef, check_holder
+from msgspec import Meta
+
+from schemas.codec import FileName, Holder, NonNegative, OptionalToken, Token, Wire, WireError
+from schemas.pool import SlotRef
 
 
-@dataclass(frozen=True)
 class KvHandle(Wire):
     """A request's KV, as a file in a node's shared-memory directory.
 
     Layout: C-order array shaped [num_layers, 2 (K, V), num_kv_heads, num_tokens, head_dim].
     """
 
-    node: str
-    name: str
-    shape: list[int]
-    dtype: str
+    node: Token
+    name: FileName
+    shape: Annotated[list[NonNegative], Meta(min_length=5, max_length=5)]  # [L, 2, H, S, D]
+    dtype: Literal["float32"]
     checksum: int  # xxh3-64 of the file (0 when `verified`)
     verified: bool = False  # every slice was verified on arrival by the node's messenger: read without checking again
-
-    def __post_init__(self) -> None:
-        check_token("node", self.node)
-        check_file_name("name", self.name)
-        if len(self.shape) != 5 or any(d < 0 for d in self.shape) or self.dtype != "float32":
-            raise ValueError(f"KV {self.name}: shape {self.shape} / dtype {self.dtype} is not a float32 [L, 2, H, S, D]")
 
     @property
     def num_tokens(self) -> int:
@@ -52,99 +47,65 @@ class KvHandle(Wire):
 
 MAX_PIECES = 4096  # pieces of one write or read: a KV slice has 2 x kv heads of them
 MAX_STRIPES = 16  # connections one write may be striped over
+MAX_CALL_BYTES = 1 << 20  # a call's body
+
+Piece = Annotated[list[NonNegative], Meta(min_length=2, max_length=2)]  # [offset, nbytes]
+Pieces = Annotated[list[Piece], Meta(max_length=MAX_PIECES)]
 
 
-def _check_pieces(pieces: list[list[int]]) -> None:
-    if len(pieces) > MAX_PIECES:
-        raise WireError(f"{len(pieces)} pieces (at most {MAX_PIECES})")
-    for piece in pieces:
-        if len(piece) != 2 or piece[0] < 0 or piece[1] < 0:
-            raise WireError(f"piece {piece} is not [offset, nbytes]")
-
-
-@dataclass(frozen=True)
 class RegionRef(Wire):
     """A registered region of some process, as its peers address it (common/transport)."""
 
-    region: str
-    nbytes: int
+    region: Token
+    nbytes: NonNegative
     endpoints: dict[str, str]  # transport -> locator (tcp: host:port of the owner's listener)
-
-    def __post_init__(self) -> None:
-        check_token("region", self.region)
-        if self.nbytes < 0:
-            raise WireError(f"region {self.region}: {self.nbytes} bytes")
 
 
 # --- the streamed handoff -----------------------------------------------------------------------
-@dataclass(frozen=True)
 class AcceptKv(Wire):
     """prefill -> the decode node's messenger: reserve room for this request's KV, written slice by slice."""
 
-    request_id: str
+    request_id: Token
     attempt: int
     num_tokens: int  # the region is [L, 2, H, num_tokens, D] of the node's model layout
-    holder: str  # the prefill process ("<instance>:<incarnation>"): the reservation dies with it
-    dest_instance: str  # the decode instance the KV is for (the landed file carries its name)
-    src_node: str = ""  # the prefill's node (metrics, logs)
-
-    def __post_init__(self) -> None:
-        check_token("request_id", self.request_id)
-        check_token("dest_instance", self.dest_instance)
-        check_holder(self.holder)
-        if self.src_node:
-            check_token("src_node", self.src_node)
+    holder: Holder  # the prefill process ("<instance>:<incarnation>"): the reservation dies with it
+    dest_instance: Token  # the decode instance the KV is for (the landed file carries its name)
+    src_node: OptionalToken = ""  # the prefill's node (metrics, logs)
 
 
-@dataclass(frozen=True)
 class AcceptKvReply(Wire):
     ok: bool
     region: RegionRef | None = None
     error: str = ""
 
 
-@dataclass(frozen=True)
 class CompleteKv(Wire):
     """The completion notice (a transport call, after the last slice): the KV is whole."""
 
-    region: str
-
-    def __post_init__(self) -> None:
-        check_token("region", self.region)
+    region: Token
 
 
-@dataclass(frozen=True)
 class CompleteKvReply(Wire):
     ok: bool
     dest: KvHandle | None = None
     error: str = ""
 
 
-@dataclass(frozen=True)
 class AbortKv(Wire):
     """prefill -> the decode node's messenger: the request will not be handed off; free its region
     (named by the request's attempt and decode instance: the accept's reply may never have come)."""
 
-    request_id: str
+    request_id: Token
     attempt: int
-    dest_instance: str
-
-    def __post_init__(self) -> None:
-        check_token("request_id", self.request_id)
-        check_token("dest_instance", self.dest_instance)
+    dest_instance: Token
 
 
 # --- block pulls --------------------------------------------------------------------------------
-@dataclass(frozen=True)
 class PinBlocks(Wire):
-    request_id: str
+    request_id: Token
     keys: list[int]
 
-    def __post_init__(self) -> None:
-        check_token("request_id", self.request_id)
 
-
-@dataclass(frozen=True)
 class PinReply(Wire):
     """The leading requested blocks the peer holds, pinned until "unpin" or the connection ends."""
 
@@ -154,55 +115,36 @@ class PinReply(Wire):
     block_nbytes: int
 
 
-@dataclass(frozen=True)
 class UnpinBlocks(Wire):
-    corrupt: list[int] = field(default_factory=list)  # keys whose payload failed its checksum on arrival
+    corrupt: list[int] = []  # keys whose payload failed its checksum on arrival
 
 
 # --- the TCP backend's frames -------------------------------------------------------------------
-@dataclass(frozen=True)
 class WriteFrame(Wire):
-    region: str
-    pieces: list[list[int]]  # [offset, nbytes], in the order of the payload
-    meta: dict[str, int] = field(default_factory=dict)  # handed to the region's owner (e.g. layer, start, tokens)
+    region: Token
+    pieces: Pieces  # [offset, nbytes], in the order of the payload
+    meta: dict[str, int] = {}  # handed to the region's owner (e.g. layer, start, tokens)
     # A write striped over several connections arrives as `parts` frames sharing `group`; the one
     # with `whole` carries the write's own pieces, which the owner is handed once every part landed.
-    group: str = ""
-    parts: int = 1
-    whole: list[list[int]] = field(default_factory=list)
+    group: OptionalToken = ""
+    parts: Annotated[int, Meta(ge=1, le=MAX_STRIPES)] = 1
+    whole: Pieces = []
 
     def __post_init__(self) -> None:
-        check_token("region", self.region)
-        _check_pieces(self.pieces)
-        if self.parts != 1 or self.group:
-            check_token("group", self.group)
-            if not 1 <= self.parts <= MAX_STRIPES:
-                raise WireError(f"write in {self.parts} parts (at most {MAX_STRIPES})")
-        _check_pieces(self.whole)
+        if self.parts != 1 and not self.group:
+            raise WireError(f"a write in {self.parts} parts without a group")
 
 
-@dataclass(frozen=True)
 class ReadFrame(Wire):
-    region: str
-    pieces: list[list[int]]
-
-    def __post_init__(self) -> None:
-        check_token("region", self.region)
-        _check_pieces(self.pieces)
+    region: Token
+    pieces: Pieces
 
 
-@dataclass(frozen=True)
 class CallFrame(Wire):
-    op: str
-    nbytes: int  # of the body that follows
-
-    def __post_init__(self) -> None:
-        check_token("op", self.op)
-        if not 0 <= self.nbytes <= 1 << 20:
-            raise WireError(f"call body of {self.nbytes} bytes")
+    op: Token
+    nbytes: Annotated[int, Meta(ge=0, le=MAX_CALL_BYTES)]  # of the body that follows
 
 
-@dataclass(frozen=True)
 class ReplyFrame(Wire):
     ok: bool
     error: str = ""

@@ -19,12 +19,12 @@ silence is the conductor's, not the instances'.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import random
 import time
 from typing import Collection
 
+import msgspec
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
@@ -194,7 +194,7 @@ class ConductorService:
             await self.events.request("pipelined", rid, stages=spec.stages, chunk_tokens=spec.chunk_tokens)
             sent = True
             for stage, instance_id in enumerate(spec.stages):
-                staged = dataclasses.replace(task, pipeline=spec, stage=stage)
+                staged = msgspec.structs.replace(task, pipeline=spec, stage=stage)
                 sent &= await bus.publish(self.nc, subjects.prefill_tasks(instance_id), staged.to_bytes())
         if not sent:
             self.state.end(rid)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import hmac
 import json
 from types import SimpleNamespace
 
+import msgspec
 import orjson
 import pytest
 
@@ -23,7 +23,7 @@ CD = "conductor/conductor/bbbb"
 
 def make_event(kind: str = "received", ts: float = 100.0, request_id: str = "r1", **data) -> dict:
     event = Event(kind, ts, "gateway", "gateway", request_id, data)
-    return {f.name: getattr(event, f.name) for f in dataclasses.fields(event)}
+    return msgspec.structs.asdict(event)
 
 
 def make_chain(publisher: str = GW, n: int = 3, secret: bytes = SECRET, t0: float = 100.0) -> list[tuple[str, bytes]]:

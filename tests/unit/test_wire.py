@@ -8,8 +8,8 @@ from schemas.decode import DecodeTask
 from schemas.pool import LookupRequest, ReleaseRequest
 from schemas.prefill import PrefillTask
 from schemas.route import RouteRequest, SamplingParams
-from schemas.tokens import TokenChunk
-from schemas.transfer import KvHandle
+from schemas.tokens import Cancel, TokenChunk
+from schemas.transfer import CallFrame, KvHandle, WriteFrame
 from schemas.workers import WorkerInfo
 
 HANDLE = {"node": "node-d0", "name": "in-cmpl-1-a0.kv", "shape": [4, 2, 2, 8, 16], "dtype": "float32", "checksum": 7}
@@ -70,6 +70,32 @@ def test_ids_that_become_subjects_are_checked_everywhere():
     with pytest.raises(WireError):
         LookupRequest.from_dict({"request_id": "r", "keys": [1], "holder": "decode-0"})  # no incarnation
     assert ReleaseRequest.from_dict({"request_id": "r", "keys": [], "holder": "d0:ab12", "corrupt": [3]}).hold_key == "d0:ab12/r"
+
+
+@pytest.mark.parametrize("data", [
+    b'{"request_id": "cmpl-1\\n", "attempt": 0}',  # a newline would end a NATS protocol line
+    b'{"request_id": "cmpl-1", "attempt": NaN}',
+    b'{"request_id": "cmpl-1", "attempt": 1.0}',
+    b'{"request_id": "cmpl-1"',
+    b'["cmpl-1", 0]',
+])
+def test_bytes_that_are_not_a_well_formed_message_are_wire_errors(data):
+    with pytest.raises(WireError, match="Cancel"):
+        Cancel.from_bytes(data)
+
+
+def test_transport_frames_are_bounded():
+    piece = [0, 4096]
+    assert WriteFrame.from_dict({"region": "r", "pieces": [piece], "group": "g", "parts": 2}).parts == 2
+    for bad in ({"pieces": [[0, -1]]}, {"pieces": [[0, 1, 2]]}, {"pieces": [piece] * 4097},
+                {"group": "g", "parts": 17}, {"group": "g", "parts": 0}, {"parts": 2}, {"group": "a.b"}):
+        with pytest.raises(WireError):
+            WriteFrame.from_dict({"region": "r", "pieces": [piece]} | bad)
+    assert CallFrame.from_dict({"op": "pin", "nbytes": 1 << 20}).nbytes == 1 << 20
+    with pytest.raises(WireError):
+        CallFrame.from_dict({"op": "pin", "nbytes": (1 << 20) + 1})
+    with pytest.raises(WireError):
+        CallFrame.from_dict({"op": "../pin", "nbytes": 0})
 
 
 def test_cancellations_cover_an_attempt_and_the_ones_before_it():

@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tap": ("tools.moonbus.observe.tap", "print the event stream live, filtered by kind or request id"),
     "audit": ("tools.moonbus.observe.audit", "prove the audit log complete and unaltered (verify), or show one request's record"),
     "cachesim": ("tools.moonbus.traces.cachesim", "replay a trace through the KV pool's eviction and index code"),
-    "bench": ("tools.moonbus.bench", "side-by-side benchmarks (store, conductor, engine, transfer)"),
+    "bench": ("tools.moonbus.bench", "side-by-side benchmarks (store, conductor, engine, transfer, wire)"),
     "profile": ("tools.moonbus.cluster.profile", "measure the model's prefill/decode times and fit the predictors"),
     "replay": ("tools.moonbus.traces.replay", "replay a trace against a live cluster"),
     "sim": ("tools.moonbus.traces.sim", "simulate a cluster from the same scheduling code"),

@@ -5,6 +5,7 @@
     engine.py      batched decode, layer-wise prefill and the pipeline against the plain forward
     transfer.py    the KV transport against a plain socket and Mooncake's engine (transfer_peers.py:
                    the receiving processes; transfer_tail.py: the streamed handoff's tail)
+    wire.py        the wire codec (msgspec) against the hand-written one it replaced and stdlib json
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ TARGETS = {
     "conductor": "tools.moonbus.bench.conductor",
     "engine": "tools.moonbus.bench.engine",
     "transfer": "tools.moonbus.bench.transfer",
+    "wire": "tools.moonbus.bench.wire",
 }
 
 
