@@ -111,6 +111,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     flag(parser, "--model", "MOONBUS_MODEL", "SmolLM2-135M-Instruct", help="model name, tiny-random, or a local checkpoint dir")
     flag(parser, "--block-tokens", "MOONBUS_BLOCK_TOKENS", DEFAULT_BLOCK_TOKENS, int,
          help="tokens per KV block (must be equal on every service)")
+    flag(parser, "--dtype", "MOONBUS_DTYPE", "auto", choices=("auto", "bfloat16", "float32"),
+         help="compute and KV dtype of the model (must be equal on every service); auto: bfloat16 where "
+              "the CPU has AVX-512 BF16 or AMX, else float32")
 
 
 def default_instance_id(role: str) -> str:

@@ -1,7 +1,8 @@
 """A request's whole KV as one file in a node's shared-memory directory.
 
-The decode reads it. Layout (see schemas.transfer.KvHandle): C-order float32 [num_layers, 2,
-num_kv_heads, num_tokens, head_dim]. Across nodes it is the destination of a streamed handoff
+The decode reads it. Layout (see schemas.transfer.KvHandle): C-order [num_layers, 2,
+num_kv_heads, num_tokens, head_dim] in the model's dtype (bfloat16 as raw 16-bit words: numpy
+has no bfloat16). Across nodes it is the destination of a streamed handoff
 (services/messenger/handoff.py): the decode node's messenger reserves it and the prefill writes
 each layer slice into it, every slice verified once, on arrival (its handle says `verified`, and
 the decode does not check it again). On one node (a coupled instance) the prefill writes it
@@ -71,10 +72,29 @@ def path_of(shm_dir: Path, handle: KvHandle | str) -> Path:
     return shm_dir / name
 
 
-def write(shm_dir: Path, node: str, name: str, kv: "torch.Tensor") -> KvHandle:
+def as_array(kv: "torch.Tensor") -> np.ndarray:
+    """The tensor's bytes as a numpy array (bfloat16 as uint16 words), no copy when contiguous."""
     import torch
 
-    array = kv.detach().to(torch.float32).contiguous().numpy()
+    kv = kv.detach().contiguous()
+    return kv.view(torch.uint16).numpy() if kv.dtype == torch.bfloat16 else kv.numpy()
+
+
+def numpy_dtype(dtype: str) -> np.dtype:
+    """How a KV dtype's values are held in numpy (bfloat16: its raw 16-bit words)."""
+    return np.dtype(np.uint16) if dtype == "bfloat16" else np.dtype(dtype)
+
+
+def as_tensor(array: np.ndarray, dtype: str) -> "torch.Tensor":
+    import torch
+
+    tensor = torch.from_numpy(array)
+    return tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
+
+
+def write(shm_dir: Path, node: str, name: str, kv: "torch.Tensor") -> KvHandle:
+    dtype = str(kv.dtype).removeprefix("torch.")
+    array = as_array(kv)
     shm_dir.mkdir(parents=True, exist_ok=True)
     path = path_of(shm_dir, name)
     tmp = shm_dir / f".{name}.tmp"
@@ -83,16 +103,14 @@ def write(shm_dir: Path, node: str, name: str, kv: "torch.Tensor") -> KvHandle:
         os.replace(tmp, path)  # readers never see a half-written file
     finally:
         tmp.unlink(missing_ok=True)
-    return KvHandle(node, name, list(array.shape), "float32", checksum(array))
+    return KvHandle(node, name, list(array.shape), dtype, checksum(array))
 
 
 def read(shm_dir: Path, handle: KvHandle, remove: bool = False) -> "torch.Tensor":
     """The KV in the file, checked against its checksum unless its slices were verified on arrival."""
-    import torch
-
     path = path_of(shm_dir, handle)
     try:
-        array = np.fromfile(path, dtype=np.float32)
+        array = np.fromfile(path, dtype=numpy_dtype(handle.dtype))
     finally:
         if remove:
             path.unlink(missing_ok=True)
@@ -100,7 +118,7 @@ def read(shm_dir: Path, handle: KvHandle, remove: bool = False) -> "torch.Tensor
         raise KvChecksumError(f"KV {handle.name}: checksum mismatch")
     if array.size != int(np.prod(handle.shape)):
         raise KvChecksumError(f"KV {handle.name}: {array.size} values for shape {handle.shape}")
-    return torch.from_numpy(array).view(*handle.shape)
+    return as_tensor(array, handle.dtype).view(*handle.shape)
 
 
 def remove(shm_dir: Path, handle: KvHandle | None) -> None:

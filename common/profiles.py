@@ -24,21 +24,22 @@ def read(path: str | Path) -> Profile:
     return Profile.from_dict(json.loads(Path(path).read_text()))
 
 
-def profile_path(home: Path, model_name: str) -> Path:
-    return home / "profiles" / f"{model_name}.json"
+def profile_path(home: Path, model_name: str, dtype: str) -> Path:
+    """One profile per model and dtype: bfloat16 prefill runs 2.5x float32's here."""
+    return home / "profiles" / f"{model_name}-{dtype}.json"
 
 
-def load(home: Path, model: str, explicit: str = "") -> tuple[Profile, str]:
+def load(home: Path, model: str, explicit: str = "", dtype: str = "float32") -> tuple[Profile, str]:
     """(profile, where it came from)."""
     if explicit:
         return read(explicit), explicit
     ref = models.resolve(model, home)
-    path = profile_path(home, ref.name)
+    path = profile_path(home, ref.name, dtype)
     if path.exists():
         return read(path), str(path)
     shape = models.read_shape(ref)
     spec = ModelSpec(ref.name, layers=shape.num_layers, d_model=shape.hidden_size,
                      n_heads=shape.num_heads, n_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-                     dtype_bytes=4, params=shape.num_params)
+                     dtype_bytes=2 if dtype == "bfloat16" else 4, params=shape.num_params)
     log.warning("no measured profile at %s; using an analytic guess (run `moonbus profile`)", path)
     return analytic_profile(spec, CPU_GUESS), "analytic guess"

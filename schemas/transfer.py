@@ -36,7 +36,7 @@ class KvHandle(Wire):
     node: Token
     name: FileName
     shape: Annotated[list[NonNegative], Meta(min_length=5, max_length=5)]  # [L, 2, H, S, D]
-    dtype: Literal["float32"]
+    dtype: Literal["float32", "bfloat16"]  # the model's: the KV is kept in it end to end
     checksum: int  # xxh3-64 of the file (0 when `verified`)
     verified: bool = False  # every slice was verified on arrival by the node's messenger: read without checking again
 

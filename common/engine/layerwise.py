@@ -38,6 +38,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from common import kvfiles
 from common.kvfiles import checksum
 from schemas.transfer import KvHandle
 
@@ -132,22 +133,23 @@ class KvAssembly:
 
 
 class FileSink:
-    """Writes each slice at its offset in one preallocated [L, 2, H, S, D] float32 file (kvfiles' layout).
+    """Writes each slice at its offset in one preallocated [L, 2, H, S, D] file in the KV's dtype (kvfiles' layout).
 
     The file is filled under a temporary name and renamed by `finish()`, so readers never see a
     half-written one; `handle(node)` then describes it like `kvfiles.write` does.
     """
 
-    def __init__(self, path: Path, shape: tuple[int, int, int, int, int]) -> None:
+    def __init__(self, path: Path, shape: tuple[int, int, int, int, int], dtype: str = "float32") -> None:
         self.path = Path(path)
         self.shape = tuple(shape)
+        self.dtype = dtype
         self.tmp = self.path.with_name(f".{self.path.name}.tmp")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.array = np.memmap(self.tmp, np.float32, "w+", shape=self.shape)
+        self.array = np.memmap(self.tmp, kvfiles.numpy_dtype(dtype), "w+", shape=self.shape)
         self._checksum: int | None = None
 
     def write_layer(self, layer: int, start: int, kv: torch.Tensor) -> None:
-        self.array[layer, :, :, start : start + kv.shape[2]] = kv.numpy()
+        self.array[layer, :, :, start : start + kv.shape[2]] = kvfiles.as_array(kv)
 
     def finish(self) -> None:
         self.array.flush()
@@ -164,7 +166,7 @@ class FileSink:
     def handle(self, node: str) -> KvHandle:
         if self._checksum is None:
             raise RuntimeError("FileSink.handle() before finish()")
-        return KvHandle(node, self.path.name, list(self.shape), "float32", self._checksum)
+        return KvHandle(node, self.path.name, list(self.shape), self.dtype, self._checksum)
 
 
 class LayerStreamer:

@@ -58,6 +58,10 @@ class SliceGeometry:
             run = kv[i // self.num_kv_heads, i % self.num_kv_heads]
             if not run.is_contiguous():
                 run = run.contiguous()
+            if run.element_size() == 2:  # numpy has no bfloat16: its raw 16-bit words
+                import torch
+
+                run = run.view(torch.uint16)
             view = memoryview(run.numpy()).cast("B")
             out.append((offset, view))
         return out

@@ -75,6 +75,7 @@ class Handoff:
         self.node = node
         self.shm_dir = shm_dir
         self.shape = layout.request_shape(len(task.prompt_token_ids))
+        self.layout = layout
         self.holder = holder
         self.timeout_s = timeout_s
         self.local = task.decode_node == node
@@ -88,12 +89,13 @@ class Handoff:
     def nbytes(self) -> int:
         if isinstance(self.sink, StreamSink):
             return self.sink.nbytes
-        return 4 * int(torch.Size(self.shape).numel())
+        return self.layout.itemsize * int(torch.Size(self.shape).numel())
 
     async def open(self) -> None:
         """Reserve the destination and connect to it (or open the node-local file)."""
         if self.local:
-            self.sink = FileSink(self.shm_dir / kvfiles.outgoing_name(self.task.request_id, self.task.attempt), self.shape)
+            self.sink = FileSink(self.shm_dir / kvfiles.outgoing_name(self.task.request_id, self.task.attempt), self.shape,
+                                 self.layout.dtype)
             return
         t = self.task
         request = AcceptKv(t.request_id, t.attempt, len(t.prompt_token_ids), self.holder, t.decode_id, self.node)
@@ -113,7 +115,7 @@ class Handoff:
             await self.abort()
             raise HandoffFailed(f"cannot reach the KV destination on node {t.decode_node}: {exc}") from exc
         self.transport = self.channel.transport
-        self.sink = StreamSink(self.channel, reply.region, SliceGeometry(self.shape, 4))
+        self.sink = StreamSink(self.channel, reply.region, SliceGeometry(self.shape, self.layout.itemsize))
 
     def write_all(self, kv: torch.Tensor) -> None:
         """The whole KV at once, a layer per write (a pipeline's last stage; worker thread)."""

@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 import xxhash
 
+from common import kvfiles
 from common.kv.slices import SliceGeometry, from_meta, meta
 from common.transport import Channel, TransportError, Transports
 from schemas.prefill import PipelineSpec
@@ -65,7 +66,7 @@ class SliceReceiver:
         kv = self.assembly(request_id, total_tokens)
         if self.transports is not None:
             self.transports.unregister(region_of(request_id))  # an earlier attempt's
-            self.transports.register(region_of(request_id), memoryview(kv.kv.numpy()).cast("B"),
+            self.transports.register(region_of(request_id), memoryview(kvfiles.as_array(kv.kv)).cast("B"),
                                      lambda m, pieces, error: self.landed(request_id, m, pieces, error))
 
     def assembly(self, request_id: str, total_tokens: int) -> KvAssembly:

@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import config as common
+from common import config as common, models
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,7 @@ class PrefillConfig:
     shm_dir: Path
     model: str
     block_tokens: int
+    dtype: str  # bfloat16 or float32 (`--dtype auto` resolved to this machine's)
     home: Path
     log_level: str
     health_file: str  # kept fresh while ready (common/health.py); '' = none
@@ -69,4 +70,5 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def from_args(args: argparse.Namespace) -> PrefillConfig:
-    return common.build(PrefillConfig, args, shm_dir=common.shm_dir_for(args.node, args.shm_dir), home=Path(args.home))
+    return common.build(PrefillConfig, args, shm_dir=common.shm_dir_for(args.node, args.shm_dir), home=Path(args.home),
+                        dtype=models.resolve_dtype(args.dtype))

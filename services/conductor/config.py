@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import config as common
+from common import config as common, models
 from common.decide.admission import MODES, AdmissionSettings
 from common.decide.policy import POLICIES
 
@@ -24,6 +24,7 @@ class ConductorConfig:
     metrics_host: str
     model: str
     block_tokens: int
+    dtype: str  # bfloat16 or float32 (`--dtype auto` resolved to this machine's)
     policy: str  # random | load-balancing | cache-aware | kvcache-centric
     kvcache_balancing_threshold: float
     link_bytes_s: float  # node-to-node KV bandwidth assumed by the transfer estimate
@@ -76,4 +77,5 @@ def load(argv: list[str] | None = None) -> ConductorConfig:
     args = parser.parse_args(argv)
     admission = AdmissionSettings(mode=args.admission, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
                                   t_d_s=args.decode_time)
-    return common.build(ConductorConfig, args, home=Path(args.home), admission=admission)
+    return common.build(ConductorConfig, args, home=Path(args.home), admission=admission,
+                        dtype=models.resolve_dtype(args.dtype))

@@ -280,12 +280,12 @@ class ConductorService:
 
 async def serve(cfg: ConductorConfig, stop: asyncio.Event) -> bool:
     ref = models.prepare(cfg.model, cfg.home)
-    perf, source = profiles.load(cfg.home, cfg.model, cfg.profile)
+    perf, source = profiles.load(cfg.home, cfg.model, cfg.profile, cfg.dtype)
     nc = await bus.connect(cfg.nats_url, cfg.instance_id, cfg.nats_auth)
     await bus.ensure_events_stream(nc, replicas=cfg.events_replicas)
     shape = models.read_shape(ref)
-    layout = Layout(ref.name, cfg.block_tokens, cfg.prefill_chunk, shape.kv_layout(cfg.block_tokens).signature)
-    service = ConductorService(cfg, nc, perf, shape.kv_bytes_per_token, layout)
+    layout = Layout(ref.name, cfg.block_tokens, cfg.prefill_chunk, shape.kv_layout(cfg.block_tokens, cfg.dtype).signature)
+    service = ConductorService(cfg, nc, perf, shape.kv_bytes_per_token(cfg.dtype), layout)
     tasks = runner.TaskGroup(stop)
     await bus.subscribe(nc, subjects.WORKER_HEARTBEAT, service.on_heartbeat)
     await bus.subscribe(nc, subjects.CONDUCTOR_ROUTE, service.on_route, queue=subjects.CONDUCTOR_QUEUE)

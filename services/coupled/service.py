@@ -29,10 +29,10 @@ log = logging.getLogger(__name__)
 
 async def serve(cfg: CoupledConfig, stop: runner.Stop) -> bool:
     pcfg, dcfg = cfg.prefill, cfg.decode
-    worker = await asyncio.to_thread(models.load_for_worker, pcfg.model, pcfg.home, pcfg.threads)
+    worker = await asyncio.to_thread(models.load_for_worker, pcfg.model, pcfg.home, pcfg.threads, pcfg.dtype)
     model, eos, ref = worker.model, worker.eos_token_id, worker.ref
-    layout = worker.shape.kv_layout(pcfg.block_tokens)
-    perf, source = profiles.load(dcfg.home, dcfg.model, dcfg.profile)
+    layout = worker.kv_layout(pcfg.block_tokens)
+    perf, source = profiles.load(dcfg.home, dcfg.model, dcfg.profile, dcfg.dtype)
     nc = await bus.connect(pcfg.nats_url, cfg.instance_id, pcfg.nats_auth)
     tasks = runner.TaskGroup(stop)
     compute_lock = asyncio.Lock()  # a prefill forward and a decode iteration never overlap

@@ -11,13 +11,13 @@ from common.roles.decode_config import DecodeConfig
 
 
 async def serve(cfg: DecodeConfig, stop: runner.Stop) -> bool:
-    worker_model = await asyncio.to_thread(models.load_for_worker, cfg.model, cfg.home, cfg.threads)
-    perf, source = profiles.load(cfg.home, cfg.model, cfg.profile)
+    worker_model = await asyncio.to_thread(models.load_for_worker, cfg.model, cfg.home, cfg.threads, cfg.dtype)
+    perf, source = profiles.load(cfg.home, cfg.model, cfg.profile, cfg.dtype)
     engine = BatchEngine(worker_model.model, cfg.max_batch, cfg.kv_budget_tokens)
     nc = await bus.connect(cfg.nats_url, cfg.instance_id, cfg.nats_auth)
     tasks = runner.TaskGroup(stop)
     service = DecodeService(cfg, nc, engine, worker_model.eos_token_id,
-                            worker_model.shape.kv_layout(cfg.block_tokens), tasks, perf)
+                            worker_model.kv_layout(cfg.block_tokens), tasks, perf)
     await service.start(stop, worker_model.ref.name, source)
     tasks.spawn(bus.watchdog(nc), "broker-watchdog")
     tasks.spawn(health.beacon(cfg.health_file, nc, stop), "health", essential=False)

@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import config as common
+from common import config as common, models
 from common.decide.eviction import POLICIES
 
 
@@ -25,6 +25,7 @@ class MessengerConfig:
     metrics_host: str
     model: str
     block_tokens: int
+    dtype: str  # bfloat16 or float32 (`--dtype auto` resolved to this machine's)
     transport: str  # auto | tcp | rdma (common/transport)
     tcp_streams: int  # tcp connections per peer a large write is striped over
     tcp_stripe_min: int  # bytes from which a write is striped
@@ -92,4 +93,5 @@ def load(argv: list[str] | None = None) -> MessengerConfig:
     args = parser.parse_args(argv)
     home = Path(args.home)
     return common.build(MessengerConfig, args, shm_dir=common.shm_dir_for(args.node, args.shm_dir), home=home,
-                        ssd_dir=Path(args.ssd_dir) if args.ssd_dir else home / "ssd" / args.node)
+                        ssd_dir=Path(args.ssd_dir) if args.ssd_dir else home / "ssd" / args.node,
+                        dtype=models.resolve_dtype(args.dtype))

@@ -4,7 +4,7 @@
     NATS accept(request, attempt, tokens,
          holder, decode instance) ---------> reserve the destination: a file in the node's
                                              shared memory, .in-<decode>__<request>-a<n>.kv.tmp,
-                                             [L, 2, H, S, D] float32, allocated at once,
+                                             [L, 2, H, S, D] in the KV dtype, allocated at once,
                                              mapped and registered with the transports (RDMA:
                                 <----------- one registration); AcceptKvReply(region)
     per layer slice, as soon as computed
@@ -222,7 +222,7 @@ class Reservations:
         self._unmapper.submit(_close, res.mapping)
         if self.on_bytes is not None:
             self.on_bytes(res.src_node, res.coverage.nbytes)
-        handle = KvHandle(self.node, res.name, list(self.layout.request_shape(res.request.num_tokens)), "float32", 0,
+        handle = KvHandle(self.node, res.name, list(self.layout.request_shape(res.request.num_tokens)), self.layout.dtype, 0,
                           verified=True)
         return CompleteKvReply(True, handle).to_bytes()
 

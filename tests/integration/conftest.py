@@ -66,7 +66,7 @@ def cluster(tmp_path_factory, tiny_profile):
 def tiny(cluster):
     """The same model in this process, for single-process reference outputs."""
     ref = models.prepare(TINY, cluster.spec.home)
-    return models.load_tokenizer(ref), models.load_model(ref)
+    return models.load_tokenizer(ref), models.load_model(ref, models.resolve_dtype(cluster.spec.dtype))
 
 
 def reference_greedy(model, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = False) -> list[int]:

@@ -142,7 +142,7 @@ def run_cluster(engine: docker_engine.Engine, tmp_path: Path, timings: dict[str,
 def reference_answers(home: Path) -> dict[str, tuple[list[int], str]]:
     """question -> (greedy token ids, text) from the model in this process, as the gateway tokenizes."""
     ref = models.prepare(MODEL, home)
-    tokenizer, model = models.load_tokenizer(ref), models.load_model(ref)
+    tokenizer, model = models.load_tokenizer(ref), models.load_model(ref, models.resolve_dtype("auto"))  # as the containers run
     answers = {}
     for question in QUESTIONS:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,

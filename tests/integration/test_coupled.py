@@ -28,7 +28,7 @@ def coupled(tmp_path_factory, tiny_profile):
 @pytest.fixture(scope="module")
 def tiny_model(coupled):
     ref = models.prepare(TINY, coupled.spec.home)
-    return models.load_tokenizer(ref), models.load_model(ref)
+    return models.load_tokenizer(ref), models.load_model(ref, models.resolve_dtype(coupled.spec.dtype))
 
 
 async def complete(cluster, prompt: str, max_tokens: int) -> dict:

@@ -66,7 +66,7 @@ def hosts(tmp_path_factory, tiny_profile):
 @pytest.fixture(scope="module")
 def tiny(hosts):
     ref = models.prepare(TINY, hosts.spec.home)
-    return models.load_tokenizer(ref), models.load_model(ref)
+    return models.load_tokenizer(ref), models.load_model(ref, models.resolve_dtype(hosts.spec.dtype))
 
 
 # --- test 1 ---------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.integration
 def smol(tmp_path_factory):
     cluster = start_cluster(tmp_path_factory.mktemp("smol"), model=models.SMOLLM2)
     ref = models.prepare(models.SMOLLM2, cluster.spec.home)
-    yield cluster, models.load_tokenizer(ref), models.load_model(ref)
+    yield cluster, models.load_tokenizer(ref), models.load_model(ref, models.resolve_dtype(cluster.spec.dtype))
     cluster.stop()
 
 

@@ -47,3 +47,25 @@ def test_a_verified_handle_is_read_without_checking_again(tmp_path):
     assert torch.equal(kvfiles.read(tmp_path, verified), kv)
     with pytest.raises(kvfiles.KvChecksumError):
         kvfiles.read(tmp_path, KvHandle(handle.node, handle.name, handle.shape, "float32", handle.checksum + 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_kv_keeps_its_dtype_through_a_file(tmp_path, dtype):
+    kv = torch.randn(3, 2, 2, 5, 4).to(dtype)
+    handle = kvfiles.write(tmp_path, "node-a", "out-r-a0.kv", kv)
+    assert handle.dtype == str(dtype).removeprefix("torch.")
+    assert (tmp_path / "out-r-a0.kv").stat().st_size == kv.numel() * kv.element_size()  # bf16: half the bytes
+    back = kvfiles.read(tmp_path, handle)
+    assert back.dtype == dtype and torch.equal(back, kv)
+
+
+def test_a_bfloat16_slice_goes_out_as_its_own_bytes():
+    from common.kv.slices import SliceGeometry
+
+    kv = torch.randn(2, 2, 3, 4, 8).to(torch.bfloat16)  # [L, 2, H, S, D]
+    geometry = SliceGeometry(kv.shape, 2)
+    buf = bytearray(geometry.nbytes)
+    for layer in range(2):
+        for offset, view in geometry.pieces(layer, 0, kv[layer]):
+            buf[offset:offset + len(view)] = view
+    assert torch.equal(torch.frombuffer(buf, dtype=torch.bfloat16).view(kv.shape), kv)

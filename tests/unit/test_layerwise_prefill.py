@@ -126,3 +126,15 @@ def test_a_failing_sink_aborts_the_prefill(model, prompt):
 def test_a_prefix_covering_the_whole_prompt_is_refused(model, prompt, whole):
     with pytest.raises(ValueError):
         LayerwisePrefill(model).run(prompt, prefix=whole[0])
+
+
+def test_a_bfloat16_file_sink_holds_the_kv_as_computed(tmp_path):
+    kv = torch.randn(2, 2, 3, 6, 4).to(torch.bfloat16)
+    sink = FileSink(tmp_path / "r3.kv", tuple(kv.shape), "bfloat16")
+    for layer in range(2):
+        sink.write_layer(layer, 0, kv[layer, :, :, :4])
+        sink.write_layer(layer, 4, kv[layer, :, :, 4:])
+    sink.finish()
+    handle = sink.handle("node-a")
+    assert handle.dtype == "bfloat16"
+    assert torch.equal(kvfiles.read(tmp_path, handle), kv)

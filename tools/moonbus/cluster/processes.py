@@ -72,6 +72,7 @@ class ClusterSpec:
     nats_port: int = 4333
     threads: int = 0  # torch threads per worker; 0 = share the cores among workers
     block_tokens: int = 16
+    dtype: str = "auto"  # compute and KV dtype of every model-aware service (auto: bfloat16 where the CPU has it)
     dram_bytes: int = 512 << 20  # per node
     ssd_bytes: int = 2 << 30  # per node
     eviction: str = "lru"
@@ -269,7 +270,7 @@ class Cluster:
         self.procs[name].metrics = metrics
 
     def model_args(self) -> list[str]:
-        return ["--model", self.spec.model, "--block-tokens", str(self.spec.block_tokens)]
+        return ["--model", self.spec.model, "--block-tokens", str(self.spec.block_tokens), "--dtype", self.spec.dtype]
 
     def slo_args(self) -> list[str]:
         spec = self.spec

@@ -3,7 +3,7 @@
 Prefill is timed over a grid of (input length, cached prefix length) through the same code the
 prefill instance runs (a prefix's KV is loaded, the rest computed); decode step time over
 (batch size, context). Every third point is held out of the fit and the error on it reported.
-The conductor and the decode instances load the profile from $MOONBUS_HOME/profiles/<model>.json.
+The conductor and the decode instances load the profile from $MOONBUS_HOME/profiles/<model>-<dtype>.json.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ from common.engine.layerwise import LayerwisePrefill
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=models.SMOLLM2)
     parser.add_argument("--home", type=Path, default=default_home())
-    parser.add_argument("--out", type=Path, help="default: $MOONBUS_HOME/profiles/<model>.json")
+    parser.add_argument("--out", type=Path, help="default: $MOONBUS_HOME/profiles/<model>-<dtype>.json")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                        help="as the workers run (auto: bfloat16 where the CPU has it)")
     parser.add_argument("--max-input", type=int, default=2048, help="longest prompt measured")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default), as the workers run")
     parser.add_argument("--repeats", type=int, default=2, help="timings per point (the fastest is kept)")
@@ -84,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     ref = models.prepare(args.model, args.home.resolve())
     shape = models.read_shape(ref)
-    model = models.load_model(ref)
+    dtype = models.resolve_dtype(args.dtype)
+    model = models.load_model(ref, dtype)
     prefill = LayerwisePrefill(model)
     max_input = min(args.max_input, shape.max_context - 1)
     prefill_samples, decode_samples = [], []
@@ -99,10 +102,10 @@ def run(args: argparse.Namespace) -> int:
     prefill_err = prefill_fit.error_report(s for i, s in enumerate(prefill_samples) if i % 3 == 2)
     decode_err = decode_fit.error_report(s for i, s in enumerate(decode_samples) if i % 3 == 2)
     profile = Profile(prefill_fit, decode_fit, model=ref.name, device=f"cpu x{torch.get_num_threads()} threads",
-                      kv_bytes_per_token=shape.kv_bytes_per_token,
-                      meta={"source": "moonbus profile", "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                      kv_bytes_per_token=shape.kv_bytes_per_token(dtype),
+                      meta={"source": "moonbus profile", "dtype": dtype, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                             "held_out_error": {"prefill": _err(prefill_err), "decode": _err(decode_err)}})
-    out = args.out or profiles.profile_path(args.home.resolve(), ref.name)
+    out = args.out or profiles.profile_path(args.home.resolve(), ref.name, dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     profiles.save(profile, out)
     summary = {"model": ref.name, "profile": str(out), "prefill_points": len(prefill_samples),

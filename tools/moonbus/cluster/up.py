@@ -42,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttft-slo", type=float, default=30.0, help="seconds")
     parser.add_argument("--tbt-slo", type=float, default=1.0, help="seconds")
     parser.add_argument("--block-tokens", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                        help="compute and KV dtype (auto: bfloat16 where the CPU has AVX-512 BF16 or AMX)")
     parser.add_argument("--dram-bytes", type=int, default=512 << 20, help="DRAM KV pool per node")
     parser.add_argument("--ssd-bytes", type=int, default=2 << 30, help="SSD (LMDB) KV pool per node")
     parser.add_argument("--eviction", default="lru", help="lru, lfu, length-aware")
@@ -67,10 +69,12 @@ def run(args: argparse.Namespace) -> int:
     except models.ModelNotFound as exc:
         print(f"moonbus up: {exc}", file=sys.stderr)
         return 2
-    if not args.profile and not profiles.profile_path(home, ref.name).exists():
+    dtype = models.resolve_dtype(args.dtype)
+    if not args.profile and not profiles.profile_path(home, ref.name, dtype).exists():
         print("measuring the model's prefill and decode times once (moonbus profile --quick) ...", flush=True)
         code = subprocess.call([sys.executable, "-m", "tools.moonbus.cli", "profile", "--quick", "--model", args.model,
-                                "--home", str(home), "--threads", str(max(1, (os.cpu_count() or 2) // 2))])
+                                "--home", str(home), "--dtype", dtype,
+                                "--threads", str(max(1, (os.cpu_count() or 2) // 2))])
         if code != 0:
             print("moonbus up: profiling failed; the conductor will use an analytic guess", file=sys.stderr)
     if min(args.conductors, args.cache_indexes, args.gateways) < 1:
@@ -82,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
                        host=args.host, port=args.port, nats_port=args.nats_port, threads=args.threads,
                        log_level=args.log_level,
                        policy=args.policy, admission=args.admission, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
-                       block_tokens=args.block_tokens, dram_bytes=args.dram_bytes, ssd_bytes=args.ssd_bytes,
+                       block_tokens=args.block_tokens, dtype=dtype, dram_bytes=args.dram_bytes, ssd_bytes=args.ssd_bytes,
                        eviction=args.eviction, profile=args.profile, pipeline_group=args.pipeline_group,
                        prefill_chunk=args.prefill_chunk, transport=args.transport, tcp_streams=args.tcp_streams)
     cluster = Cluster(spec)
