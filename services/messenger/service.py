@@ -318,7 +318,7 @@ async def serve(cfg: MessengerConfig, stop: asyncio.Event) -> None:
     kvfiles.sweep(cfg.shm_dir, kvfiles.IN, temporary_only=True)  # transfers a dead predecessor was landing
     ref = models.prepare(cfg.model, cfg.home)
     shape = models.read_shape(ref)
-    layout = shape.kv_layout(cfg.block_tokens)
+    layout = shape.kv_layout(cfg.block_tokens, cfg.dtype)
     dram_blocks = cfg.dram_blocks if cfg.dram_blocks > 0 else max(1, capacity_in_blocks(cfg.dram_bytes, layout))
     ssd_blocks = cfg.ssd_blocks if cfg.ssd_blocks >= 0 else capacity_in_blocks(cfg.ssd_bytes, layout)
     pool = NodePool(cfg.node, layout, cfg.shm_dir, dram_blocks, cfg.ssd_dir, ssd_blocks, cfg.eviction)
