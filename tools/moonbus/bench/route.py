@@ -155,10 +155,11 @@ def _prepare_home(home: Path, ref: models.ModelRef) -> tuple[Layout, Profile, Pa
     (home / "models").mkdir(parents=True)
     (home / "models" / ref.path.name).symlink_to(ref.path, target_is_directory=True)
     shape = models.read_shape(ref)
-    layout = Layout(ref.name, BLOCK_TOKENS, PREFILL_CHUNK, shape.kv_layout(BLOCK_TOKENS).signature)
+    dtype = models.resolve_dtype("auto")  # what the cluster's services resolve it to
+    layout = Layout(ref.name, BLOCK_TOKENS, PREFILL_CHUNK, shape.kv_layout(BLOCK_TOKENS, dtype).signature)
     perf = Profile(PrefillModel(PREFILL_COEF), DecodeModel(DECODE_COEF), ref.name, "fixed (bench)",
-                   shape.kv_bytes_per_token, {"source": "moonbus bench conductor: fixed coefficients, not measured"})
-    path = home / "profiles" / f"{ref.name}.json"
+                   shape.kv_bytes_per_token(dtype), {"source": "moonbus bench conductor: fixed coefficients, not measured"})
+    path = profiles.profile_path(home, ref.name, dtype)
     path.parent.mkdir(parents=True)
     profiles.save(perf, path)
     return layout, perf, path
