@@ -11,10 +11,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 from schemas.events import Event
-from services.gateway import openapi, protocol
+from services.gateway import openapi, protocol, responses
+from services.gateway.core import Gateway, Generation
 from services.gateway.dashboard import Dashboard
 from services.gateway.protocol import ApiError
-from services.gateway.service import Gateway, Generation
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +132,8 @@ class Api:
             await self.gateway.end(gen, "cancelled", reason="client went away")
             raise
         await self.finish_ok(gen)
-        usage = protocol.usage(len(gen.prompt_ids), gen.completion_tokens, gen.cached_tokens)
-        return json_response(protocol.full_response(gen.request, gen.request_id, gen.created, "".join(parts),
+        usage = responses.usage(len(gen.prompt_ids), gen.completion_tokens, gen.cached_tokens)
+        return json_response(responses.full_response(gen.request, gen.request_id, gen.created, "".join(parts),
                                                     gen.finish_reason, usage, token_ids), headers={"X-Request-Id": gen.request_id})
 
     async def stream(self, request: web.Request, gen: Generation) -> web.StreamResponse:
@@ -146,13 +146,13 @@ class Api:
             async for delta in self.gateway.deltas(gen):
                 gen.finish_reason = delta.finish_reason or gen.finish_reason
                 if delta.text or delta.finish_reason or first or (req.return_token_ids and delta.token_ids):
-                    chunk = protocol.stream_chunk(req, gen.request_id, gen.created, delta.text, delta.finish_reason,
+                    chunk = responses.stream_chunk(req, gen.request_id, gen.created, delta.text, delta.finish_reason,
                                                   first, delta.token_ids)
                     await send_event(response, chunk)
                     first = False
             if req.include_usage:
-                usage = protocol.usage(len(gen.prompt_ids), gen.completion_tokens, gen.cached_tokens)
-                await send_event(response, protocol.usage_chunk(req, gen.request_id, gen.created, usage))
+                usage = responses.usage(len(gen.prompt_ids), gen.completion_tokens, gen.cached_tokens)
+                await send_event(response, responses.usage_chunk(req, gen.request_id, gen.created, usage))
             await response.write(b"data: [DONE]\n\n")
         except ApiError as err:
             await self.end_with_error(gen, err)
@@ -196,7 +196,7 @@ class Api:
 
     async def models(self, request: web.Request) -> web.Response:
         self.gateway.authenticate(request.headers.get("Authorization"))
-        return json_response(protocol.models_list(self.gateway.served_model))
+        return json_response(responses.models_list(self.gateway.served_model))
 
     async def health(self, request: web.Request) -> web.Response:
         status = await self.gateway.cluster_status()

@@ -35,7 +35,7 @@ from typing import AsyncIterator
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
-from common import bus, health, security
+from common import bus, security
 from schemas import subjects
 from schemas.codec import WireError
 from schemas.route import RouteReply, RouteRequest
@@ -43,12 +43,11 @@ from schemas.tokens import Cancel, Probe, ProbeReply, TokenChunk
 from schemas.workers import StatusReply
 from services.gateway.config import GatewayConfig
 from services.gateway.detokenize import Detokenizer
-from services.gateway.protocol import ApiError, GenerateRequest
+from services.gateway.protocol import COMPLETION_DEFAULT_MAX_TOKENS, ApiError, GenerateRequest
 from services.gateway.tenants import OPEN, KeyBook, Tenant, TenantLimits, cache_seed
 
 log = logging.getLogger(__name__)
 
-COMPLETION_DEFAULT_MAX_TOKENS = 16  # as in the OpenAI API
 ENDED_KEPT = 10_000  # ended requests whose late worker reports still count in this gateway's metrics
 
 
@@ -378,36 +377,3 @@ class Gateway:
             return StatusReply.from_bytes(msg.data)
         except (NoRespondersError, NatsTimeout, WireError):
             return None
-
-
-async def serve(cfg: GatewayConfig, stop: asyncio.Event) -> bool:
-    from aiohttp import web
-
-    from common import models
-    from common.runner import TaskGroup
-    from services.gateway.api import Api
-
-    ref = models.prepare(cfg.model, cfg.home)
-    tokenizer = await asyncio.to_thread(models.load_tokenizer, ref)
-    shape = models.read_shape(ref)
-    nc = await bus.connect(cfg.nats_url, cfg.instance_id, cfg.nats_auth)
-    gateway = Gateway(cfg, nc, tokenizer, ref.name, shape.max_context)
-    await bus.subscribe(nc, gateway.reply_subject, gateway.on_tokens)
-    bus.on_reconnect(nc, gateway.probe_all)  # chunks may have been lost while the broker was away
-    api = Api(gateway)
-    for kind in ("prefilled", "kv_pulled"):
-        await bus.subscribe(nc, subjects.request_event(kind, "*"), api.on_request_event)
-    await bus.subscribe(nc, subjects.request_event("routed", "*"), api.dashboard.on_routed)
-    runner = web.AppRunner(api.app(), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port)
-    await site.start()
-    tasks = TaskGroup(stop)
-    tasks.spawn(health.beacon(cfg.health_file, nc, stop), "health", essential=False)
-    tasks.spawn(bus.watchdog(nc), "broker-watchdog")
-    log.info("gateway %s serving %s on http://%s:%d", cfg.instance_id, ref.name, cfg.host, cfg.port)
-    await stop.wait()
-    await tasks.cancel_all()
-    await runner.cleanup()
-    await bus.shutdown(nc)
-    return not tasks.failed

@@ -1,31 +1,39 @@
 """The gateway's OpenAPI 3.1 document, served at GET /openapi.json.
 
-Pure: built from the served model's numbers (name, context, vocabulary) and the limits that
-`protocol.parse` enforces, so the document states the bounds this gateway really refuses past.
-What must stay true: a body the request schemas accept is one `protocol.parse` accepts, and the
-reverse, except where a description says otherwise (tests/unit/test_openapi.py checks each bound
-against `parse`). Fields that the OpenAI API has and this gateway ignores are allowed
-(`additionalProperties`) and not listed. Where JSON Schema cannot say what `parse` does:
-- an integer field refuses a number written with a fraction or exponent (`2.0`, `1e3`), which
-  JSON Schema counts as an integer;
-- `stream_options.include_usage` is read for its truth value, whatever its type;
-- in a chat request, `max_tokens` is checked only for its type when `max_completion_tokens` is set.
+Pure. The schemas are generated from the pydantic models of the requests (protocol.py) and the
+responses (responses.py), as vLLM and SGLang generate theirs; this module adds the operations
+(paths, statuses, headers, the event stream) and writes the served model's numbers (its name,
+its context, its vocabulary, the chat endpoint's default max_tokens) into the generated schemas,
+so the document states the bounds this gateway really refuses past. What must stay true: a body
+the request schemas accept is one `protocol.parse` accepts, and the reverse, except where a
+description says otherwise (tests/unit/test_openapi.py checks each bound against `parse`).
+Where JSON Schema cannot say what `parse` does: an integer field refuses a number written with
+a fraction or exponent (`2.0`, `1e3`), which JSON Schema counts as an integer.
 """
 
 from __future__ import annotations
 
+import copy
+from functools import cache
 from typing import Any
 
-from services.gateway.protocol import MAX_CACHE_SALT_CHARS, MAX_STOP_CHARS, MAX_STOP_SEQUENCES
-from services.gateway.service import COMPLETION_DEFAULT_MAX_TOKENS
+from pydantic.json_schema import models_json_schema
 
-# NOTE: the gateway parses JSON with orjson, which reads integers in [-2**63, 2**64) and turns any
-# other integer into a float, which an integer field refuses: that is the real range of `seed`.
-JSON_INT_MIN = -(2**63)
-JSON_INT_MAX = 2**64 - 1
-ROLES = ["system", "developer", "user", "assistant"]  # developer is read as system
-TEMPERATURE_MAX = 2.0
-STREAM_FINISH = ("stop", "length", None)  # null until the last chunk
+from services.gateway import responses
+from services.gateway.protocol import (  # noqa: F401 (the bounds tests read from here)
+    COMPLETION_DEFAULT_MAX_TOKENS,
+    JSON_INT_MAX,
+    JSON_INT_MIN,
+    ROLES,
+    TEMPERATURE_MAX,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+
+REF = "#/components/schemas/{model}"
+REQUESTS = (CompletionRequest, ChatCompletionRequest)
+RESPONSES = (responses.Completion, responses.ChatCompletion, responses.CompletionChunk, responses.ChatCompletionChunk,
+             responses.ModelList, responses.Error, responses.StreamError)
 STREAM_DESCRIPTION = (
     "With stream=true: server-sent events, each `data: <JSON chunk>` then a blank line, ending with "
     "`data: [DONE]`. With stream_options.include_usage the last chunk before [DONE] has empty choices "
@@ -38,19 +46,7 @@ Schema = dict[str, Any]
 
 def document(served_model: str, max_context: int, vocab_size: int, default_chat_max_tokens: int) -> Schema:
     """The whole document for a gateway serving `served_model` (context `max_context` tokens)."""
-    max_new = max_context - 1  # the prompt takes at least one token of the context
-    components = {
-        "CompletionRequest": _completion_request(served_model, max_new, vocab_size),
-        "ChatCompletionRequest": _chat_request(served_model, max_new, default_chat_max_tokens),
-        "Usage": _usage(),
-        "Completion": _completion(),
-        "ChatCompletion": _chat_completion(),
-        "CompletionChunk": _completion_chunk(),
-        "ChatCompletionChunk": _chat_completion_chunk(),
-        "StreamError": _error(code={"type": "integer", "description": "The HTTP-like status."}),
-        "ModelList": _model_list(),
-        "Error": _error(),
-    }
+    components = _bound(copy.deepcopy(_generated()), served_model, max_context - 1, vocab_size, default_chat_max_tokens)
     return {
         "openapi": "3.1.0",
         "info": {"title": "moonbus gateway", "version": "0.1.0",
@@ -77,147 +73,26 @@ def document(served_model: str, max_context: int, vocab_size: int, default_chat_
     }
 
 
-# --- requests ---------------------------------------------------------------------------
-
-def _completion_request(model: str, max_new: int, vocab_size: int) -> Schema:
-    token_ids = {"type": "array", "minItems": 1, "maxItems": max_new,
-                 "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}
-    text = {"type": "string", "minLength": 1}
-    prompt = {"anyOf": [text, token_ids,
-                        {"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": [text, token_ids]}}],
-              "description": "Text or token ids; an array of exactly one of them is a batch of one. "
-                             "The prompt plus max_tokens must fit in the context (else 400)."}
-    return _request(model, required=["model", "prompt"], props={
-        "prompt": prompt,
-        "max_tokens": _max_tokens(max_new, COMPLETION_DEFAULT_MAX_TOKENS),
-    })
+@cache
+def _generated() -> Schema:
+    """Every model's JSON schema, by name (requests as they are validated, responses as they are sent)."""
+    _, top = models_json_schema([(m, "validation") for m in REQUESTS] + [(m, "serialization") for m in RESPONSES],
+                                ref_template=REF)
+    return top["$defs"]
 
 
-def _chat_request(model: str, max_new: int, default_max_tokens: int) -> Schema:
-    text_part = {"type": "object", "required": ["type", "text"],
-                 "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
-    content = {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part}]}
-    message = {"type": "object", "required": ["role", "content"],
-               "properties": {"role": {"enum": ROLES}, "content": content}}
-    non_empty = {"properties": {"content": {"anyOf": [
-        {"type": "string", "minLength": 1},
-        {"type": "array", "contains": {"properties": {"text": {"minLength": 1}}}}]}}}
-    messages = {"type": "array", "minItems": 1, "items": message, "contains": non_empty,
-                "description": "At least one message has non-empty content."}
-    return _request(model, required=["model", "messages"], props={
-        "messages": messages,
-        "max_tokens": _max_tokens(max_new, default_max_tokens),
-        "max_completion_tokens": _max_tokens(max_new, default_max_tokens, "Takes precedence over max_tokens when set."),
-    })
-
-
-def _request(model: str, required: list[str], props: Schema) -> Schema:
-    """The fields both generation endpoints share, plus `props`. null means 'not set' for each optional field."""
-    stop_text = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
-    shared = {
-        "model": {"type": "string", "enum": [model]},
-        "n": _nullable({"type": "integer", "enum": [1]}),
-        "temperature": _nullable({"type": "number", "minimum": 0, "maximum": TEMPERATURE_MAX,
-                                  "default": 1.0, "description": "0 is greedy."}),
-        "top_p": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 1.0}),
-        "seed": _nullable({"type": "integer", "minimum": JSON_INT_MIN, "maximum": JSON_INT_MAX,
-                           "description": "Reproducible across processes: step i is seeded from (seed, i)."}),
-        "stop": _nullable({"anyOf": [stop_text, {"type": "array", "maxItems": MAX_STOP_SEQUENCES, "items": stop_text}]}),
-        "stream": _nullable({"type": "boolean", "default": False}),
-        "stream_options": _nullable({"type": "object",
-                                     "properties": {"include_usage": {"type": "boolean", "default": False}}}),
-        "ignore_eos": _nullable({"type": "boolean", "default": False,
-                                 "description": "Extension (as in vLLM): generate max_tokens even past EOS."}),
-        "return_token_ids": _nullable({"type": "boolean", "default": False,
-                                       "description": "Extension (as in vLLM): also return the completion's token ids."}),
-        "cache_salt": _nullable({"type": "string", "minLength": 1, "maxLength": MAX_CACHE_SALT_CHARS,
-                                 "description": "Extension (as in vLLM): a cache namespace shared by whoever sends "
-                                                "the same salt; without it, a tenant's cache is its own."}),
-    }
-    return {"type": "object", "required": required, "properties": shared | props}
-
-
-def _max_tokens(max_new: int, default: int, note: str = "") -> Schema:
-    return _nullable({"type": "integer", "minimum": 1, "maximum": max_new, "default": default,
-                      "description": f"At most the context less the prompt's tokens (else 400). {note}".strip()})
-
-
-def _nullable(schema: Schema) -> Schema:
-    """`schema` or null: the gateway reads null as 'not set'."""
-    if "anyOf" in schema:
-        return schema | {"anyOf": [*schema["anyOf"], {"type": "null"}]}
-    out = schema | {"type": [schema["type"], "null"]}
-    if "enum" in schema:
-        out["enum"] = [*schema["enum"], None]
-    return out
-
-
-# --- responses --------------------------------------------------------------------------
-
-def _usage() -> Schema:
-    count = {"type": "integer", "minimum": 0}
-    return _object({"prompt_tokens": count, "completion_tokens": count, "total_tokens": count,
-                    "prompt_tokens_details": _object({"cached_tokens": count})})
-
-
-def _choices(choice: Schema) -> Schema:
-    return {"type": "array", "minItems": 1, "maxItems": 1, "items": choice}
-
-
-def _choice(finish_reasons: tuple[str | None, ...] = ("stop", "length"), **props: Schema) -> Schema:
-    finish = {"enum": list(finish_reasons)}
-    choice = _object({"index": {"const": 0}, "logprobs": {"type": "null"}, "finish_reason": finish, **props})
-    choice["properties"]["token_ids"] = {"type": "array", "items": {"type": "integer"},
-                                         "description": "Only with return_token_ids."}
-    return choice
-
-
-def _response(obj: str, choice: Schema) -> Schema:
-    return _object({"id": {"type": "string"}, "object": {"const": obj}, "created": {"type": "integer"},
-                    "model": {"type": "string"}, "choices": _choices(choice), "usage": _ref("Usage")})
-
-
-def _completion() -> Schema:
-    return _response("text_completion", _choice(text={"type": "string"}))
-
-
-def _chat_completion() -> Schema:
-    message = _object({"role": {"const": "assistant"}, "content": {"type": "string"}})
-    return _response("chat.completion", _choice(message=message))
-
-
-def _chunk(obj: str, choice: Schema) -> Schema:
-    """One event of a stream; the usage chunk (stream_options.include_usage) has no choices."""
-    chunk = _response(obj, choice)
-    chunk["properties"]["choices"] = {"type": "array", "maxItems": 1, "items": choice}
-    chunk["required"].remove("usage")
-    return chunk
-
-
-def _completion_chunk() -> Schema:
-    return _chunk("text_completion", _choice(STREAM_FINISH, text={"type": "string"}))
-
-
-def _chat_completion_chunk() -> Schema:
-    delta = {"type": "object", "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}}
-    return _chunk("chat.completion.chunk", _choice(STREAM_FINISH, delta=delta))
-
-
-def _model_list() -> Schema:
-    model = _object({"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
-                     "owned_by": {"type": "string"}})
-    return _object({"object": {"const": "list"}, "data": {"type": "array", "items": model}})
-
-
-def _error(code: Schema | None = None) -> Schema:
-    """The OpenAI error shape; every failure of every route answers with it (code: a string or null)."""
-    inner = _object({"message": {"type": "string", "minLength": 1}, "type": {"type": "string"},
-                     "param": {"type": ["string", "null"]}, "code": code or {"type": ["string", "null"]}})
-    return _object({"error": inner})
-
-
-def _object(props: Schema) -> Schema:
-    return {"type": "object", "required": list(props), "properties": props}
+def _bound(schemas: Schema, model: str, max_new: int, vocab_size: int, default_chat_max_tokens: int) -> Schema:
+    """The served model's numbers written into the generated schemas."""
+    schemas["TokenIds"] |= {"maxItems": max_new, "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}
+    schemas["MaxTokens"]["maximum"] = max_new  # the prompt takes at least one token of the context
+    for name, default in (("CompletionRequest", COMPLETION_DEFAULT_MAX_TOKENS),
+                          ("ChatCompletionRequest", default_chat_max_tokens)):
+        props = schemas[name]["properties"]
+        props["model"]["enum"] = [model]
+        for field in ("max_tokens", "max_completion_tokens"):
+            if field in props:
+                props[field]["default"] = default
+    return schemas
 
 
 # --- operations -------------------------------------------------------------------------
@@ -261,6 +136,8 @@ def _get_operation(operation_id: str, description: str, content: Schema) -> Sche
     return {"operationId": operation_id, "responses": {"200": {"description": description, "content": content}}}
 
 
+# NOTE: /health and /dashboard/state are not OpenAI's API and have no models: their schemas are written here
+
 def _health() -> Schema:
     up = _object({"status": {"const": "ok"}, "model": {"type": "string"},
                   "instances": {"type": "object", "additionalProperties": {"type": "integer"}},
@@ -287,6 +164,10 @@ def _dashboard_state() -> Schema:
                     "nodes": listed | {"description": "Each messenger node's KV pool tiers."},
                     "decisions": listed | {"description": "Recent routing decisions, newest first."},
                     "outcomes": outcomes})
+
+
+def _object(props: Schema) -> Schema:
+    return {"type": "object", "required": list(props), "properties": props}
 
 
 def _json(schema: Schema) -> Schema:

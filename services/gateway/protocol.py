@@ -1,20 +1,37 @@
-"""The OpenAI-compatible HTTP protocol: parse and validate bodies, build responses and errors.
+"""The OpenAI-compatible requests: pydantic models, their validation, and errors in OpenAI's shape.
 
-Pure: no I/O. Validation errors are ApiError, answered as
-{"error": {"message", "type", "param", "code"}} with the error's HTTP status.
+Pure: no I/O. `parse` validates a decoded JSON body with its endpoint's model (strict: no
+string is read as a number, no boolean or 2.0 as an integer; null means "not set"; fields the
+OpenAI API has and this gateway ignores are allowed) and returns the GenerateRequest the gateway
+works with. The first problem found, in the order of FIELD_ORDER, is an ApiError answered as
+{"error": {"message", "type", "param", "code"}} with its HTTP status, worded for a person.
+The OpenAPI document's request schemas are generated from these models (openapi.py).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
+from typing_extensions import TypeAliasType
 
 from schemas.route import SamplingParams
 
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # as in the OpenAI API
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 256  # each stop string
 MAX_CACHE_SALT_CHARS = 256
+TEMPERATURE_MAX = 2.0
+# NOTE: the gateway parses JSON with orjson, which reads integers in [-2**63, 2**64) and turns any
+# other integer into a float, which an integer field refuses: that is the real range of `seed`.
+JSON_INT_MIN = -(2**63)
+JSON_INT_MAX = 2**64 - 1
+ROLES = ("system", "developer", "user", "assistant")  # developer is read as system
+# the order parse checks fields in: of several problems, the first in this order is answered
+FIELD_ORDER = ("model", "prompt", "messages", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+               "stream_options", "seed", "stop", "stream", "ignore_eos", "return_token_ids", "cache_salt")
 
 
 class ApiError(Exception):
@@ -45,6 +62,124 @@ def _error_type(status: int) -> str:
     return "server_error"
 
 
+def _refuse(message: str, param: str, code: str | None = None) -> PydanticCustomError:
+    """A validation problem worded by us: `parse` answers it as it is."""
+    return PydanticCustomError("moonbus", "{message}", {"message": message, "param": param, "code": code})
+
+
+# --- the request models --------------------------------------------------------------------
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal[ROLES]  # type: ignore[valid-type]
+    content: str | list[TextPart]
+
+
+Text = Annotated[str, Field(min_length=1)]
+# NOTE: named types are their own entries in the document, where openapi.py writes the served
+# model's bounds (the vocabulary, the context) into them
+TokenIds = TypeAliasType("TokenIds", Annotated[list[int], Field(min_length=1)])
+MaxTokens = TypeAliasType("MaxTokens", Annotated[int, Field(ge=1)])
+StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
+def _one_prompt(value: Any) -> Any:
+    """A batch of one prompt is that prompt; an empty one, or several, are refused."""
+    if value is None:
+        raise _refuse("missing required field 'prompt'", "prompt")
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if value == "" or value == []:
+        raise _refuse("prompt must not be empty", "prompt")
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, (str, list)) for p in value):
+        raise _refuse("only one prompt per request is supported", "prompt")
+    return value
+
+
+def _stop_list(value: Any) -> Any:
+    return [value] if isinstance(value, str) else value
+
+
+Prompt = Annotated[str | list[int], BeforeValidator(
+    _one_prompt, json_schema_input_type=Text | TokenIds | Annotated[list[Text | TokenIds], Field(min_length=1, max_length=1)])]
+Stop = Annotated[list[StopText], Field(max_length=MAX_STOP_SEQUENCES), BeforeValidator(
+    _stop_list, json_schema_input_type=StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_SEQUENCES)])]
+
+
+class _Generate(_Strict):
+    """What both generation endpoints take. null means 'not set' for each optional field."""
+
+    model: str
+    n: Annotated[int, Field(ge=1, le=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=TEMPERATURE_MAX)] | None = Field(
+        None, description="Default 1; 0 is greedy.")
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = Field(None, description="Default 1.")
+    seed: Annotated[int, Field(ge=JSON_INT_MIN, le=JSON_INT_MAX)] | None = Field(
+        None, description="Reproducible across processes: step i is seeded from (seed, i).")
+    stop: Stop | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = Field(None, description="Extension (as in vLLM): generate max_tokens even past EOS.")
+    return_token_ids: bool | None = Field(
+        None, description="Extension (as in vLLM): also return the completion's token ids.")
+    cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = Field(
+        None, description="Extension (as in vLLM): a cache namespace shared by whoever sends the same salt; "
+                          "without it, a tenant's cache is its own.")
+
+    @field_validator("model")
+    @classmethod
+    def _served(cls, model: str, info: ValidationInfo) -> str:
+        served = (info.context or {}).get("served_model")
+        if served is not None and model != served:
+            raise _refuse(f"the model {model!r} does not exist; this server serves {served!r}", "model",
+                          "model_not_found")
+        return model
+
+
+_MAX_TOKENS_NOTE = "At most the context less the prompt's tokens (else 400)."
+
+
+class CompletionRequest(_Generate):
+    prompt: Prompt = Field(description="Text or token ids; an array of exactly one of them is a batch of one. "
+                                       "The prompt plus max_tokens must fit in the context (else 400).")
+    max_tokens: MaxTokens | None = Field(None, description=_MAX_TOKENS_NOTE)
+
+
+class ChatCompletionRequest(_Generate):
+    messages: Annotated[list[Message], Field(min_length=1, json_schema_extra={
+        "contains": {"properties": {"content": {"anyOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "contains": {"properties": {"text": {"minLength": 1}}}}]}}}})] = Field(
+        description="At least one message has non-empty content.")
+    max_tokens: MaxTokens | None = Field(None, description=_MAX_TOKENS_NOTE)
+    max_completion_tokens: MaxTokens | None = Field(
+        None, description=f"{_MAX_TOKENS_NOTE} Takes precedence over max_tokens when set.")
+
+    @field_validator("messages")
+    @classmethod
+    def _not_all_empty(cls, messages: list[Message]) -> list[Message]:
+        if all(not _content_text(m.content) for m in messages):
+            raise _refuse("messages must not all be empty", "messages")
+        return messages
+
+
+REQUEST_MODELS: dict[str, type[_Generate]] = {"completion": CompletionRequest, "chat": ChatCompletionRequest}
+
+
+# --- what the gateway works with -----------------------------------------------------------
+
 @dataclass(frozen=True)
 class GenerateRequest:
     """A validated completion or chat request, before tokenization."""
@@ -71,74 +206,104 @@ class GenerateRequest:
 def parse(body: Any, kind: str, served_model: str) -> GenerateRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    model = _get(body, "model", str, required=True)
-    if model != served_model:
-        raise ApiError(400, f"the model {model!r} does not exist; this server serves {served_model!r}",
-                       param="model", code="model_not_found")
-    prompt = messages = None
-    if kind == "completion":
-        prompt = _parse_prompt(body)
-    else:
-        messages = _parse_messages(body)
-    n = _get(body, "n", int, default=1)
-    if n != 1:
-        raise ApiError(400, "only n=1 is supported", param="n")
-    max_tokens = _get(body, "max_tokens", int)
-    if kind == "chat" and body.get("max_completion_tokens") is not None:
-        max_tokens = _get(body, "max_completion_tokens", int)
-    if max_tokens is not None and max_tokens <= 0:
-        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-    temperature = _get(body, "temperature", float, default=1.0)
-    if not 0.0 <= temperature <= 2.0:
-        raise ApiError(400, f"temperature must be between 0 and 2, got {temperature}", param="temperature")
-    top_p = _get(body, "top_p", float, default=1.0)
-    if not 0.0 < top_p <= 1.0:
-        raise ApiError(400, f"top_p must be in (0, 1], got {top_p}", param="top_p")
-    stream_options = _get(body, "stream_options", dict) or {}
+    try:
+        req = REQUEST_MODELS[kind].model_validate(body, context={"served_model": served_model})
+    except ValidationError as exc:
+        raise _api_error(exc) from None
+    chat = isinstance(req, ChatCompletionRequest)
+    max_tokens = req.max_completion_tokens if chat and req.max_completion_tokens is not None else req.max_tokens
     return GenerateRequest(
         kind=kind,
-        model=model,
-        prompt=prompt,
-        messages=messages,
+        model=req.model,
+        prompt=None if chat else req.prompt,
+        messages=[{"role": "system" if m.role == "developer" else m.role, "content": _content_text(m.content)}
+                  for m in req.messages] if chat else None,
         max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        seed=_get(body, "seed", int),
-        stop=_parse_stop(body),
-        stream=_get(body, "stream", bool, default=False),
-        include_usage=bool(stream_options.get("include_usage", False)),
-        ignore_eos=_get(body, "ignore_eos", bool, default=False),
-        return_token_ids=_get(body, "return_token_ids", bool, default=False),
-        cache_salt=_parse_cache_salt(body),
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        seed=req.seed,
+        stop=req.stop or [],
+        stream=bool(req.stream),
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        ignore_eos=bool(req.ignore_eos),
+        return_token_ids=bool(req.return_token_ids),
+        cache_salt=req.cache_salt,
     )
 
 
-def _parse_cache_salt(body: dict[str, Any]) -> str | None:
-    salt = _get(body, "cache_salt", str)
-    if salt is not None and not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
-        raise ApiError(400, f"cache_salt must have 1 to {MAX_CACHE_SALT_CHARS} characters", param="cache_salt")
-    return salt
+def _content_text(content: str | list[TextPart]) -> str:
+    return content if isinstance(content, str) else "".join(part.text for part in content)
 
 
-def _get(body: dict[str, Any], name: str, kind: type, required: bool = False, default: Any = None) -> Any:
-    value = body.get(name)
-    if value is None:
-        if required:
-            raise ApiError(400, f"missing required field {name!r}", param=name)
-        return default
-    # bool is an int in Python; a JSON true is never a number here
-    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if kind is int and isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if kind not in (int, float) and isinstance(value, kind):
-        return value
-    raise ApiError(400, f"field {name!r} must be {_type_name(kind)}, got {_json_type(value)}", param=name)
+# --- pydantic's findings, worded as ours ---------------------------------------------------
+
+_TYPE_NAMES = {"string_type": "a string", "int_type": "an integer", "float_type": "a number",
+               "bool_type": "a boolean", "dict_type": "an object", "model_type": "an object",
+               "model_attributes_type": "an object", "list_type": "an array"}
+_REQUIRED = ("model", "prompt", "messages")
 
 
-def _type_name(kind: type) -> str:
-    return {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
-            dict: "an object", list: "an array"}[kind]
+def _api_error(exc: ValidationError) -> ApiError:
+    errors = exc.errors(include_url=False)
+    first = min(errors, key=lambda e: FIELD_ORDER.index(e["loc"][0]) if e["loc"] and e["loc"][0] in FIELD_ORDER
+                else len(FIELD_ORDER))
+    message, param, code = _wording(first)
+    return ApiError(400, message, param=param, code=code)
+
+
+def _wording(e: dict[str, Any]) -> tuple[str, str | None, str | None]:
+    """(message, param, code) of one pydantic error."""
+    if e["type"] == "moonbus":
+        return e["ctx"]["message"], e["ctx"]["param"], e["ctx"]["code"]
+    loc, kind, value = e["loc"], e["type"], e.get("input")
+    name = str(loc[0]) if loc else None
+    if name in _REQUIRED and len(loc) == 1 and (kind == "missing" or value is None):
+        return f"missing required field {name!r}", name, None
+    if name == "prompt":
+        return "prompt must be a string or an array of token ids", name, None
+    if name == "messages":
+        return _message_wording(loc, kind, value)
+    if name == "stop":
+        return _stop_wording(kind), name, None
+    if len(loc) == 1 and kind in _TYPE_NAMES:
+        return f"field {name!r} must be {_TYPE_NAMES[kind]}, got {_json_type(value)}", name, None
+    if name in ("max_tokens", "max_completion_tokens"):
+        return f"{name} must be at least 1, got {value}", name, None
+    if name == "n":
+        return "only n=1 is supported", name, None
+    if name == "temperature":
+        return f"temperature must be between 0 and {TEMPERATURE_MAX:g}, got {float(value)}", name, None
+    if name == "top_p":
+        return f"top_p must be in (0, 1], got {float(value)}", name, None
+    if name == "cache_salt":
+        return f"cache_salt must have 1 to {MAX_CACHE_SALT_CHARS} characters", name, None
+    path = ".".join(str(part) for part in loc)
+    if kind in _TYPE_NAMES:
+        return f"{path} must be {_TYPE_NAMES[kind]}, got {_json_type(value)}", name, None
+    return f"{path}: {e['msg']}", name, None
+
+
+def _message_wording(loc: tuple, kind: str, value: Any) -> tuple[str, str, None]:
+    if len(loc) == 1:
+        return "messages must be a non-empty array", "messages", None
+    param = f"messages[{loc[1]}]"
+    if len(loc) == 2:
+        return f"{param} must be an object", param, None
+    if loc[2] == "role":
+        got = "null" if kind == "missing" else _shown(value)
+        return f"{param}.role must be one of {', '.join(ROLES)}; got {got}", f"{param}.role", None
+    # content: a string or text parts; an error inside the array (len(loc) > 4) is a bad part
+    if len(loc) > 4 or (kind != "missing" and isinstance(value, list)):
+        return f"{param}.content: only text parts are supported", f"{param}.content", None
+    return f"{param}.content must be a string or an array of text parts", f"{param}.content", None
+
+
+def _stop_wording(kind: str) -> str:
+    if kind == "too_long":
+        return f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed"
+    if kind == "string_too_long":
+        return f"a stop sequence may have at most {MAX_STOP_CHARS} characters"
+    return "stop must be a non-empty string or an array of non-empty strings"
 
 
 def _json_type(value: Any) -> str:
@@ -154,123 +319,3 @@ def _shown(value: Any) -> str:
     if isinstance(value, str):
         return repr(value if len(value) <= 40 else value[:40] + "...")
     return "null" if value is None else _json_type(value)
-
-
-def _parse_prompt(body: dict[str, Any]) -> str | list[int]:
-    prompt = body.get("prompt")
-    if prompt is None:
-        raise ApiError(400, "missing required field 'prompt'", param="prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise ApiError(400, "prompt must not be empty", param="prompt")
-        return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt
-    if isinstance(prompt, list) and not prompt:
-        raise ApiError(400, "prompt must not be empty", param="prompt")
-    if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
-        raise ApiError(400, "only one prompt per request is supported", param="prompt")
-    raise ApiError(400, "prompt must be a string or an array of token ids", param="prompt")
-
-
-def _parse_messages(body: dict[str, Any]) -> list[dict[str, str]]:
-    messages = body.get("messages")
-    if messages is None:
-        raise ApiError(400, "missing required field 'messages'", param="messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages must be a non-empty array", param="messages")
-    out = []
-    for i, message in enumerate(messages):
-        param = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise ApiError(400, f"{param} must be an object", param=param)
-        role = message.get("role")
-        if role not in ("system", "developer", "user", "assistant"):
-            raise ApiError(400, f"{param}.role must be one of system, developer, user, assistant; got {_shown(role)}",
-                           param=f"{param}.role")
-        out.append({"role": "system" if role == "developer" else role, "content": _content_text(message.get("content"), param)})
-    if all(not m["content"] for m in out):
-        raise ApiError(400, "messages must not all be empty", param="messages")
-    return out
-
-
-def _content_text(content: Any, param: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # [{"type": "text", "text": ...}]
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(400, f"{param}.content: only text parts are supported", param=f"{param}.content")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise ApiError(400, f"{param}.content must be a string or an array of text parts", param=f"{param}.content")
-
-
-def _parse_stop(body: dict[str, Any]) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise ApiError(400, "stop must be a non-empty string or an array of non-empty strings", param="stop")
-    if len(stop) > MAX_STOP_SEQUENCES:
-        raise ApiError(400, f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed", param="stop")
-    if any(len(s) > MAX_STOP_CHARS for s in stop):
-        raise ApiError(400, f"a stop sequence may have at most {MAX_STOP_CHARS} characters", param="stop")
-    return stop
-
-
-# --- responses ----------------------------------------------------------------------------
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
-
-
-def full_response(req: GenerateRequest, request_id: str, created: int, text: str, finish_reason: str | None,
-                  usage_: dict[str, Any], token_ids: list[int]) -> dict[str, Any]:
-    if req.kind == "completion":
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        obj = "text_completion"
-    else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
-        obj = "chat.completion"
-    if req.return_token_ids:
-        choice["token_ids"] = token_ids
-    return {"id": request_id, "object": obj, "created": created, "model": req.model,
-            "choices": [choice], "usage": usage_}
-
-
-def stream_chunk(req: GenerateRequest, request_id: str, created: int, text: str | None,
-                 finish_reason: str | None, first: bool = False, token_ids: tuple[int, ...] = ()) -> dict[str, Any]:
-    if req.kind == "completion":
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        obj = "text_completion"
-    else:
-        delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
-        if text:
-            delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        obj = "chat.completion.chunk"
-    if req.return_token_ids:
-        choice["token_ids"] = list(token_ids)
-    return {"id": request_id, "object": obj, "created": created, "model": req.model, "choices": [choice]}
-
-
-def usage_chunk(req: GenerateRequest, request_id: str, created: int, usage_: dict[str, Any]) -> dict[str, Any]:
-    obj = "text_completion" if req.kind == "completion" else "chat.completion.chunk"
-    return {"id": request_id, "object": obj, "created": created, "model": req.model, "choices": [], "usage": usage_}
-
-
-def models_list(served_model: str, created: int | None = None) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": served_model, "object": "model",
-                                         "created": created or int(time.time()), "owned_by": "moonbus"}]}

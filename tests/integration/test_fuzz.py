@@ -22,7 +22,7 @@ import pytest
 import requests
 
 from services.gateway import openapi
-from services.gateway.service import COMPLETION_DEFAULT_MAX_TOKENS
+from services.gateway.protocol import COMPLETION_DEFAULT_MAX_TOKENS
 from tests.integration.conftest import start_cluster
 
 schemathesis = pytest.importorskip("schemathesis")
@@ -217,8 +217,7 @@ def test_the_gateway_serves_its_openapi_document(fuzz_cluster, http):
 
 
 def doc_vocab_size(doc: dict) -> int:
-    token_ids = doc["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]["anyOf"][1]
-    return token_ids["items"]["maximum"] + 1
+    return doc["components"]["schemas"]["TokenIds"]["items"]["maximum"] + 1
 
 
 @pytest.mark.parametrize("path", GENERATE_PATHS)

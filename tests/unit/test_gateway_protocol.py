@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from common import models
+from services.gateway import responses
 from services.gateway.detokenize import Detokenizer
 from services.gateway.protocol import ApiError, parse
 
@@ -58,3 +59,72 @@ def test_detokenizer_releases_a_partial_stop_match_at_the_end(tokenizer):
     out = "".join(detok.add([i]) for i in tokenizer("abc ST")["input_ids"])
     assert out == "abc "  # "ST" may begin the stop string: held back
     assert detok.flush() == "ST" and not detok.stopped
+
+
+OK = {"model": "m", "prompt": "hi", "max_tokens": 4}
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("kind,body,message", [
+    ("completion", {"prompt": "hi"}, "missing required field 'model'"),
+    ("completion", {"model": None, "prompt": "hi"}, "missing required field 'model'"),
+    ("completion", {"model": "m"}, "missing required field 'prompt'"),
+    ("completion", OK | {"model": "gpt-9"}, "the model 'gpt-9' does not exist; this server serves 'm'"),
+    ("completion", OK | {"model": "gpt-9", "prompt": ""}, "the model 'gpt-9' does not exist"),  # model comes first
+    ("completion", OK | {"max_tokens": "10"}, "field 'max_tokens' must be an integer, got a string"),
+    ("completion", OK | {"max_tokens": 0}, "max_tokens must be at least 1, got 0"),
+    ("completion", OK | {"temperature": True}, "field 'temperature' must be a number, got a boolean"),
+    ("completion", OK | {"temperature": 3}, "temperature must be between 0 and 2, got 3.0"),
+    ("completion", OK | {"top_p": 0}, "top_p must be in (0, 1], got 0.0"),
+    ("completion", OK | {"n": 2}, "only n=1 is supported"),
+    ("completion", OK | {"prompt": ""}, "prompt must not be empty"),
+    ("completion", OK | {"prompt": [[]]}, "prompt must not be empty"),
+    ("completion", OK | {"prompt": ["a", "b"]}, "only one prompt per request is supported"),
+    ("completion", OK | {"prompt": [1.5]}, "prompt must be a string or an array of token ids"),
+    ("completion", OK | {"stop": ["a", ""]}, "stop must be a non-empty string or an array of non-empty strings"),
+    ("completion", OK | {"stop": ["a"] * 5}, "at most 4 stop sequences are allowed"),
+    ("completion", OK | {"stop": "a" * 257}, "a stop sequence may have at most 256 characters"),
+    ("completion", OK | {"stream_options": []}, "field 'stream_options' must be an object, got an array"),
+    ("completion", OK | {"cache_salt": ""}, "cache_salt must have 1 to 256 characters"),
+    ("chat", CHAT | {"messages": []}, "messages must be a non-empty array"),
+    ("chat", CHAT | {"messages": "hi"}, "messages must be a non-empty array"),
+    ("chat", CHAT | {"messages": ["hi"]}, "messages[0] must be an object"),
+    ("chat", CHAT | {"messages": [{"role": "wizard", "content": "hi"}]},
+     "messages[0].role must be one of system, developer, user, assistant; got 'wizard'"),
+    ("chat", CHAT | {"messages": [{"content": "hi"}]}, "messages[0].role must be one of"),
+    ("chat", CHAT | {"messages": [{"role": "user", "content": 5}]},
+     "messages[0].content must be a string or an array of text parts"),
+    ("chat", CHAT | {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content: only text parts are supported"),
+    ("chat", CHAT | {"messages": [{"role": "user", "content": ""}]}, "messages must not all be empty"),
+    ("chat", CHAT | {"stream": "yes"}, "field 'stream' must be a boolean, got a string"),
+])
+def test_parse_words_each_problem_for_a_person(kind, body, message):
+    with pytest.raises(ApiError) as err:
+        parse(body, kind, "m")
+    assert err.value.status == 400 and err.value.message.startswith(message), err.value.message
+
+
+def test_error_bodies_have_the_documented_shape():
+    err = ApiError(429, "rejected", retry_after_s=1.0)
+    assert responses.Error.model_validate(err.body()).model_dump() == err.body()
+    streamed = err.body() | {"error": err.body()["error"] | {"code": err.status}}
+    assert responses.StreamError.model_validate(streamed).error.code == 429
+
+
+@pytest.mark.parametrize("kind,body", [("completion", {"model": "m", "prompt": "hi"}), ("chat", CHAT)])
+@pytest.mark.parametrize("return_token_ids", [False, True])
+def test_every_body_sent_is_what_its_model_says(kind, body, return_token_ids):
+    # the builders are plain dicts (fast); the models are the contract the document is generated from
+    req = parse(body | {"return_token_ids": return_token_ids}, kind, "m")
+    usage = responses.usage(2, 3, 1)
+    full = (responses.Completion if kind == "completion" else responses.ChatCompletion,
+            responses.full_response(req, "r", 7, "yo", "length", usage, [5, 6, 7]))
+    chunk_model = responses.CompletionChunk if kind == "completion" else responses.ChatCompletionChunk
+    chunks = [(chunk_model, responses.stream_chunk(req, "r", 7, text, finish, first, (5,)))
+              for text, finish, first in [("", None, True), ("a", None, False), (None, None, False), ("", "stop", False)]]
+    chunks.append((chunk_model, responses.usage_chunk(req, "r", 7, usage)))
+    for model, sent in [full, *chunks, (responses.ModelList, responses.models_list("m"))]:
+        assert model.model_validate(sent).model_dump(mode="json") == sent
+    assert ("token_ids" in full[1]["choices"][0]) == return_token_ids
+    assert "usage" not in chunks[0][1] and chunks[-1][1]["choices"] == []

@@ -52,3 +52,30 @@ def test_the_decision_floor_is_pure():
     assert not {k: v for k, v in bad.items() if v}
     inside = {m for p in modules("common/decide") for m in imports(p) if m.startswith("common.")}
     assert all(m.startswith(("common.decide", "common.kv.blocks")) for m in inside), inside
+
+
+def _circle(graph: dict[str, set[str]]) -> list[str]:
+    """One circle of imports in `graph` (module -> modules it imports), [] if there is none."""
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> list[str]:
+        if module in path:
+            return path[path.index(module):] + [module]
+        if module in done:
+            return []
+        for other in sorted(graph.get(module, ())):
+            found = visit(other, path + [module])
+            if found:
+                return found
+        done.add(module)
+        return []
+
+    return next((c for c in (visit(m, []) for m in sorted(graph)) if c), [])
+
+
+@pytest.mark.parametrize("package", sorted(p.name for p in (ROOT / "services").iterdir() if (p / "__init__.py").exists()))
+def test_a_service_s_modules_import_in_a_line(package):
+    # function-local imports count: a circle broken only by one is still a circle
+    names = {f"services.{package}.{p.stem}": p for p in modules(f"services/{package}") if p.parent.name == package}
+    graph = {name: {m for m in imports(path) if m in names and m != name} for name, path in names.items()}
+    assert _circle(graph) == []

@@ -49,7 +49,7 @@ def test_every_error_status_answers_in_the_openai_shape():
         for status in ("400", "429", "503", "504", "default"):
             assert responses[status]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/Error"}
         assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
-    assert DOC["components"]["schemas"]["Error"]["properties"]["error"]["required"] == ["message", "type", "param", "code"]
+    assert DOC["components"]["schemas"]["ErrorInfo"]["required"] == ["message", "type", "param", "code"]
 
 
 COMPLETION = {"model": MODEL, "prompt": "hi"}

@@ -1,0 +1,49 @@
+"""The gateway process: the model's tokenizer, the NATS subscriptions, the HTTP server, and shutdown.
+
+The gateway's modules in a line, each importing only those before it:
+    config, tenants, detokenize, dashboard -> protocol (requests) -> responses -> openapi
+    -> core (Gateway: a request's life over NATS) -> api (HTTP routes) -> service
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiohttp import web
+
+from common import bus, health, models
+from common.runner import TaskGroup
+from schemas import subjects
+from services.gateway.api import Api
+from services.gateway.config import GatewayConfig
+from services.gateway.core import Gateway
+
+log = logging.getLogger(__name__)
+
+
+async def serve(cfg: GatewayConfig, stop: asyncio.Event) -> bool:
+    ref = models.prepare(cfg.model, cfg.home)
+    tokenizer = await asyncio.to_thread(models.load_tokenizer, ref)
+    shape = models.read_shape(ref)
+    nc = await bus.connect(cfg.nats_url, cfg.instance_id, cfg.nats_auth)
+    gateway = Gateway(cfg, nc, tokenizer, ref.name, shape.max_context)
+    await bus.subscribe(nc, gateway.reply_subject, gateway.on_tokens)
+    bus.on_reconnect(nc, gateway.probe_all)  # chunks may have been lost while the broker was away
+    api = Api(gateway)
+    for kind in ("prefilled", "kv_pulled"):
+        await bus.subscribe(nc, subjects.request_event(kind, "*"), api.on_request_event)
+    await bus.subscribe(nc, subjects.request_event("routed", "*"), api.dashboard.on_routed)
+    runner = web.AppRunner(api.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port)
+    await site.start()
+    tasks = TaskGroup(stop)
+    tasks.spawn(health.beacon(cfg.health_file, nc, stop), "health", essential=False)
+    tasks.spawn(bus.watchdog(nc), "broker-watchdog")
+    log.info("gateway %s serving %s on http://%s:%d", cfg.instance_id, ref.name, cfg.host, cfg.port)
+    await stop.wait()
+    await tasks.cancel_all()
+    await runner.cleanup()
+    await bus.shutdown(nc)
+    return not tasks.failed
