@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from common import models
@@ -59,6 +61,19 @@ def test_detokenizer_releases_a_partial_stop_match_at_the_end(tokenizer):
     out = "".join(detok.add([i]) for i in tokenizer("abc ST")["input_ids"])
     assert out == "abc "  # "ST" may begin the stop string: held back
     assert detok.flush() == "ST" and not detok.stopped
+
+
+def test_detokenized_text_is_the_whole_decode_however_the_tokens_arrive(tokenizer):
+    # random byte tokens: characters split across tokens and chunks, bytes that never make one
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 40))]
+        detok, out, i = Detokenizer(tokenizer, []), [], 0
+        while i < len(ids):
+            n = rng.randint(1, 3)
+            out.append(detok.add(ids[i:i + n]))
+            i += n
+        assert "".join(out) + detok.flush() == tokenizer.decode(ids, skip_special_tokens=True)
 
 
 OK = {"model": "m", "prompt": "hi", "max_tokens": 4}
