@@ -3,9 +3,13 @@
     store.py       the DRAM slab and the SSD tier against memcpy and a file per block
     conductor.py   decisions per second at scale; route.py, route_report.py, fleet.py: the live route
     engine.py      batched decode, layer-wise prefill and the pipeline against the plain forward
-    transfer.py    the KV transport against a plain socket and Mooncake's engine (transfer_peers.py:
-                   the receiving processes; transfer_tail.py: the streamed handoff's tail)
+    transfer.py    the KV transport against a plain socket and Mooncake's engine, on the patterns the
+                   system sends (transfer_patterns.py: the patterns, timing and per-run checks;
+                   transfer_peers.py, transfer_socket.py: the receiving processes and the cases;
+                   transfer_report.py: ratios and goals; transfer_tail.py: the streamed handoff's tail)
     wire.py        the wire codec (msgspec) against the hand-written one it replaced and stdlib json
+
+`make bench` runs every target of TARGETS one after another (suite.py) into one JSON and one table.
 """
 
 from __future__ import annotations
