@@ -150,7 +150,7 @@ class WorkerModel:
     """What a prefill or decode worker runs: the loaded model and what it needs to know of it."""
 
     ref: ModelRef
-    model: object  # a transformers causal LM, in eval mode, in `dtype`
+    model: object  # a common.engine.llama.Llama in `dtype`
     eos_token_id: int | None
     shape: ModelShape
     dtype: str = "float32"  # compute and KV dtype
@@ -160,17 +160,28 @@ class WorkerModel:
 
 
 def load_for_worker(model: str, home: Path, threads: int = 0, dtype: str = "auto") -> WorkerModel:
-    """Prepare, load and describe the model; `threads` > 0 sets torch's intra-op threads first;
-    `dtype` auto is bfloat16 where the CPU has it (resolve_dtype)."""
+    """Prepare, load and describe the model as the engines run it (common.engine.llama: no
+    transformers in a worker); `threads` > 0 sets torch's intra-op threads first; `dtype` auto is
+    bfloat16 where the CPU has it (resolve_dtype)."""
     import torch
+
+    from common.engine.llama import Llama
 
     if threads:
         torch.set_num_threads(threads)
     ref = prepare(model, home)
     dtype = resolve_dtype(dtype)
-    loaded = load_model(ref, dtype)
-    eos = loaded.generation_config.eos_token_id
-    return WorkerModel(ref, loaded, eos[0] if isinstance(eos, list) else eos, read_shape(ref), dtype)
+    return WorkerModel(ref, Llama.load(ref.path, dtype), eos_token_id(ref), read_shape(ref), dtype)
+
+
+def eos_token_id(ref: ModelRef) -> int | None:
+    """The end-of-sequence token, from generation_config.json (else config.json); the first of a list."""
+    eos = None
+    for name in ("generation_config.json", "config.json"):
+        path = ref.path / name
+        if eos is None and path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+    return eos[0] if isinstance(eos, list) and eos else eos
 
 
 def read_shape(ref: ModelRef) -> ModelShape:

@@ -8,11 +8,11 @@ chunks (never re-padded per step):
     row 0  | t0 t1 t2 t3 t4 t5 . . . . |   kv_len 6: the next token's K, V land at 6
     row 1  | t0 t1 t2 . . . . . . . . |   kv_len 3
     row 2  | t0 t1 t2 t3 t4 t5 t6 t7 . |   kv_len 8
-             <------ width = max kv_len + 1 ------>   (attention reads only this)
+             <------ width = max kv_len + 1 ------>   (the buffer holds at least this)
 
 One `step()` feeds every row its last token at its own position (position id = its kv_len),
-writes the new K, V in place at that position, attends over `[0, width)` with a mask that hides
-each row's padding, and samples every row with its own settings (greedy rows by one batched
+writes the new K, V in place at that position, attends each row over exactly its own tokens
+(no padding is read), and samples every row with its own settings (greedy rows by one batched
 argmax, the others through `common.sampling.sample`, seeded per (seed, step) as in prefill).
 Rows stay contiguous: `remove()` moves the last row into the freed slot.
 
@@ -23,10 +23,10 @@ conductor's pure `decode_admits`, fed this engine's state).
 NOTE: the budget counts reserved tokens, not the padded buffer: with very ragged lengths the
 buffer holds up to rows * (longest + grow) tokens.
 
-Numerics: on CPU float32, a [B, d] matmul can differ from B [1, d] matmuls in the last bits
-(oneDNN picks a different kernel for M=1), and the masked attention over padding runs a different
-kernel than the unmasked single-sequence one. Logits therefore equal per-sequence decoding only
-to ~1e-6; greedy tokens are equal unless two logits tie to that precision (tests check tokens).
+Numerics: attention runs per row over the row's own length, the kernel a sequence decoded alone
+runs, so a row's result does not depend on its batch; measured here, logits equal per-sequence
+decoding bit for bit in bfloat16 (oneDNN's bf16 matmuls give the same row for M=1 and M=B) and
+to ~1e-6 in float32 (whose M=1 kernel differs in the last bits). Tests check tokens.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from common.decide.perf import Profile
+from common.engine.llama import KvWriter, Llama
 from common.sampling import SamplingError, is_greedy, sample
 from schemas.route import SamplingParams
 from common.decide.admission import decode_admits
@@ -75,20 +76,16 @@ class StepStats:
 
 
 class BatchEngine:
-    def __init__(self, model, max_batch: int, kv_budget_tokens: int, grow_tokens: int = 256) -> None:
+    def __init__(self, model: Llama, max_batch: int, kv_budget_tokens: int, grow_tokens: int = 256) -> None:
         if max_batch < 1 or kv_budget_tokens < 1 or grow_tokens < 1:
             raise ValueError("max_batch, kv_budget_tokens and grow_tokens must be >= 1")
-        cfg = model.config
         self.model = model
         self.max_batch = max_batch
         self.kv_budget_tokens = kv_budget_tokens
         self.grow_tokens = grow_tokens
-        self.max_context = cfg.max_position_embeddings
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.eager = cfg._attn_implementation == "eager"
-        param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
+        self.max_context = model.max_context
+        self.num_kv_heads, self.head_dim = model.num_kv_heads, model.head_dim
+        self.device, self.dtype = model.device, model.dtype
         self.rows: list[_Row] = []  # row index -> _Row
         self.index: dict[str, int] = {}  # request_id -> row index
         self.kv_lens = torch.zeros(0, dtype=torch.long)  # row index -> tokens in its KV
@@ -205,27 +202,22 @@ class BatchEngine:
         context = self.context_tokens
         width = int(self.kv_lens.max()) + 1
         self._ensure(batch, width)
-        logits = self._forward(batch, width)
+        logits = self._forward(batch)
         result = self._sample(logits)
         self.kv_lens += 1
         self.last_step = StepStats(batch, context, time.perf_counter() - started)
         return result
 
-    def _forward(self, batch: int, width: int) -> torch.Tensor:
-        inner = self.model.model
+    def _forward(self, batch: int) -> torch.Tensor:
+        model = self.model
         positions = self.kv_lens.to(self.device)[:, None]  # [B, 1]: each row's new token sits at its kv_len
         tokens = torch.tensor([[r.last_token] for r in self.rows], device=self.device)
-        hidden = inner.embed_tokens(tokens)
-        rope = inner.rotary_emb(hidden, position_ids=positions)
-        visible = torch.arange(width, device=self.device)[None, :] <= positions  # [B, width]: the row's KV plus the new token
-        mask = visible[:, None, None, :]
-        if self.eager:  # eager attention adds the mask; sdpa takes it as bool
-            mask = torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill(~mask, torch.finfo(self.dtype).min)
-        cache = _RowsCache(self.kv, batch, width, positions[:, 0])
-        for layer in inner.layers:
-            hidden = layer(hidden, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                           use_cache=True, position_embeddings=rope)
-        return self.model.lm_head(inner.norm(hidden))[:, -1].float()  # [B, vocab]
+        hidden = model.embed_tokens(tokens)
+        cos, sin = model.rope(positions)
+        cache = _RowsCache(self.kv, batch, positions[:, 0])
+        for idx in range(model.num_layers):
+            hidden = model.layer(idx, hidden, cos, sin, cache)
+        return model.logits(hidden)  # [B, vocab], float32
 
     def _sample(self, logits: torch.Tensor) -> StepResult:
         greedy = torch.argmax(logits, dim=-1).tolist()
@@ -248,7 +240,7 @@ class BatchEngine:
     # ------------------------------------------------------------------ the buffer
 
     def _alloc(self, rows: int, tokens: int) -> torch.Tensor:
-        shape = (self.model.config.num_hidden_layers, 2, rows, self.num_kv_heads, tokens, self.head_dim)
+        shape = (self.model.num_layers, 2, rows, self.num_kv_heads, tokens, self.head_dim)
         return torch.empty(shape, dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
@@ -272,19 +264,26 @@ class BatchEngine:
         self.kv = grown
 
 
-class _RowsCache:
-    """What a transformers decoder layer needs from a cache: `update` returns the whole K, V to attend.
+class _RowsCache(KvWriter):
+    """The batch's cache as a decoder layer sees it.
 
-    Writes the new token's K, V of every row at that row's position, in place, and returns views
-    of the first `width` positions of the running rows (padding is hidden by the mask).
+    Writes the new token's K, V of every row at that row's position, in place, then attends each
+    row over exactly its own tokens. NOTE: one attention per row, not one masked attention over
+    the padded width: the masked kernel's blocked softmax rounds differently from a sequence's own
+    (in bfloat16, enough to flip a near tie), so each row gets exactly what it would alone, and the
+    padding costs nothing.
     """
 
-    def __init__(self, kv: torch.Tensor, batch: int, width: int, positions: torch.Tensor) -> None:
-        self.kv, self.batch, self.width, self.positions = kv, batch, width, positions
+    def __init__(self, kv: torch.Tensor, batch: int, positions: torch.Tensor) -> None:
+        self.kv, self.batch, self.positions = kv, batch, positions
         self.rows = torch.arange(batch, device=kv.device)
+        self.ends = (positions + 1).tolist()  # row -> its tokens, the new one included
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        keys, values = self.kv[layer_idx, 0], self.kv[layer_idx, 1]  # [rows_cap, H, tokens_cap, D]
-        keys[self.rows, :, self.positions] = key_states[:, :, 0]
-        values[self.rows, :, self.positions] = value_states[:, :, 0]
-        return keys[: self.batch, :, : self.width], values[: self.batch, :, : self.width]
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: int, model) -> torch.Tensor:
+        keys, values = self.kv[idx, 0], self.kv[idx, 1]  # [rows_cap, H, tokens_cap, D]
+        keys[self.rows, :, self.positions] = k[:, :, 0]
+        values[self.rows, :, self.positions] = v[:, :, 0]
+        if self.batch == 1:
+            return model.attention(q, keys[:1, :, : self.ends[0]], values[:1, :, : self.ends[0]])
+        return torch.cat([model.attention(q[r : r + 1], keys[r : r + 1, :, :end], values[r : r + 1, :, :end])
+                          for r, end in enumerate(self.ends)])

@@ -1,7 +1,8 @@
 """Layer-by-layer prefill for LLaMA-family models: prefix loaded ahead, new KV streamed out, chunks, pipeline.
 
-We walk `model.model.layers` ourselves (embeddings, rotary embeddings, causal mask, each decoder
-layer, final norm, lm_head on the last position only) so that work can be slotted between layers:
+We walk the model's layers ourselves (common/engine/llama.py: embeddings, rotary tables, causal
+mask, each decoder layer, final norm, lm_head on the last position only) so that work can be
+slotted between layers:
 
     loader thread   put prefix L0 | put prefix L1 | put prefix L2 | ...          (ahead of use)
     compute         ............. | layer 0       | layer 1       | layer 2 ...
@@ -39,6 +40,7 @@ import numpy as np
 import torch
 
 from common import kvfiles
+from common.engine.llama import KvWriter, Llama
 from common.kvfiles import checksum
 from schemas.transfer import KvHandle
 
@@ -220,16 +222,11 @@ class LayerStreamer:
 class LayerwisePrefill:
     """Prefill of one LLaMA-family model, layer by layer. One instance per model; thread-safe per call."""
 
-    def __init__(self, model, chunk_tokens: int = 0) -> None:
-        cfg = model.config
+    def __init__(self, model: Llama, chunk_tokens: int = 0) -> None:
         self.model = model
         self.chunk_tokens = chunk_tokens  # 0 = the whole prompt at once
-        self.num_layers = cfg.num_hidden_layers
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.eager = cfg._attn_implementation == "eager"
-        param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
+        self.num_layers, self.num_kv_heads, self.head_dim = model.num_layers, model.num_kv_heads, model.head_dim
+        self.device, self.dtype = model.device, model.dtype
 
     def new_assembly(self, num_tokens: int) -> KvAssembly:
         return KvAssembly(self.num_layers, self.num_kv_heads, num_tokens, self.head_dim, self.dtype, self.device)
@@ -276,30 +273,25 @@ class LayerwisePrefill:
 
         Returns the logits [vocab] of position end - 1. This is the unit a pipeline worker runs.
         """
-        inner = self.model.model
+        model = self.model
         positions = torch.arange(start, end, device=self.device)[None, :]
-        hidden = inner.embed_tokens(torch.tensor([token_ids[start:end]], device=self.device))
-        rope = inner.rotary_emb(hidden, position_ids=positions)
-        mask = self._mask(start, end)
-        cache = _SpanCache(kv.kv, start, end)
-        for layer_idx, layer in enumerate(inner.layers):
+        hidden = model.embed_tokens(torch.tensor([token_ids[start:end]], device=self.device))
+        cos, sin = model.rope(positions)
+        cache = _SpanCache(kv.kv, start, end, self._mask(start, end))
+        for layer_idx in range(model.num_layers):
             kv.wait(layer_idx, start)
-            hidden = layer(hidden, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                           use_cache=True, position_embeddings=rope)
+            hidden = model.layer(layer_idx, hidden, cos, sin, cache)
             kv.mark(layer_idx, start, end)
             if streamer is not None:
                 streamer.submit(layer_idx, start, kv.kv[layer_idx, :, :, start:end])
-        return self.model.lm_head(inner.norm(hidden[:, -1:]))[0, -1].float()
+        return model.logits(hidden)[0]
 
     def _mask(self, start: int, end: int) -> torch.Tensor | None:
         """Causal mask of queries [start, end) over keys [0, end); None for a first chunk (sdpa's is_causal)."""
-        if start == 0 and not self.eager:
+        if start == 0:
             return None
         keys = torch.arange(end, device=self.device)
-        mask = (keys[None, :] <= torch.arange(start, end, device=self.device)[:, None])[None, None]
-        if self.eager:
-            return torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill(~mask, torch.finfo(self.dtype).min)
-        return mask
+        return (keys[None, :] <= torch.arange(start, end, device=self.device)[:, None])[None, None]
 
     @torch.inference_mode()
     def _load_prefix(self, prefix: PrefixSource, kv: KvAssembly, streamer: LayerStreamer | None) -> None:
@@ -315,20 +307,19 @@ class LayerwisePrefill:
             kv.fail(exc)
 
 
-class _SpanCache:
-    """The cache a transformers decoder layer sees while tokens [start, end) are computed.
+class _SpanCache(KvWriter):
+    """The cache a decoder layer sees while tokens [start, end) are computed: their K, V are
+    written into the assembly in place, and they attend over [0, end) (`mask`: None for a first
+    chunk, whose causal attention needs none)."""
 
-    `update` writes the new K, V into the assembly in place and returns views of [0, end).
-    """
+    def __init__(self, kv: torch.Tensor, start: int, end: int, mask: torch.Tensor | None) -> None:
+        self.kv, self.start, self.end, self.mask = kv, start, end, mask
 
-    def __init__(self, kv: torch.Tensor, start: int, end: int) -> None:
-        self.kv, self.start, self.end = kv, start, end
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        layer = self.kv[layer_idx]
-        layer[0, :, self.start : self.end] = key_states[0]
-        layer[1, :, self.start : self.end] = value_states[0]
-        return layer[0, :, : self.end][None], layer[1, :, : self.end][None]
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: int, model) -> torch.Tensor:
+        layer = self.kv[idx]
+        layer[0, :, self.start : self.end] = k[0]
+        layer[1, :, self.start : self.end] = v[0]
+        return model.attention(q, layer[0, :, : self.end][None], layer[1, :, : self.end][None], self.mask)
 
 
 def pipelined_prefill(engine: LayerwisePrefill, token_ids: list[int], num_workers: int, sink: KvSink | None = None,

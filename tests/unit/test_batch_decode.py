@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from common import models, sampling
+from common.engine.llama import Llama
 from common.engine import reference as single
 from common.decide.perf import DecodeModel, PrefillModel, Profile
 from schemas.route import SamplingParams
@@ -19,9 +20,10 @@ HOT = SamplingParams(temperature=1.3, max_tokens=64, seed=123)
 STEPS = 10
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return models.load_model(models.prepare("tiny-random", tmp_path_factory.mktemp("home")))
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def model(request, tmp_path_factory):
+    """tiny-random in each dtype a worker runs; the references run in the same dtype."""
+    return models.load_model(models.prepare("tiny-random", tmp_path_factory.mktemp("home")), request.param)
 
 
 def make_prompt(n: int, seed: int) -> list[int]:
@@ -55,7 +57,7 @@ MIXED = [(3, GREEDY), (41, SEEDED), (17, GREEDY), (90, HOT), (1, GREEDY), (64, S
 
 
 def test_ragged_batch_equals_per_sequence_decoding(model):
-    batch = BatchEngine(model, max_batch=8, kv_budget_tokens=10_000, grow_tokens=16)  # grows mid-run
+    batch = BatchEngine(Llama.from_hf(model), max_batch=8, kv_budget_tokens=10_000, grow_tokens=16)  # grows mid-run
     for i, (n, params) in enumerate(MIXED):
         kv, first = make_start(model, make_prompt(n, i), params)
         batch.add(f"r{i}", kv, first, params, num_generated=1)
@@ -70,7 +72,7 @@ def test_admitted_mid_batch_leaves_the_others_unchanged(model):
     alone: dict[str, list[int]] = {}
     joined: dict[str, list[int]] = {}
     for into, late in ((alone, False), (joined, True)):
-        batch = BatchEngine(model, max_batch=4, kv_budget_tokens=10_000, grow_tokens=8)
+        batch = BatchEngine(Llama.from_hf(model), max_batch=4, kv_budget_tokens=10_000, grow_tokens=8)
         for i, (n, params) in enumerate(first_two):
             kv, first = make_start(model, make_prompt(n, i), params)
             batch.add(f"r{i}", kv, first, params)
@@ -84,7 +86,7 @@ def test_admitted_mid_batch_leaves_the_others_unchanged(model):
 
 
 def test_removing_a_row_leaves_the_others_unchanged(model):
-    batch = BatchEngine(model, max_batch=4, kv_budget_tokens=10_000)
+    batch = BatchEngine(Llama.from_hf(model), max_batch=4, kv_budget_tokens=10_000)
     for i, n in enumerate((12, 30, 5)):
         kv, first = make_start(model, make_prompt(n, i), GREEDY)
         batch.add(f"r{i}", kv, first, GREEDY)
@@ -100,7 +102,7 @@ def test_removing_a_row_leaves_the_others_unchanged(model):
 
 def test_capacity_counts_reserved_tokens_and_rows(model):
     params = SamplingParams(temperature=0.0, max_tokens=10)
-    batch = BatchEngine(model, max_batch=2, kv_budget_tokens=50)
+    batch = BatchEngine(Llama.from_hf(model), max_batch=2, kv_budget_tokens=50)
     kv, first = make_start(model, make_prompt(20, 0), params)
     need = batch.tokens_needed(20, params, num_generated=1)
     assert need == 20 + 9  # the KV now and the 9 steps still to run (each adds the fed token's K, V)
@@ -116,7 +118,7 @@ def test_capacity_counts_reserved_tokens_and_rows(model):
 
 def test_tbt_recheck_uses_predicted_step_time(model):
     perf = Profile(PrefillModel((0.0, 0.001, 0.0, 0.0)), DecodeModel((0.01, 0.01, 0.0)))  # step = 0.01 + 0.01 * batch
-    batch = BatchEngine(model, max_batch=16, kv_budget_tokens=10_000)
+    batch = BatchEngine(Llama.from_hf(model), max_batch=16, kv_budget_tokens=10_000)
     for i in range(3):
         kv, first = make_start(model, make_prompt(4, i), GREEDY)
         batch.add(f"r{i}", kv, first, GREEDY)
@@ -125,7 +127,7 @@ def test_tbt_recheck_uses_predicted_step_time(model):
 
 
 def test_step_on_empty_batch_returns_nothing(model):
-    assert BatchEngine(model, max_batch=2, kv_budget_tokens=100).step().tokens == {}
+    assert BatchEngine(Llama.from_hf(model), max_batch=2, kv_budget_tokens=100).step().tokens == {}
 
 
 async def test_engine_driven_as_the_decode_service_drives_it(model):
@@ -136,7 +138,7 @@ async def test_engine_driven_as_the_decode_service_drives_it(model):
     import asyncio
 
     assert not torch.is_inference_mode_enabled()
-    batch = BatchEngine(model, max_batch=4, kv_budget_tokens=10_000, grow_tokens=16)
+    batch = BatchEngine(Llama.from_hf(model), max_batch=4, kv_budget_tokens=10_000, grow_tokens=16)
     kv, first = make_start(model, make_prompt(10, 0), GREEDY)
     batch.add("first", kv, first, GREEDY)
     got: dict[str, list[int]] = {}
@@ -160,15 +162,15 @@ async def test_engine_driven_as_the_decode_service_drives_it(model):
 
 
 def test_a_row_that_cannot_sample_fails_alone(model, monkeypatch):
-    batch = BatchEngine(model, max_batch=4, kv_budget_tokens=10_000)
+    batch = BatchEngine(Llama.from_hf(model), max_batch=4, kv_budget_tokens=10_000)
     tiny_t = SamplingParams(temperature=1e-40, max_tokens=64)  # greedy, not NaN
     for i, params in enumerate((GREEDY, tiny_t, SEEDED)):
         kv, first = make_start(model, make_prompt(6 + i, i), params)
         batch.add(f"r{i}", kv, first, params)
     real_forward = batch._forward
 
-    def broken_row_1(b, width):
-        logits = real_forward(b, width)
+    def broken_row_1(b):
+        logits = real_forward(b)
         logits[batch.index["r1"]] = float("nan")
         return logits
 

@@ -38,6 +38,7 @@ from common.engine import reference
 from common.config import default_home
 from schemas.route import SamplingParams
 from common.engine.batch import BatchEngine
+from common.engine.llama import Llama
 from common.engine.layerwise import FileSink, LayerwisePrefill, pipelined_prefill
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
@@ -172,7 +173,7 @@ def _bench_decode(model, batch: int, args: argparse.Namespace) -> dict:
     starts = _starts(model, prompts)
     tokens = batch * (args.new_tokens - 1)
     gen, ours, add, loop = [], [], [], []
-    engine_ = BatchEngine(model, max_batch=batch, kv_budget_tokens=1 << 30)
+    engine_ = BatchEngine(Llama.from_hf(model), max_batch=batch, kv_budget_tokens=1 << 30)
     for _ in range(args.repeats):
         gen.append(_time_generate(model, prompts, args.new_tokens))
         s, a = _time_batch(engine_, starts, args.new_tokens)
@@ -193,7 +194,7 @@ def _bench_decode(model, batch: int, args: argparse.Namespace) -> dict:
 def _bench_prefill(model, args: argparse.Namespace) -> list[dict]:
     ids = _prompts(1, args.prefill_tokens, model.config.vocab_size, seed=1)[0].tolist()
     shm = Path(args.shm_dir)
-    layerwise = LayerwisePrefill(model)
+    layerwise = LayerwisePrefill(Llama.from_hf(model))
     shape = None
 
     def compute_only() -> None:
@@ -234,7 +235,7 @@ def _bench_prefill(model, args: argparse.Namespace) -> list[dict]:
 
 def _bench_ttft(model, args: argparse.Namespace, threads: int) -> list[dict]:
     ids = _prompts(1, args.ttft_tokens, model.config.vocab_size, seed=2)[0].tolist()
-    chunked = LayerwisePrefill(model, chunk_tokens=args.prefill_chunk)
+    chunked = LayerwisePrefill(Llama.from_hf(model), chunk_tokens=args.prefill_chunk)
     rows = []
     cases = [(1, threads, f"1 instance, {threads} thread(s)"), (2, 1, "pipeline-group 2, 1 thread each")]
     if threads > 1:

@@ -22,6 +22,7 @@ from common.decide.perf import DecodeModel, DecodeSample, PrefillModel, PrefillS
 from schemas.route import SamplingParams
 from common.engine.batch import BatchEngine
 from common.engine.layerwise import LayerwisePrefill
+from common.engine.llama import Llama
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     ref = models.prepare(args.model, args.home.resolve())
     shape = models.read_shape(ref)
     dtype = models.resolve_dtype(args.dtype)
-    model = models.load_model(ref, dtype)
+    model = Llama.load(ref.path, dtype)  # as the workers load it
     prefill = LayerwisePrefill(model)
     max_input = min(args.max_input, shape.max_context - 1)
     prefill_samples, decode_samples = [], []

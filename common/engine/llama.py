@@ -1,0 +1,193 @@
+"""LLaMA-family models (llama, mistral, qwen2) as the workers run them: weights read straight from
+a checkpoint's safetensors, and a decoder layer in a dozen torch ops.
+
+Why not transformers' modules: their layer machinery (hooks, keyword plumbing, cache and mask
+handling) cost about 1.5 ms per layer per decode step here, so a batch-1 step of SmolLM2-135M
+took 59 ms where reading its bf16 weights once takes about 14 ms; and importing transformers
+costs each worker seconds (minutes under the RDMA VM's emulation). The engines (batch.py,
+layerwise.py) walk the layers themselves and call `Llama.layer` for each, writing K and V into
+their own caches.
+
+The math is transformers' LlamaDecoderLayer, kept equal where it matters for greedy outputs:
+- RMSNorm in float32 (x * rsqrt(mean(x^2) + eps)), then `weight * x` in the model dtype;
+- rotary tables from float32 (position * inv_freq, cos, sin), cast to the model dtype; q and k
+  rotated in the model dtype;
+- attention by torch's scaled_dot_product_attention (GQA by head groups), the SiLU-gated MLP,
+  residual adds in the model dtype; lm_head on the last position, logits in float32.
+What differs: q, k, v come out of one matmul (their weights joined), gate and up out of another;
+each output element is still one dot product over the hidden size. Tests compare greedy tokens
+with transformers' generate() in the same dtype (tests/unit/test_batch_decode.py, test_layerwise_prefill.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED = ("llama", "mistral", "qwen2")
+
+
+class UnsupportedModel(ValueError):
+    """Raised by `Llama.load` / `from_hf` for a checkpoint outside the LLaMA family this file covers."""
+
+
+class KvWriter:
+    """An engine's cache as a layer sees it: `attend` stores the new K, V ([B, H, n, D]) of layer
+    `idx` and returns the attention of q over what each row may see ([B, Hq, n, D])."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: int, model: "Llama") -> torch.Tensor:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Config:
+    """What the forward needs of config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_context: int
+    rms_eps: float
+    rope_theta: float
+    tie_embeddings: bool
+
+    @classmethod
+    def from_json(cls, cfg: dict) -> "Config":
+        model_type = cfg.get("model_type", "")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        checks = {f"model_type {model_type!r}": model_type not in SUPPORTED,
+                  f"hidden_act {cfg.get('hidden_act')!r}": cfg.get("hidden_act", "silu") != "silu",
+                  "mlp_bias": bool(cfg.get("mlp_bias")),
+                  f"rope_type {rope.get('rope_type')!r}": rope.get("rope_type", "default") != "default",
+                  "sliding_window": bool(cfg.get("sliding_window") and cfg.get("use_sliding_window", True))}
+        why = [what for what, unsupported in checks.items() if unsupported]
+        if why:
+            raise UnsupportedModel(f"moonbus runs LLaMA-family checkpoints ({', '.join(SUPPORTED)}); this one has "
+                                   + ", ".join(why))
+        heads, d = cfg["num_attention_heads"], cfg["hidden_size"]
+        return cls(cfg["vocab_size"], d, cfg["num_hidden_layers"], heads, cfg.get("num_key_value_heads") or heads,
+                   cfg.get("head_dim") or d // heads, cfg["max_position_embeddings"], float(cfg.get("rms_norm_eps", 1e-6)),
+                   float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))), bool(cfg.get("tie_word_embeddings")))
+
+
+@dataclass
+class Layer:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [q + k + v rows, hidden]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+class Llama:
+    """One model's weights (in one dtype) and its forward pieces; shared by every engine of a process."""
+
+    def __init__(self, config: Config, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        self.config = config
+        self.dtype, self.device = dtype, weights["model.embed_tokens.weight"].device
+        self.num_layers, self.num_heads = config.num_layers, config.num_heads
+        self.num_kv_heads, self.head_dim = config.num_kv_heads, config.head_dim
+        self.max_context = config.max_context
+        w = {name: t.to(dtype) for name, t in weights.items()}
+        self.embed = w["model.embed_tokens.weight"]
+        self.norm = w["model.norm.weight"]
+        self.lm_head = self.embed if config.tie_embeddings or "lm_head.weight" not in w else w["lm_head.weight"]
+        self.layers = [self._layer(w, f"model.layers.{i}.") for i in range(config.num_layers)]
+        self.q_size, self.kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim ** -0.5
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.int64).float()
+                                                / config.head_dim))
+        freqs = torch.arange(config.max_context, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)  # [max_context, head_dim]
+
+    @staticmethod
+    def _layer(w: dict[str, torch.Tensor], p: str) -> Layer:
+        a, m = p + "self_attn.", p + "mlp."
+        bias = [w.get(f"{a}{x}_proj.bias") for x in "qkv"]
+        return Layer(w[p + "input_layernorm.weight"],
+                     torch.cat([w[f"{a}{x}_proj.weight"] for x in "qkv"]).contiguous(),
+                     torch.cat(bias) if bias[0] is not None else None,
+                     w[a + "o_proj.weight"], w.get(a + "o_proj.bias"), w[p + "post_attention_layernorm.weight"],
+                     torch.cat((w[m + "gate_proj.weight"], w[m + "up_proj.weight"])).contiguous(), w[m + "down_proj.weight"])
+
+    # --- construction ---------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str | Path, dtype: str = "float32") -> "Llama":
+        """From a Hugging Face checkpoint directory (config.json and *.safetensors)."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        config = Config.from_json(json.loads((path / "config.json").read_text()))
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise UnsupportedModel(f"no .safetensors weights in {path}")
+        weights: dict[str, torch.Tensor] = {}
+        for f in files:
+            weights.update(load_file(str(f)))
+        return cls(config, weights, getattr(torch, dtype))
+
+    @classmethod
+    def from_hf(cls, model) -> "Llama":
+        """The same weights as a loaded transformers model (for tests and benchmarks against it)."""
+        config = Config.from_json(model.config.to_dict())
+        param = next(model.parameters())
+        return cls(config, {k: v.detach() for k, v in model.state_dict().items()}, param.dtype)
+
+    # --- the forward, in pieces the engines call ----------------------------------------------------
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, n, D] for position ids [B, n]."""
+        return self.cos[positions], self.sin[positions]
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(token_ids, self.embed)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of the last position of every row: hidden [B, n, d] -> [B, vocab]."""
+        return F.linear(_rms_norm(hidden[:, -1], self.norm, self.config.rms_eps), self.lm_head).float()
+
+    def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                  mask: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, Hq, n, D] over keys, values [B, Hkv, k, D]; mask None: causal when n > 1 (n == k), all when 1."""
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and q.shape[2] > 1,
+                                              scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
+
+    def layer(self, idx: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KvWriter) -> torch.Tensor:
+        """One decoder layer over hidden [B, n, d], at positions whose cos, sin [B, n, D] are given;
+        the cache stores the new K, V and attends (`KvWriter.attend`)."""
+        w, eps = self.layers[idx], self.config.rms_eps
+        batch, n, _ = hidden.shape
+        qkv = F.linear(_rms_norm(hidden, w.input_norm, eps), w.qkv, w.qkv_bias)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(batch, n, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(batch, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(batch, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        out = cache.attend(q, k, v, idx, self)
+        hidden = hidden + F.linear(out.transpose(1, 2).reshape(batch, n, self.q_size), w.o, w.o_bias)
+        gate, up = F.linear(_rms_norm(hidden, w.post_norm, eps), w.gate_up).chunk(2, dim=-1)
+        return hidden + F.linear(F.silu(gate) * up, w.down)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
