@@ -206,8 +206,11 @@ class Api:
         for worker in status.workers:
             roles[worker.role] = roles.get(worker.role, 0) + 1
         ready = roles.get("prefill", 0) > 0 and roles.get("decode", 0) > 0
+        # the KV layouts the workers run ("30x2x3x64 bfloat16": the dtype is the last word)
+        layouts = sorted({w.layout.kv for w in status.workers if w.layout is not None and w.layout.kv})
         body = {"status": "ok" if ready else "unavailable", "model": self.gateway.served_model,
-                "instances": roles, "in_flight": status.in_flight}
+                "instances": roles, "in_flight": status.in_flight, "kv_layouts": layouts,
+                "dtypes": sorted({layout.rsplit(" ", 1)[-1] for layout in layouts})}
         return json_response(body, 200 if ready else 503)
 
     async def openapi_document(self, request: web.Request) -> web.Response:

@@ -141,7 +141,11 @@ def _get_operation(operation_id: str, description: str, content: Schema) -> Sche
 def _health() -> Schema:
     up = _object({"status": {"const": "ok"}, "model": {"type": "string"},
                   "instances": {"type": "object", "additionalProperties": {"type": "integer"}},
-                  "in_flight": {"type": "integer"}})
+                  "in_flight": {"type": "integer"},
+                  "kv_layouts": {"type": "array", "items": {"type": "string"},
+                                 "description": "The workers' KV layouts, e.g. 30x2x3x64 bfloat16."},
+                  "dtypes": {"type": "array", "items": {"enum": ["bfloat16", "float32"]},
+                             "description": "The workers' compute and KV dtypes."}})
     down = {"type": "object", "required": ["status"], "properties": {"status": {"const": "unavailable"}}}
     return {"operationId": "health", "responses": {
         "200": {"description": "A prefill and a decode instance are up.", "content": _json(up)},
