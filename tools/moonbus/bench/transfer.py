@@ -27,7 +27,6 @@ whose bytes did not arrive says so and the command exits 1. Goals (transfer_repo
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import os
 import sys
@@ -106,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     ref = models.prepare(args.model, Path(args.home))
     shape = models.read_shape(ref)
-    layout = dataclasses.replace(shape.kv_layout(args.block_tokens), dtype=DTYPES[args.dtype_bytes])
+    layout = shape.kv_layout(args.block_tokens, DTYPES[args.dtype_bytes])
     tokens = _ints(args.handoff_tokens) + _ints(args.tail_tokens)
     if any(not 0 < t <= shape.max_context for t in tokens):
         raise SystemExit(f"--handoff-tokens and --tail-tokens must be within 1..{shape.max_context} ({ref.name}'s context)")
@@ -191,7 +190,7 @@ def _tail_minus_slice(rows: list[dict], ours: str) -> list[float | None]:
 
 def tail_rows(ref: models.ModelRef, layout, tail_tokens: list[int], repeats: int, secret: bytes) -> list[dict]:
     rows = measure_tail(layout, tail_tokens, repeats, secret)
-    model = models.load_model(ref)
+    model = models.load_model(ref, layout.dtype)  # the KV keeps the model's dtype: it computes in the KV's
     for r in rows:
         r["layer_compute_s"] = layer_compute_seconds(model, r["prompt_tokens"], repeats)
         r["vs_layer_compute"] = r["seconds"] / r["layer_compute_s"]

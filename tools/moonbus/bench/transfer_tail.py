@@ -144,13 +144,14 @@ def _one_handoff(peer: HandoffPeer, transports, layout: KvLayout, kv, expected: 
 
 def layer_compute_seconds(model, tokens: int, repeats: int) -> float:
     """Median time of one decoder layer (the last) over a `tokens`-token prompt, as the prefill runs
-    it (float32, sdpa with is_causal, torch.inference_mode, the process's torch threads)."""
+    it (the model's dtype, sdpa with is_causal, torch.inference_mode, the process's torch threads)."""
     import torch
 
     inner = model.model
     layer = inner.layers[-1]
     with torch.inference_mode():
-        hidden = torch.randn(1, tokens, model.config.hidden_size, generator=torch.Generator().manual_seed(tokens))
+        generator = torch.Generator().manual_seed(tokens)
+        hidden = torch.randn(1, tokens, model.config.hidden_size, generator=generator).to(model.dtype)
         positions = torch.arange(tokens)[None, :]
         rope = inner.rotary_emb(hidden, position_ids=positions)
         times = []
