@@ -17,6 +17,10 @@ ttft     a long prompt chunked by --prefill-chunk, on one instance (all torch th
          SmolLM2 allows 8192 positions, tiny-random 4096; the default 4096 tokens keeps the run
          short on 2 cores (--ttft-tokens up to the model's context).
 
+floors   the engines against what the machine can do: a batch-1 decode step vs copying the
+         weights once, a prefill vs its matmuls alone, both vs transformers' own path, per dtype
+         (tools/moonbus/bench/floors.py).
+
 Measurements of one section are interleaved (best of --repeats), so machine noise hits both
 sides alike. NOTE: on a 2-core machine two workers cannot beat one instance that already uses
 both cores; the pipeline row shows overlap only when each stage has cores of its own.
@@ -40,6 +44,7 @@ from schemas.route import SamplingParams
 from common.engine.batch import BatchEngine
 from common.engine.llama import Llama
 from common.engine.layerwise import FileSink, LayerwisePrefill, pipelined_prefill
+from tools.moonbus.bench import floors
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
 DECODE_GOAL = 0.9
@@ -58,7 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs per measurement, best kept")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch default)")
     parser.add_argument("--shm-dir", default="/dev/shm", help="where the FileSink writes")
-    parser.add_argument("--skip", default="", help="comma-separated sections to skip: decode,prefill,ttft")
+    parser.add_argument("--floor-tokens", type=int, default=1024, help="floors: the prefill's prompt length")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                        help="floors: the engines' dtype, as the workers run (auto: bfloat16 where the CPU has it)")
+    parser.add_argument("--compare-float32", action="store_true",
+                        help="floors: also run them in float32 (the bfloat16 speed-up), when the dtype is bfloat16")
+    parser.add_argument("--skip", default="", help="comma-separated sections to skip: decode,prefill,ttft,floors")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -73,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--ttft-tokens {args.ttft_tokens} exceeds {ref.name}'s context {max_context}")
     skip = set(filter(None, args.skip.split(",")))
     result = {"model": ref.name, "torch_threads": threads, "cpus": os.cpu_count(), "max_context": max_context,
-              "decode": [], "prefill": [], "ttft": []}
+              "decode": [], "prefill": [], "ttft": [], "floors": []}
     with torch.inference_mode():
         if "decode" not in skip:
             result["decode"] = [_bench_decode(model, b, args) for b in map(int, args.batches.split(","))]
@@ -81,6 +91,10 @@ def run(args: argparse.Namespace) -> int:
             result["prefill"] = _bench_prefill(model, args)
         if "ttft" not in skip:
             result["ttft"] = _bench_ttft(model, args, threads)
+    if "floors" not in skip:
+        dtype = models.resolve_dtype(args.dtype)
+        dtypes = [dtype] + (["float32"] if args.compare_float32 and dtype != "float32" else [])
+        result["floors"] = [floors.bench(ref, d, args.floor_tokens, args.repeats) for d in dtypes]
     if args.json:
         sys.stdout.write(orjson.dumps(result).decode() + "\n")
     else:
@@ -102,7 +116,7 @@ def summary(result: dict) -> list[dict]:
     rows += [{"row": f"ttft {r['tokens']} tokens: {r['case']} vs {first['case']}", "ours": f"{r['ttft_s']:.2f} s",
               "baseline": f"{first['ttft_s']:.2f} s", "ratio": r["vs_one_instance"], "goal": None, "met": None}
              for r in result["ttft"][1:]]
-    return rows
+    return rows + floors.summary_rows(result.get("floors", []))
 
 
 # ---------------------------------------------------------------------------- decode
@@ -277,3 +291,8 @@ def _print(result: dict, args: argparse.Namespace) -> None:
         print(f"{'case':<36} {'ttft s':>8} {'x one instance':>14}")
         for r in result["ttft"]:
             print(f"{r['case']:<36} {r['ttft_s']:>8.2f} {r['vs_one_instance']:>14.2f}")
+    if result["floors"]:
+        print("\nfloors: the engines against this machine's best (tools/moonbus/bench/floors.py)")
+        for row in floors.summary_rows(result["floors"]):
+            met = "" if row["met"] is None else f"  goal {row['goal']}: {'met' if row['met'] else 'NOT met'}"
+            print(f"  {row['row']:<78} {row['ours']:>10} vs {row['baseline']:>10}  {row['ratio']:.2f}x{met}")
