@@ -8,6 +8,9 @@
                    transfer_peers.py, transfer_socket.py: the receiving processes and the cases;
                    transfer_report.py: ratios and goals; transfer_tail.py: the streamed handoff's tail)
     wire.py        the wire codec (msgspec) against the hand-written one it replaced and stdlib json
+    vllm.py        moonbus against vLLM's CPU backend on the same weights, trace slice and SLOs
+                   (vllm_servers.py: both servers and vLLM's own environment; vllm_load.py: the load
+                   through the replay client; vllm_report.py: the numbers and ratios)
 
 `make bench` runs every target of TARGETS one after another (suite.py) into one JSON and one table.
 """
@@ -25,6 +28,7 @@ TARGETS = {
     "engine": "tools.moonbus.bench.engine",
     "transfer": "tools.moonbus.bench.transfer",
     "wire": "tools.moonbus.bench.wire",
+    "vllm": "tools.moonbus.bench.vllm",
 }
 
 

