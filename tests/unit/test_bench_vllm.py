@@ -5,6 +5,8 @@ install and runs are too heavy for `make test`; the bench itself runs them)."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -136,6 +138,15 @@ def test_summary_rows_judge_the_goal_against_vllms_defaults_only():
     assert len(rows) == 6
 
 
+def test_the_goal_holds_against_a_vllm_without_goodput_only_with_some_of_our_own():
+    result = report(moonbus=entry(0.3, 300.0, {"1": 10.0}), vllm=entry(0.0, 600.0, {"1": 20.0}))
+    assert result["ratios"]["vllm"]["goodput"] is None
+    row = vllm.summary(result)[0]
+    assert row["ratio"] is None and row["met"] is True
+    result = report(moonbus=entry(0.0, 300.0, {"1": 10.0}), vllm=entry(0.0, 600.0, {"1": 20.0}))
+    assert vllm.summary(result)[0]["met"] is False
+
+
 def test_a_server_that_failed_is_a_row_that_says_why_and_a_line_of_the_report():
     result = report(moonbus=entry(0.5, 300.0, {"1": 10.0}),
                     vllm={"error": "vllm exited with code 1; last lines:\nRuntimeError: needs AVX-512"})
@@ -246,3 +257,61 @@ def test_cpu_meter_counts_a_process_trees_cpu_time():
     finally:
         child.kill()
         child.wait()
+
+
+# ---------------------------------------------------------------------------- the whole command, servers faked
+
+
+class FakeServer:
+    def __init__(self, name: str, bind: str = "") -> None:
+        self.name, self.bind, self.url, self.stopped = name, bind, f"http://{name}", False
+
+    def start(self, timeout_s: float) -> None:
+        pass
+
+    def pids(self) -> list[int]:
+        return []
+
+    def binding(self) -> str:
+        return f"{self.name}'s cores"
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+def test_the_command_drives_each_server_and_prints_one_json_with_why_one_failed(monkeypatch, tmp_path, capsys):
+    from common import models
+    from tools.moonbus.bench.vllm_servers import ServerError
+
+    started = []
+
+    def make_server(name, args, ref, home, dtype, work, result):
+        if name == "vllm-all-cores":
+            raise ServerError("vllm-all-cores exited with code 1; last lines:\nRuntimeError: no AVX-512")
+        started.append(FakeServer(name))
+        return started[-1]
+
+    def run_plan(url, plan, meter):
+        fast = url == "http://moonbus"
+        trace = [make_result(i, arrival=float(i), ttft=1.0 if fast else 40.0) for i in range(len(plan.trace_prompts))]
+        decode = {b: [make_result(i, ttft=1.0, intervals=(0.1,) * 9) for i in range(b)] for b in plan.decode_prompts}
+        return {"trace": trace, "prefill": [make_result(0, ttft=2.0, tokens=1024)], "decode": decode,
+                "wall_s": 10.0, "cpu_s": 5.0}
+
+    monkeypatch.setattr(vllm, "_server", make_server)
+    monkeypatch.setattr(vllm, "run_plan", run_plan)
+    monkeypatch.setattr(models, "prepare", lambda model, home: models.ModelRef(model, tmp_path / "model"))
+    assert vllm.run(parse("--rows", "4", "--dtype", "float32", "--json")) == 1
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert [s.name for s in started] == ["moonbus", "vllm"] and all(s.stopped for s in started)
+    assert list(result["servers"]) == ["moonbus", "vllm", "vllm-all-cores"]
+    assert "no AVX-512" in result["servers"]["vllm-all-cores"]["error"]
+    ours, theirs = result["servers"]["moonbus"], result["servers"]["vllm"]
+    assert ours["serve"]["within_slo"] == 4 and theirs["serve"]["within_slo"] == 0
+    assert ours["serve"]["cpu_use"] == pytest.approx(0.25 * 2 / len(os.sched_getaffinity(0)))
+    assert ours["engine"] == {"prefill_tps": 512.0, "prefill_ttft_s": [2.0], "decode_tps": {"1": pytest.approx(10.0),
+                                                                                             "16": pytest.approx(160.0)}}
+    assert result["dtype"] == "float32" and result["trace_rows"] == 4 and result["ratios"]["vllm"]["prefill"] == 1.0
+    rows = vllm.summary(result)
+    assert rows[0]["met"] is True and rows[-1]["error"].startswith("vllm-all-cores exited")
+    assert "FAILED: RuntimeError: no AVX-512" in vllm_report.format_report(result)
