@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip -q --disable-pip-version-check
 STAMP := $(VENV)/.moonbus-installed
 
-.PHONY: setup browser run test unit integration soak clean compose-test docker-tools bench bench-transfer rdma-tools rdma-model-test
+.PHONY: setup browser run test unit integration soak clean compose-test docker-tools bench bench-transfer rdma-tools rdma-test
 
 setup: $(STAMP)
 
@@ -72,10 +72,10 @@ RDMA_PACKAGES := qemu-system-x86 seabios ipxe-qemu debootstrap e2fsprogs
 rdma-tools:
 	@sh tools/ensure_packages.sh "rdma VM test" "qemu-system-x86_64 debootstrap mkfs.ext4" "$(RDMA_PACKAGES)"
 
-# Opt-in, about 15 minutes (torch under qemu's emulation): prefill and decode with tiny-random inside the VM, their KV handed off
-# over rdma, the control plane on this host; greedy output checked against generate() in the guest.
-rdma-model-test: setup rdma-tools
-	MOONBUS_RDMA_MODEL=1 $(PY) -m pytest -q -p no:cacheprovider -rs tests/integration/test_rdma_vm.py -k model
+# The RDMA VM alone (also part of `make test`): the transport's tests and a model's prefill and
+# decode nodes handing its KV off over rdma in the guest, the control plane on this host.
+rdma-test: setup rdma-tools
+	MOONBUS_REQUIRE=rdma $(PY) -m pytest -q -p no:cacheprovider -rs tests/integration/test_rdma_vm.py
 
 # Needs a running cluster: `make run` in another terminal (reads .moonbus/cluster.json).
 soak: setup

@@ -144,3 +144,13 @@ def tiny_profile(tmp_path_factory) -> str:
     subprocess.run([sys.executable, "-m", "tools.moonbus.cli", "profile", "--quick", "--model", TINY,
                     "--home", str(home), "--out", str(out), "--repeats", "1"], check=True, capture_output=True)
     return str(out)
+
+
+def pytest_collection_finish(session) -> None:
+    """The RDMA VM's run takes minutes of emulation: start it in the background as soon as it is
+    known to be wanted, so the rest of the suite runs meanwhile (its tests wait for the result)."""
+    if any(item.nodeid.startswith("tests/integration/test_rdma_vm.py") for item in session.items):
+        from tests.integration import test_rdma_vm
+
+        if test_rdma_vm.why_unusable() is None:
+            test_rdma_vm.GuestRun.shared()

@@ -2,9 +2,13 @@
 
     the image    cached under tools/rdma_vm's CACHE_DIR, keyed on its package list; built here when
                  missing (debootstrap, about 2-3 minutes, a child process killed past BUILD_S)
-    one boot     a nats-server on this host (the guest reaches it at 10.0.2.2), then
-                 `pytest tests/rdma` in the guest: the verbs layer, the rdma backend, two messenger
-                 processes pulling blocks over rdma; qemu is killed past VM_S
+    one boot     the control plane on this host (nats-server, conductor, cache index, gateway:
+                 the guest reaches them at 10.0.2.2), then `pytest tests/rdma` in the guest: the
+                 verbs layer, the rdma backend, two messengers pulling blocks over rdma, and a
+                 model's prefill and decode nodes handing its KV off over rdma (tests/rdma/model,
+                 greedy tokens checked against generate() run here); qemu is killed past VM_S.
+                 It starts in the background as soon as the session has collected this module
+                 (tests/integration/conftest.py), so the other tests run meanwhile
     the checks   the guest's pytest exited 0, and its JUnit report has every test of tests/rdma
                  passed: none failed, errored or skipped
 
@@ -16,11 +20,14 @@ memory for the guest. `make rdma-tools` installs qemu and debootstrap where apt-
 from __future__ import annotations
 
 import ast
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import urllib.request
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -34,12 +41,16 @@ from tools.rdma_vm import vm
 from tools.rdma_vm.session import guest_pytest, with_host_nats
 
 from tests import required
+from tests.integration.conftest import reference_greedy
 
 ROOT = Path(__file__).resolve().parents[2]
 RDMA_TESTS = ROOT / "tests" / "rdma"
 BUILD_S = 1200  # debootstrap over a slow mirror; a cached image skips this
-VM_S = 420  # boot (~15 s under emulation) plus the guest's tests (~1-2 min)
-GUEST_MEMORY_BYTES = 1536 << 20  # vm.run's default
+VM_S = 1500  # boot (~15 s under emulation), the transport tests (~2 min), torch imported once (minutes)
+GUEST_MEMORY_MB = 3072  # torch and four service processes
+GUEST_MEMORY_BYTES = GUEST_MEMORY_MB << 20
+MODEL_PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 6, "Soft-RoCE moves bytes one-sidedly. " * 9]
+MODEL_TOKENS = 8
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(BUILD_S + VM_S + 120)]
 
@@ -47,7 +58,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(BUILD_S + VM_S + 120)
 def expected_tests() -> set[str]:
     """'module::name' of every test function in tests/rdma (what the guest must report as passed)."""
     found = set()
-    for path in sorted(RDMA_TESTS.glob("test_*.py")):
+    for path in sorted(RDMA_TESTS.rglob("test_*.py")):
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
                 found.add(f"{path.stem}::{node.name}")
@@ -97,14 +108,70 @@ def build_image() -> vm_image.Image:
 
 @pytest.fixture(scope="module")
 def guest_run() -> vm.GuestResult:
-    """One VM boot for the module: tests/rdma in the guest, against a nats-server on this host."""
+    """The one VM boot of the session (started in the background at collection; else now)."""
     why = why_unusable()
     if why is not None:
         required.missing("rdma", why)
-    image = build_image()
-    result = with_host_nats(lambda url: guest_pytest(image, url, ["tests/rdma"], timeout_s=VM_S))
-    vm.prune_runs(keep=10)
-    return result
+    return GuestRun.shared().result()
+
+
+class GuestRun:
+    """tests/rdma in the guest against this host's control plane, on a thread of its own."""
+
+    _shared: "GuestRun | None" = None
+
+    def __init__(self) -> None:
+        self._result: vm.GuestResult | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="rdma-vm", daemon=True)
+
+    @classmethod
+    def shared(cls) -> "GuestRun":
+        """The session's run, started on first use."""
+        if cls._shared is None:
+            cls._shared = cls()
+            cls._shared._thread.start()
+        return cls._shared
+
+    def result(self) -> vm.GuestResult:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _run(self) -> None:
+        try:
+            image = build_image()
+            with tempfile.TemporaryDirectory(prefix="moonbus-rdma-host-") as home:
+                self._result = guest_suite(image, Path(home))
+            vm.prune_runs(keep=10)
+        except BaseException as exc:  # noqa: BLE001 - raised in the test that waits for it
+            self._error = exc
+
+
+def guest_suite(image, home: Path) -> vm.GuestResult:
+    """The host's control plane (auth off: the guest is this test's own), the references, one boot."""
+    ref = models.prepare(models.TINY_RANDOM, ROOT / ".moonbus" / "rdma-vm-model")  # where the guest sees it too
+    guest_model = "/work/" + str(ref.path.relative_to(ROOT))
+    tokenizer, model = models.load_tokenizer(ref), models.load_model(ref, "float32")
+    expected = []
+    for prompt in MODEL_PROMPTS:  # the references, here: the guest has no transformers to spend minutes on
+        ids = tokenizer(prompt)["input_ids"]
+        expected.append([prompt, ids, reference_greedy(model, ids, MODEL_TOKENS, ignore_eos=True)])
+    spec = ClusterSpec(home=home, model=str(ref.path), prefill=0, decode=0, auth=False, admission="none",
+                       ttft_slo_s=600.0, dtype="float32", port=free_port(), nats_port=free_port())
+    cluster = Cluster(spec)  # nats-server, conductor, cache index, gateway: the nodes join from the guest
+    cluster.start(ready_timeout_s=300)
+    try:
+        env = {"MOONBUS_RDMA_MODEL_DIR": guest_model, "MOONBUS_RDMA_EXPECTED": json.dumps(expected),
+               "MOONBUS_RDMA_GATEWAY_URL": f"http://{vm.HOST_FROM_GUEST}:{spec.port}",
+               "MOONBUS_RDMA_MODEL_NATS_URL": f"nats://{vm.HOST_FROM_GUEST}:{spec.nats_port}",
+               "MOONBUS_RDMA_TORCH_PATH": "/work/.venv/lib/python3.11/site-packages"}
+        # the transport tests get a bare nats-server of their own: no conductor to refuse their test nodes
+        return with_host_nats(lambda url: guest_pytest(image, url, ["-o", f"timeout={VM_S - 120}", "-s", "tests/rdma"],
+                                                       timeout_s=VM_S, env=env, memory_mb=GUEST_MEMORY_MB))
+    finally:
+        cluster.stop()
 
 
 def test_the_guest_suite_passes(guest_run, capsys):
@@ -150,43 +217,3 @@ def _available_memory() -> int:
     except OSError:
         pass
     return 1 << 62  # unknown: let qemu say
-
-
-# --- a model's KV over rdma (opt-in) ----------------------------------------------------------------
-MODEL_VM_S = 1800  # boot, three processes importing torch under emulation (minutes each), the requests
-MODEL_GUEST_MEMORY_MB = 3072
-
-
-@pytest.mark.timeout(BUILD_S + MODEL_VM_S + 300)
-@pytest.mark.skipif(os.environ.get("MOONBUS_RDMA_MODEL") != "1",
-                    reason="opt-in, about 15 minutes (`make rdma-model-test`): prefill and decode with a model "
-                           "in the VM, their KV handed off over rdma")
-def test_a_models_kv_handed_off_over_rdma_gives_the_greedy_output_of_generate(tmp_path, capsys):
-    """Prefill and decode nodes in the guest (tests/rdma/model), the control plane here: greedy
-    output through the gateway equals generate() in the guest, the KV streamed over rdma."""
-    why = why_unusable()
-    if why is not None:
-        pytest.skip(f"RDMA VM test: {why}")
-    image = build_image()
-    # the model where the guest sees it too (the project's tree is shared in, read-only, at /work)
-    ref = models.prepare(models.TINY_RANDOM, ROOT / ".moonbus" / "rdma-vm-model")
-    guest_model = "/work/" + str(ref.path.relative_to(ROOT))
-    spec = ClusterSpec(home=tmp_path, model=str(ref.path), prefill=0, decode=0, auth=False, admission="none",
-                       ttft_slo_s=600.0, port=free_port(), nats_port=free_port())
-    cluster = Cluster(spec)  # nats-server, conductor, cache index, gateway: the nodes join from the guest
-    cluster.start(ready_timeout_s=120)
-    try:
-        env = {"MOONBUS_RDMA_MODEL": "1", "MOONBUS_RDMA_MODEL_DIR": guest_model,
-               "MOONBUS_RDMA_GATEWAY_URL": f"http://{vm.HOST_FROM_GUEST}:{spec.port}"}
-        r = guest_pytest(image, f"nats://{vm.HOST_FROM_GUEST}:{spec.nats_port}",
-                         ["-o", f"timeout={MODEL_VM_S - 120}", "-s", "tests/rdma/model"], timeout_s=MODEL_VM_S, env=env,
-                         python_path="/work/.venv/lib/python3.11/site-packages", memory_mb=MODEL_GUEST_MEMORY_MB)
-    finally:
-        cluster.stop()
-    with capsys.disabled():
-        print(f"\n--- RDMA VM (model): guest pytest exit {r.rc}; VM wall {r.wall_s:.0f} s; logs in {r.run_dir}\n"
-              f"{r.output.rstrip()[-6000:]}\n---")
-    assert r.rc == 0, f"pytest in the guest exited {r.rc} (logs in {r.run_dir}; the host's in {cluster.log_dir})"
-    outcomes = junit_outcomes(r.run_dir / "junit.xml")
-    assert outcomes == {"test_model_handoff::test_greedy_output_with_the_kv_handed_off_over_rdma_equals_generate":
-                        "passed"}, outcomes
