@@ -37,6 +37,18 @@ class Coming(Wire):
     tokens: int  # its context when it joins
 
 
+class Measured(Wire):
+    """An instance's latest measured piece of work, for the conductors' predictors to learn from
+    (common/decide/learn.py): a prefill's seconds for its tokens and reused prefix, or a decode
+    step's seconds for its batch and context."""
+
+    seq: int  # counts this instance's measurements: a report repeating one is not a new one
+    seconds: float
+    tokens: int  # prefill: the prompt's tokens; decode: the batch's context tokens
+    prefix_tokens: int = 0  # prefill: tokens reused, not computed
+    batch: int = 0  # decode: requests in the step
+
+
 class PrefillReport(Wire):
     """What a prefill instance holds, in every heartbeat and at each change of state."""
 
@@ -45,6 +57,7 @@ class PrefillReport(Wire):
     running_tokens: int
     held: list[str] = []  # every request queued or running here
     coming: list[Coming] = []  # those of them that will join a decode instance
+    measured: Measured | None = None  # its latest prefill
 
 
 class Joined(Wire):
@@ -62,6 +75,7 @@ class DecodeReport(Wire):
     kv_free_tokens: int | None  # None: not limited
     predicted_tbt_s: float  # its step time now, by the profile
     joined: list[Joined] = []  # every request held: the `running` members, then waiting
+    measured: Measured | None = None  # its latest step
 
 
 class WorkerInfo(Wire):

@@ -76,6 +76,7 @@ class DecodeLoad:
     decoding_context: tuple[int, ...] = ()
     prefill_finishes: tuple[float, ...] = ()  # predicted prefill end of each request routed here
     prefill_context: tuple[int, ...] = ()
+    step_factor: float = 1.0  # its steps take the profile's prediction times this (learned)
     # running sums with a leading 0, so that a range's context is one subtraction
     _decoding_cum: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _prefill_cum: tuple[int, ...] = field(init=False, repr=False, compare=False)
@@ -151,11 +152,11 @@ def admit(ttft_s: float, context_tokens: int, load: DecodeLoadSnapshot, settings
             k = bisect_right(starts, gone)
             lo, hi = bisect_right(finishes, gone), bisect_right(finishes, at)
             batch, context = len(starts) - k + hi - lo, dcum[-1] - dcum[k] + pcum[hi] - pcum[lo]
-            judged.append((step(batch + 1, context + context_tokens), d.decode_id, batch, context, d))
+            judged.append((step(batch + 1, context + context_tokens) * d.step_factor, d.decode_id, batch, context, d))
     else:
         for d in load.decode:
             batch, context = d.at(at, t_d, False)
-            judged.append((step(batch + 1, context + context_tokens), d.decode_id, batch, context, d))
+            judged.append((step(batch + 1, context + context_tokens) * d.step_factor, d.decode_id, batch, context, d))
     best_tbt, best_id = min(judged, key=_by_tbt_then_id)[:2]
     when = f"at prefill end (+{ttft_s:.3f}s)" if predictive else "now"
     if best_tbt <= settings.tbt_slo_s:
@@ -172,7 +173,7 @@ def decode_admits(state: DecodeCandidate, context_tokens: int, perf: Profile, tb
     """The decode instance's late check when the KV arrives: TBT with it added, and KV room."""
     if state.kv_free_tokens is not None and state.kv_free_tokens < context_tokens:
         return False
-    return perf.decode.step_seconds(state.num_running + 1, state.context_tokens + context_tokens) <= tbt_slo_s
+    return perf.decode.step_seconds(state.num_running + 1, state.context_tokens + context_tokens) * state.step_factor <= tbt_slo_s
 
 
 def _tbt_retry_after(at: float, context_tokens: int, judged: list, settings: AdmissionSettings,
@@ -188,7 +189,7 @@ def _tbt_retry_after(at: float, context_tokens: int, judged: list, settings: Adm
             if leave_s - at >= best:  # departures only get later: this instance cannot beat `best`
                 break
             batch, ctx = batch - 1, ctx - c
-            if step(batch + 1, ctx + context_tokens) <= slo:
+            if step(batch + 1, ctx + context_tokens) * d.step_factor <= slo:
                 best = leave_s - at
                 break
     return _clamp(best, settings)

@@ -14,7 +14,13 @@ has in flight on the bus:
 
 Every pipeline stage is charged the request's prefill work. The conductor also keeps, for the
 requests it routed, who holds them (to hand them back when an instance is lost) until they end
-or their lease runs out. Pure: the caller passes the clock; no I/O.
+or their lease runs out.
+
+Reports also carry each instance's latest measured work (schemas.workers.Measured: a prefill's
+seconds, a decode step's seconds); given the profile, every new measurement teaches the
+instance's factor (common/decide/learn.py), and the candidates and decode loads carry it, so the
+policy and admission price each instance at the speed it really runs.
+Pure: the caller passes the clock; no I/O.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from typing import Collection
 
 from schemas.workers import DecodeReport, Layout, PrefillReport, WorkerInfo
 from common.decide.admission import DecodeLoad
+from common.decide.learn import Learned
+from common.decide.perf import Profile
 from common.decide.policy import DecodeCandidate, PrefillCandidate
 
 
@@ -66,10 +74,14 @@ class Refusal:
 
 
 class ClusterState:
-    def __init__(self, timeout_s: float, lease_s: float, layout: Layout | None = None) -> None:
+    def __init__(self, timeout_s: float, lease_s: float, layout: Layout | None = None,
+                 perf: Profile | None = None) -> None:
         self.timeout_s = timeout_s
         self.lease_s = lease_s
         self.layout = layout  # the cluster's invariants; None = not checked
+        self.perf = perf  # the profile the measurements are judged against; None = nothing learned
+        self.learned = Learned()
+        self._measured: dict[str, int] = {}  # instance_id -> seq of the last measurement learned from
         self.instances: dict[str, Instance] = {}  # instance_id -> Instance
         self.routed: dict[str, Routed] = {}  # request_id -> Routed (this conductor's)
         # NOTE: who will join each decode instance is derived from every prefill report and our own
@@ -91,7 +103,9 @@ class ClusterState:
         """A heartbeat or a report: "joined" for a new instance, "left" for a leaving one, a
         Refusal for one whose invariants differ from the cluster's, else None."""
         self.changed()
-        if info.leaving:
+        if info.leaving:  # a clean exit: a new instance under this id starts from the profile
+            self.learned.forget(info.instance_id)
+            self._measured.pop(info.instance_id, None)
             return "left" if self.instances.pop(info.instance_id, None) is not None else None
         if self.layout is not None and info.layout is not None:
             differences = self.layout.differences(info.layout)
@@ -100,6 +114,7 @@ class ClusterState:
                 return Refusal(info, tuple(differences))
         known = self.instances.get(info.instance_id)
         self.instances[info.instance_id] = Instance(info, now)
+        self._learn(info)
         if info.role == "messenger":
             self.lost_nodes.discard(info.node)
         for rid in self._held_ids(info):
@@ -107,6 +122,19 @@ class ClusterState:
             if request is not None:
                 request.seen_by.add(info.instance_id)
         return "joined" if known is None else None
+
+    def _learn(self, info: WorkerInfo) -> None:
+        """A measurement not seen before teaches the instance's factor (against the profile)."""
+        report = info.prefill or info.decode
+        m = report.measured if report is not None else None
+        if m is None or self.perf is None or self._measured.get(info.instance_id) == m.seq:
+            return
+        self._measured[info.instance_id] = m.seq
+        if info.prefill is not None:
+            predicted, kind = self.perf.prefill.seconds(m.tokens, m.prefix_tokens), "prefill"
+        else:
+            predicted, kind = self.perf.decode.step_seconds(max(1, m.batch), m.tokens), "step"
+        self.learned.observe(info.instance_id, kind, predicted, m.seconds)
 
     @staticmethod
     def _held_ids(info: WorkerInfo) -> list[str]:
@@ -206,7 +234,9 @@ class ClusterState:
 
     def prefill_candidates(self, now: float, avoid: Collection[str] = ()) -> tuple[PrefillCandidate, ...]:
         """`avoid`: instances a request's failed attempts used, left out where others remain."""
-        return _elsewhere(tuple(PrefillCandidate(p.instance_id, p.node, self.prefill_queue_s(p.instance_id, now))
+        factor = self.learned.factor
+        return _elsewhere(tuple(PrefillCandidate(p.instance_id, p.node, self.prefill_queue_s(p.instance_id, now),
+                                                 factor(p.instance_id, "prefill"))
                                 for p in self.of_role("prefill")), avoid)
 
     def coming_to(self, decode_id: str) -> list[tuple[float, int]]:
@@ -243,7 +273,8 @@ class ClusterState:
                 context = report.context_tokens + sum(j.tokens for j in report.joined[report.running:])
                 if report.kv_free_tokens is not None:
                     kv_free = report.kv_free_tokens - coming_tokens
-            out.append(DecodeCandidate(d.instance_id, d.node, held + len(coming), context + coming_tokens, kv_free))
+            out.append(DecodeCandidate(d.instance_id, d.node, held + len(coming), context + coming_tokens, kv_free,
+                                       self.learned.factor(d.instance_id, "step")))
         return _elsewhere(tuple(out), avoid)
 
     def decode_load(self, decode_id: str, now: float) -> DecodeLoad:
@@ -261,7 +292,7 @@ class ClusterState:
             decoding = sorted((seen_at - j.ago_s, j.tokens) for j in info.decode.joined)
         coming = self.coming_to(decode_id)
         return DecodeLoad(decode_id, tuple(t for t, _ in decoding), tuple(c for _, c in decoding),
-                          tuple(t for t, _ in coming), tuple(c for _, c in coming))
+                          tuple(t for t, _ in coming), tuple(c for _, c in coming), self.learned.factor(decode_id, "step"))
 
     def sender_queued_bytes(self) -> dict[str, int]:
         """node -> bytes our requests still in prefill are pulling from it."""

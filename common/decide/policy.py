@@ -11,9 +11,12 @@ Algorithm, `kvcache-centric` (ARCHITECTURE.md section 3, Mooncake's Conductor):
             t_transfer = (queued_bytes[best_holder] + bytes(best_len - p.local)) / link_bytes_s
         else:                                                      # recompute the difference
             prefix = p.local;  t_transfer = 0
-        ttft[p] = p.queue_s + t_prefill(input_tokens, prefix tokens) + t_transfer
+        ttft[p] = p.queue_s + t_prefill(input_tokens, prefix tokens) * p.speed + t_transfer
     p* = argmin ttft (ties: lowest instance id)
+    (p.speed and d.step_factor: what each instance really takes against the profile, learned
+    from its measured work: common/decide/learn.py)
     d* = decode instance with the lowest predicted TBT once this request joins its batch
+         (t_step(batch + 1, context + input_tokens) * d.step_factor)
          (ties: fewer requests there, then lowest instance id; a predictor that prices batch
          size at nothing makes every instance tie, and they must still share the load);
          instances without KV room for the prompt are skipped
@@ -109,6 +112,7 @@ class PrefillCandidate:
     instance_id: str
     node: str
     queue_s: float  # predicted seconds of prefill work already queued at this instance
+    speed: float = 1.0  # its prefills take the profile's prediction times this (learned: common/decide/learn.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +122,7 @@ class DecodeCandidate:
     num_running: int  # requests in its continuous batch
     context_tokens: int  # sum of their context lengths (KV tokens read per step)
     kv_free_tokens: int | None = None  # room left in its KV cache; None = not limited
+    step_factor: float = 1.0  # its steps take the profile's prediction times this (learned)
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,9 +303,10 @@ def price_prefill(request: RequestInfo, snapshot: ClusterSnapshot, settings: Pol
             prefix, transfer_s = best_len, to_move((best_len - local) * block_nbytes, link, queued)
         else:
             prefix, transfer_s = local, 0.0
-        prefill_s = by_prefix.get(prefix)
-        if prefill_s is None:
-            prefill_s = by_prefix[prefix] = prefill_seconds(n, min(prefix * bt, max_prefix))
+        base_s = by_prefix.get(prefix)
+        if base_s is None:
+            base_s = by_prefix[prefix] = prefill_seconds(n, min(prefix * bt, max_prefix))
+        prefill_s = base_s * c.speed
         # NOTE: tuple.__new__ skips NamedTuple's Python-level __new__: half the cost on this hot path.
         append(_new_row(PrefillCost, (c.instance_id, node, queue_s, local, prefix, prefix - local,
                                       prefill_s, transfer_s, queue_s + prefill_s + transfer_s)))
@@ -315,8 +321,8 @@ def price_decode(request: RequestInfo, decode: tuple[DecodeCandidate, ...], perf
     append = costs.append
     for d in decode:
         running, context, free = d.num_running, d.context_tokens, d.kv_free_tokens
-        append(_new_row(DecodeCost, (d.instance_id, d.node, running, context, step(running + 1, context + n),
-                                     free is None or free >= n)))
+        append(_new_row(DecodeCost, (d.instance_id, d.node, running, context,
+                                     step(running + 1, context + n) * d.step_factor, free is None or free >= n)))
     return tuple(costs)
 
 

@@ -119,13 +119,14 @@ class BatchEngine:
         return DecodeCandidate(instance_id, node, len(self.rows), self.context_tokens,
                                self.kv_budget_tokens - self.reserved_tokens)
 
-    def tbt_admits(self, context_tokens: int, perf: Profile, tbt_slo_s: float) -> bool:
+    def tbt_admits(self, context_tokens: int, perf: Profile, tbt_slo_s: float, step_factor: float = 1.0) -> bool:
         """The late TBT re-check when a request's KV arrives: predicted step time with it added <= SLO.
 
         `perf` is a common.decide.perf.Profile (only `perf.decode.step_seconds(batch, context)` is used).
         KV room is `can_admit`'s job (it counts reservations), so it is not re-checked here.
         """
-        return decode_admits(replace(self.admission_state(), kv_free_tokens=None), context_tokens, perf, tbt_slo_s)
+        return decode_admits(replace(self.admission_state(), kv_free_tokens=None, step_factor=step_factor),
+                             context_tokens, perf, tbt_slo_s)
 
     # ------------------------------------------------------------------ membership
 

@@ -39,7 +39,8 @@ from schemas import subjects
 from schemas.codec import WireError
 from schemas.decode import DecodeTask
 from schemas.tokens import Probe, ProbeReply, TokenChunk
-from schemas.workers import DecodeReport, Joined, Layout, Progress, WorkerInfo
+from schemas.workers import DecodeReport, Joined, Layout, Measured, Progress, WorkerInfo
+from common.decide.learn import Factor
 from common.engine.batch import BatchEngine
 from common.roles.decode_config import DecodeConfig
 
@@ -104,6 +105,8 @@ class DecodeService:
         self.recent: collections.OrderedDict[str, tuple[DecodeTask, list[int], str]] = collections.OrderedDict()
         self.metrics = DecodeMetrics(registry or metrics.registry(), self)
         self.draining = False
+        self.measured: Measured | None = None  # the latest iteration's seconds, for the conductors to learn from
+        self.speed = Factor()  # this instance's own step time against the profile: its late check uses it
         self.wakeup = asyncio.Event()  # set when work arrives
         self.gone = asyncio.Event()  # heartbeats go on while draining (they say so) and end with leave()
 
@@ -157,7 +160,8 @@ class DecodeService:
         old = self.running.get(rid)
         if old is not None:  # an abandoned attempt of the same request still runs here: the new one wins
             self.forget(rid)
-        if self.cfg.late_check and not self.engine.tbt_admits(len(task.prompt_token_ids), self.perf, self.cfg.tbt_slo_s):
+        if self.cfg.late_check and not self.engine.tbt_admits(len(task.prompt_token_ids), self.perf, self.cfg.tbt_slo_s,
+                                                               self.speed.value):
             await self.reject_late(task, f"decode instance {self.cfg.instance_id} cannot meet the TBT SLO")
         elif self.needed(task) > self.engine.kv_budget_tokens:
             await self.reject_late(task, f"the request needs {self.needed(task)} KV tokens; "
@@ -197,6 +201,7 @@ class DecodeService:
         self.running.pop(request_id, None)
 
     async def iterate(self) -> None:
+        started = time.perf_counter()
         try:
             async with self.compute_lock:
                 result = await asyncio.to_thread(self.engine.step)
@@ -230,6 +235,11 @@ class DecodeService:
             await worker.reply(self.nc, seq.task.reply_subject,
                                TokenChunk(rid, seq.index_of_last(), [token], finish_reason=finish,
                                           source=self.cfg.instance_id, attempt=seq.task.attempt))
+        step = self.engine.last_step
+        if step is not None:  # the whole iteration, tokens out included: what a client waits between tokens
+            self.measured = Measured((self.measured.seq if self.measured else 0) + 1,
+                                     round(time.perf_counter() - started, 6), step.context_tokens, batch=step.batch)
+            self.speed.observe(self.perf.decode.step_seconds(step.batch, step.context_tokens), self.measured.seconds)
 
     def remember(self, seq: Running, finish: str, keep: int = 1000) -> None:
         self.recent[seq.request_id] = (seq.task, seq.generated, finish)
@@ -291,9 +301,9 @@ class DecodeService:
         joined += [Joined(t.request_id, 0.0, len(t.prompt_token_ids))
                    for t in list(self.waiting) + list(self.arrived._queue)]  # noqa: SLF001 - a read-only look
         context = engine.context_tokens
-        tbt = self.perf.decode.step_seconds(max(1, engine.num_running), context)
+        tbt = self.perf.decode.step_seconds(max(1, engine.num_running), context) * self.speed.value
         return DecodeReport(engine.num_running, context, engine.reserved_tokens,
-                            engine.kv_budget_tokens - engine.reserved_tokens, round(tbt, 6), joined)
+                            engine.kv_budget_tokens - engine.reserved_tokens, round(tbt, 6), joined, self.measured)
 
     async def reject_late(self, task: DecodeTask, why: str) -> None:
         rid = task.request_id

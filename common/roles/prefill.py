@@ -38,7 +38,7 @@ from schemas.codec import WireError
 from schemas.decode import DecodeTask
 from schemas.prefill import PrefillTask
 from schemas.tokens import Probe, ProbeReply, TokenChunk
-from schemas.workers import Coming, Layout, PrefillReport, Progress, WorkerInfo
+from schemas.workers import Coming, Layout, Measured, PrefillReport, Progress, WorkerInfo
 from common.roles.prefill_config import PrefillConfig
 from common.roles import pipeline
 from common.roles.handoff import Handoff, HandoffFailed
@@ -82,6 +82,7 @@ class PrefillService:
         self.metrics = PrefillMetrics(registry or metrics.registry(), self)
         self.current: PrefillTask | None = None
         self.current_started = 0.0  # monotonic
+        self.measured: Measured | None = None  # the latest prefill's seconds, for the conductors to learn from
         self.model_name = cfg.model
         self.cluster_layout: Layout | None = None  # set at start: what the conductors check
         # request_id -> (attempt, its first token chunk) of requests prefilled here lately: a probe
@@ -162,7 +163,7 @@ class PrefillService:
                     len(task.prompt_token_ids))):  # it will join its decode instance (one stage says so)
                 coming.append(Coming(task.request_id, task.decode_id, round(t, 6), len(task.prompt_token_ids)))
         running = len(self.current.prompt_token_ids) if self.current is not None else 0
-        return PrefillReport(round(t, 6), queued_tokens, running, ids, coming)
+        return PrefillReport(round(t, 6), queued_tokens, running, ids, coming, self.measured)
 
     async def fail(self, task: PrefillTask, index: int, why: str, status: int = 500, stage: str = "") -> None:
         """A retryable error: the gateway re-dispatches (before the first token) or resumes (after).
@@ -188,6 +189,7 @@ class PrefillService:
                 await handoff.abort()
             raise
         prefill_s = time.perf_counter() - started
+        self.measured = Measured((self.measured.seq if self.measured else 0) + 1, round(prefill_s, 6), len(ids), cached)
         self.metrics.seconds.observe(prefill_s)
         self.metrics.tokens.labels("cached").inc(cached)
         self.metrics.tokens.labels("computed").inc(len(ids) - cached)

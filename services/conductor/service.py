@@ -75,7 +75,7 @@ class ConductorService:
         self.perf = perf
         self.events = bus.EventPublisher(nc, "conductor", cfg.instance_id,
                                           secret=security.read_secret(cfg.cluster_secret_file))
-        self.state = ClusterState(cfg.heartbeat_timeout_s, cfg.lease_s, layout)
+        self.state = ClusterState(cfg.heartbeat_timeout_s, cfg.lease_s, layout, perf)
         self.metrics = ConductorMetrics()
         self.refused: set[str] = set()  # instance ids told so, not to repeat it every heartbeat
         self.settings = policy.PolicySettings(cfg.policy, cfg.kvcache_balancing_threshold, cfg.link_bytes_s,

@@ -43,6 +43,11 @@ class SimConfig:
     max_output: int | None = None  # cap (or force, with force_output) every output length
     force_output: bool = False
     segment_steps: int = 64  # a decode batch re-evaluates its step time at least this often
+    # how the simulated machine really runs against the profile the conductor predicts with:
+    # every prefill and decode step takes profile * speed_factor * (1 + drift * simulated hours);
+    # the conductor learns it (common/decide/learn.py) as the live one does
+    speed_factor: float = 1.0
+    drift: float = 0.0
     profile: Profile | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -58,6 +63,8 @@ class SimConfig:
             raise ValueError("speed must be > 0")
         if self.dram_tokens < 0 or self.block_tokens <= 0 or self.segment_steps <= 0:
             raise ValueError("dram_tokens must be >= 0, block_tokens and segment_steps > 0")
+        if not self.speed_factor > 0 or self.drift <= -1.0:
+            raise ValueError("speed_factor must be > 0 and drift > -1")
         if self.max_output is not None and self.max_output < 1:
             raise ValueError("max_output must be >= 1")
 

@@ -31,9 +31,9 @@ from tools.sim.request import SimRequest
 class DecodeBatch:
     """The batch of one instance; `schedule(t, callback_args)` books the segment's end event."""
 
-    def __init__(self, step_seconds: Callable[[int, int], float], segment_steps: int,
+    def __init__(self, step_seconds: Callable[[int, int, float], float], segment_steps: int,
                  schedule: Callable[[float, object, int], None]) -> None:
-        self.step_seconds = step_seconds
+        self.step_seconds = step_seconds  # (batch, context, now) -> seconds: the machine's real speed
         self.segment_steps = segment_steps
         self.schedule = schedule  # (time, owner, version) -> books an end-of-segment event
         self.members: list[SimRequest] = []
@@ -97,7 +97,7 @@ class DecodeBatch:
             left = r.target_steps - steps
             if left < n:
                 n = left
-        base = self.step_seconds(len(self.members), self.context) if self.members else 0.0
+        base = self.step_seconds(len(self.members), self.context, t) if self.members else 0.0
         self.t0, self.s, self.n = t, base + self.extra_s, max(n, 1)
         self.running = True
         self.version += 1

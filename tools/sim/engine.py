@@ -108,13 +108,19 @@ class Simulator:
         self.decode_by_id = {d.instance_id: d for d in self.decodes}
         self.handlers = (self.on_prefill_done, self.on_kv_arrive, self.on_segment_end)
         # the live conductor's bookkeeping; reports are taken, like heartbeats, before each decision
-        self.state = ClusterState(float("inf"), float("inf"))
+        self.state = ClusterState(float("inf"), float("inf"), perf=profile)
         self.dirty: set = set(self.prefills) | set(self.decodes)  # instances whose report is due
         for d in self.decodes:
             d.on_change = self.dirty.add
 
+    def slowdown(self, t: float) -> float:
+        """How much slower than the profile the machine runs at t (SimConfig.speed_factor, drift)."""
+        return self.cfg.speed_factor * (1.0 + self.cfg.drift * t / 3600.0)
+
     def _batch(self) -> DecodeBatch:
-        return DecodeBatch(self.perf.decode.step_seconds, self.cfg.segment_steps, self._book_segment)
+        def real_step(batch: int, context: int, t: float) -> float:
+            return self.perf.decode.step_seconds(batch, context) * self.slowdown(t)
+        return DecodeBatch(real_step, self.cfg.segment_steps, self._book_segment)
 
     def _book_segment(self, t: float, batch: DecodeBatch, version: int) -> None:
         self.push(t, SEGMENT_END, batch, version)
@@ -213,8 +219,11 @@ class Simulator:
             prefix = max(local, pull.first_block + pull.num_blocks)
         prefix_tokens = min(prefix * cfg.block_tokens, n - 1)
         r.cached_tokens = prefix_tokens
-        duration = max(self.perf.prefill.seconds(n, prefix_tokens), prefix_tokens * self.kv_bytes / cfg.h2d_bytes_s)
+        compute = self.perf.prefill.seconds(n, prefix_tokens) * self.slowdown(start)
+        duration = max(compute, prefix_tokens * self.kv_bytes / cfg.h2d_bytes_s)
         end = start + duration
+        # NOTE: the compute is what it reports (the loading bound is this model's, not the profile's)
+        p.measured = (p.measured[0] + 1, compute, n, prefix_tokens)
         p.busy_s += duration
         p.prefills_done += 1
         if r.output_tokens > 1 and not isinstance(p, CoupledInstance):
@@ -247,7 +256,8 @@ class Simulator:
 
     def on_kv_arrive(self, r: SimRequest, _unused, t: float) -> None:
         d: DecodeInstance = r.decode
-        if self.cfg.admission != "none" and not decode_admits(d.own_state(), r.input_tokens, self.perf, self.cfg.tbt_slo_s):
+        own = d.own_state(self.state.learned.factor(d.instance_id, "step"))
+        if self.cfg.admission != "none" and not decode_admits(own, r.input_tokens, self.perf, self.cfg.tbt_slo_s):
             self.end(r, t, REJECTED_LATE, f"decode {d.instance_id}: tbt or kv room over budget on kv arrival")
             return
         r.kv_arrival_s = t
@@ -285,5 +295,6 @@ def simulate(rows: list[TraceRow], cfg: SimConfig, profile: Profile | None = Non
         "prefill_utilisation": {p.instance_id: round(p.busy_s / sim_s, 4) if sim_s else 0.0 for p in sim.prefills},
         "index_keys": len(sim.index),
         "prefill_mean_s": sum(p.busy_s for p in sim.prefills) / max(1, sum(p.prefills_done for p in sim.prefills)),
+        "learned": sim.state.learned.snapshot(),  # instance -> kind -> factor (what the conductor learned)
     }
     return SimOutcome(results, summarize(results, cfg.ttft_slo_s, cfg.tbt_slo_s), stats)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 
 from common.decide.pool import Demoted, Evicted, NoRoom, Promoted, Stored, TieredPool
-from schemas.workers import Coming, DecodeReport, Joined, PrefillReport, WorkerInfo
+from schemas.workers import Coming, DecodeReport, Joined, Measured, PrefillReport, WorkerInfo
 from common.decide.index import KvEvent, PrefixIndex
 from common.decide.policy import DecodeCandidate
 from tools.sim.decode import DecodeBatch
@@ -97,6 +97,7 @@ class PrefillInstance:
         self.predicted_free = 0.0
         self.busy_s = 0.0  # seconds spent prefilling, for utilisation
         self.prefills_done = 0
+        self.measured = (0, 0.0, 0, 0)  # (seq, seconds, tokens, prefix tokens) of its latest prefill
 
     def info(self, t: float) -> WorkerInfo:
         """Its report, as a live prefill instance sends it: the booked work ahead and, per request,
@@ -104,8 +105,10 @@ class PrefillInstance:
         held = ([self.current] if self.current is not None else []) + list(self.queue)
         coming = [Coming(str(r.index), r.decode.instance_id, r.predicted_end_s - t, r.input_tokens)
                   for r in held if r.output_tokens > 1]
+        seq, seconds, tokens, prefix = self.measured
         return WorkerInfo(self.instance_id, "prefill", self.node, prefill=PrefillReport(
-            max(0.0, self.predicted_free - t), 0, 0, [str(r.index) for r in held], coming))
+            max(0.0, self.predicted_free - t), 0, 0, [str(r.index) for r in held], coming,
+            Measured(seq, seconds, tokens, prefix) if seq else None))
 
     def claim_gpu(self, t: float) -> float:
         """When a prefill asked for at t may start (a prefill-only GPU is free at once)."""
@@ -133,14 +136,16 @@ class DecodeInstance:
     def kv_free(self) -> int | None:
         return None if self.kv_tokens is None else self.kv_tokens - self.batch.context
 
-    def own_state(self) -> DecodeCandidate:
-        """What the decode instance itself checks when a KV arrives: its running batch only."""
+    def own_state(self, step_factor: float = 1.0) -> DecodeCandidate:
+        """What the decode instance itself checks when a KV arrives: its running batch only, at the
+        speed it has been measured to run."""
         b = self.batch
-        return DecodeCandidate(self.instance_id, self.node, len(b.members), b.context, self.kv_free())
+        return DecodeCandidate(self.instance_id, self.node, len(b.members), b.context, self.kv_free(), step_factor)
 
     def info(self, t: float) -> WorkerInfo:
         """Its report, as a live decode instance sends it: the batch, each member since its join."""
         b = self.batch
         joined = [Joined(str(r.index), t - r.kv_arrival_s, r.input_tokens) for r in b.members]
+        measured = Measured(b.steps, b.s, b.context, batch=len(b.members)) if b.steps and b.members else None
         return WorkerInfo(self.instance_id, "decode", self.node, decode=DecodeReport(
-            len(b.members), b.context, 0, self.kv_free(), 0.0, joined))
+            len(b.members), b.context, 0, self.kv_free(), 0.0, joined, measured))
