@@ -11,6 +11,7 @@ class SamplingParams(Wire):
     max_tokens: int = 16
     seed: int | None = None
     ignore_eos: bool = False
+    expected_tokens: int = 0  # the client's hint of its output length (0: none); decode load is predicted from it
 
 
 class RouteRequest(Wire):

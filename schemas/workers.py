@@ -35,6 +35,8 @@ class Coming(Wire):
     decode_id: str
     finish_in_s: float  # predicted seconds from the report until its prefill ends
     tokens: int  # its context when it joins
+    max_tokens: int = 0  # what it may generate (0: unknown)
+    expected_tokens: int = 0  # the client's hint of its output length (0: none)
 
 
 class Measured(Wire):
@@ -64,6 +66,9 @@ class Joined(Wire):
     request_id: str
     ago_s: float  # seconds since it joined the batch (or arrived, while waiting for room)
     tokens: int  # its context
+    generated: int = 0  # tokens generated so far (the first one, from prefill, included)
+    max_tokens: int = 0  # what it may generate in all (0: unknown)
+    expected_tokens: int = 0  # the client's hint of its output length (0: none)
 
 
 class DecodeReport(Wire):
@@ -124,6 +129,7 @@ class Progress(Wire):
     request_id: Token
     attempt: int
     info: WorkerInfo
+    generated: int = 0  # finished at decode: the completion's tokens in all (how long requests run: learned)
 
 
 class Refused(Wire):

@@ -13,12 +13,13 @@ that prefill, so the conductor predicts. Modes (AdmissionSettings.mode):
                 prefill and decode load oscillate in anti-phase.
     predictive  baseline, and also reject if the decode load AT THE MOMENT THIS PREFILL FINISHES
                 (T = now + ttft) breaks the TBT SLO. That load is predicted from the snapshot
-                (per decode instance, a DecodeLoad: join times and context lengths):
+                (per decode instance, a DecodeLoad: join and leave times and context lengths):
                     + requests in prefill that finish by T (they will have joined decode)
                     - decoding requests that will have left by T
-                Every request spends a uniform t_d_s in decode, so one that started decoding
-                at s leaves at s + t_d_s (and one whose prefill ends at f leaves at f + t_d_s).
-                This damps the oscillation.
+                Each request leaves after its own predicted remaining output (the paper assumed
+                one uniform decode time; common/decide/outputs.py estimates each request's from
+                its max_tokens, a client hint and the lengths of recent completions), at the
+                instance's learned step time. This damps the oscillation.
 
 Retry-After on a rejection: for TTFT, the excess (ttft - slo), since a queue drains one second
 of work per second; for TBT, the time from the evaluated moment until departures alone bring
@@ -32,10 +33,8 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass, field
-from heapq import merge
 from itertools import accumulate
 from operator import itemgetter
-from typing import Iterator
 
 from common.decide.perf import Profile
 from common.decide.policy import DecodeCandidate
@@ -48,14 +47,13 @@ class AdmissionSettings:
     mode: str = "predictive"
     ttft_slo_s: float = 10.0
     tbt_slo_s: float = 0.25
-    t_d_s: float = 5.0  # assumed time every request spends in decode
     min_retry_after_s: float = 1.0
     max_retry_after_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"admission mode {self.mode!r} is not one of {MODES}")
-        for name in ("ttft_slo_s", "tbt_slo_s", "t_d_s", "min_retry_after_s"):
+        for name in ("ttft_slo_s", "tbt_slo_s", "min_retry_after_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
         if self.max_retry_after_s < self.min_retry_after_s:
@@ -64,50 +62,52 @@ class AdmissionSettings:
 
 @dataclass(frozen=True, slots=True)
 class DecodeLoad:
-    """One decode instance's requests, as times and context lengths in ascending time order.
+    """One decode instance's requests as the conductor predicts them: when each will leave (and,
+    for those still in prefill, when each will join), with its context. Times are absolute.
 
-    NOTE: the conductor keeps one per instance and rebuilds it only when a request joins or leaves
-    (not per routing decision); ascending order lets a prediction bisect instead of scanning.
-    Decoding requests join in start order, so appending keeps it sorted, and so does removing.
+    Each request's leave time is its own (common/decide/outputs.py: the tokens it will still
+    generate, times the instance's step time), not a uniform decode time.
+    NOTE: the conductor rebuilds it only when a request joins or leaves (not per decision);
+    sorted times let a prediction bisect instead of scanning.
     """
 
     decode_id: str
-    decoding_starts: tuple[float, ...] = ()  # when each decoding request joined the batch
-    decoding_context: tuple[int, ...] = ()
-    prefill_finishes: tuple[float, ...] = ()  # predicted prefill end of each request routed here
-    prefill_context: tuple[int, ...] = ()
+    leaves: tuple[float, ...] = ()  # requests decoding (or waiting for room) now: when each leaves, ascending
+    leave_context: tuple[int, ...] = ()
+    joins: tuple[float, ...] = ()  # requests coming here (in prefill): when each joins, ascending
+    join_leaves: tuple[float, ...] = ()  # ... and when each of those leaves
+    join_context: tuple[int, ...] = ()
     step_factor: float = 1.0  # its steps take the profile's prediction times this (learned)
-    # running sums with a leading 0, so that a range's context is one subtraction
-    _decoding_cum: tuple[int, ...] = field(init=False, repr=False, compare=False)
-    _prefill_cum: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _cum: tuple[int, ...] = field(init=False, repr=False, compare=False)  # running sums of leave_context
 
     def __post_init__(self) -> None:
-        if len(self.decoding_starts) != len(self.decoding_context) or len(self.prefill_finishes) != len(self.prefill_context):
+        if len(self.leaves) != len(self.leave_context) or not (len(self.joins) == len(self.join_leaves) == len(self.join_context)):
             raise ValueError(f"DecodeLoad {self.decode_id}: times and contexts differ in length")
-        object.__setattr__(self, "_decoding_cum", tuple(accumulate(self.decoding_context, initial=0)))
-        object.__setattr__(self, "_prefill_cum", tuple(accumulate(self.prefill_context, initial=0)))
+        object.__setattr__(self, "_cum", tuple(accumulate(self.leave_context, initial=0)))
 
-    def at(self, t: float, t_d_s: float, predictive: bool) -> tuple[int, int]:
+    def at(self, t: float, predictive: bool) -> tuple[int, int]:
         """(batch, context tokens) now (predictive=False) or predicted at time t (predictive=True)."""
-        dcum = self._decoding_cum
+        cum = self._cum
         if not predictive:
-            return len(self.decoding_starts), dcum[-1]
-        gone = t - t_d_s  # a request that joined at or before this has left by t
-        k = bisect_right(self.decoding_starts, gone)
-        lo, hi = bisect_right(self.prefill_finishes, gone), bisect_right(self.prefill_finishes, t)
-        pcum = self._prefill_cum
-        return len(self.decoding_starts) - k + hi - lo, dcum[-1] - dcum[k] + pcum[hi] - pcum[lo]
+            return len(self.leaves), cum[-1]
+        k = bisect_right(self.leaves, t)  # those gone by t
+        batch, context = len(self.leaves) - k, cum[-1] - cum[k]
+        for joins, leaves, c in zip(self.joins, self.join_leaves, self.join_context):
+            if joins > t:
+                break
+            if leaves > t:
+                batch, context = batch + 1, context + c
+        return batch, context
 
-    def departures(self, t: float, t_d_s: float, predictive: bool) -> Iterator[tuple[float, int]]:
-        """(leave time, context) of the requests counted by `at(t)`, lazily, in leave order."""
-        gone = t - t_d_s
-        k = bisect_right(self.decoding_starts, gone) if predictive else 0
-        leaving = ((max(s + t_d_s, t), c) for s, c in zip(self.decoding_starts[k:], self.decoding_context[k:]))
-        if not predictive:
-            return leaving
-        lo, hi = bisect_right(self.prefill_finishes, gone), bisect_right(self.prefill_finishes, t)
-        joined = ((f + t_d_s, c) for f, c in zip(self.prefill_finishes[lo:hi], self.prefill_context[lo:hi]))
-        return merge(leaving, joined)
+    def departures(self, t: float, predictive: bool) -> list[tuple[float, int]]:
+        """(leave time, context) of the requests counted by `at(t)`, in leave order."""
+        k = bisect_right(self.leaves, t) if predictive else 0
+        out = list(zip(self.leaves[k:], self.leave_context[k:]))
+        if predictive:
+            out += [(leaves, c) for joins, leaves, c in zip(self.joins, self.join_leaves, self.join_context)
+                    if joins <= t < leaves]
+            out.sort()
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,21 +142,11 @@ def admit(ttft_s: float, context_tokens: int, load: DecodeLoadSnapshot, settings
 
     predictive = mode == "predictive"
     at = load.now + ttft_s if predictive else load.now
-    step, t_d = perf.decode.step_seconds, settings.t_d_s
+    step = perf.decode.step_seconds
     judged = []  # (tbt with this request, decode_id, batch, context, instance)
-    if predictive:
-        # DecodeLoad.at(at, t_d, True), inlined: this loop runs once per decode instance per request
-        gone = at - t_d
-        for d in load.decode:
-            starts, finishes, dcum, pcum = d.decoding_starts, d.prefill_finishes, d._decoding_cum, d._prefill_cum
-            k = bisect_right(starts, gone)
-            lo, hi = bisect_right(finishes, gone), bisect_right(finishes, at)
-            batch, context = len(starts) - k + hi - lo, dcum[-1] - dcum[k] + pcum[hi] - pcum[lo]
-            judged.append((step(batch + 1, context + context_tokens) * d.step_factor, d.decode_id, batch, context, d))
-    else:
-        for d in load.decode:
-            batch, context = d.at(at, t_d, False)
-            judged.append((step(batch + 1, context + context_tokens) * d.step_factor, d.decode_id, batch, context, d))
+    for d in load.decode:
+        batch, context = d.at(at, predictive)
+        judged.append((step(batch + 1, context + context_tokens) * d.step_factor, d.decode_id, batch, context, d))
     best_tbt, best_id = min(judged, key=_by_tbt_then_id)[:2]
     when = f"at prefill end (+{ttft_s:.3f}s)" if predictive else "now"
     if best_tbt <= settings.tbt_slo_s:
@@ -182,10 +172,10 @@ def _tbt_retry_after(at: float, context_tokens: int, judged: list, settings: Adm
 
     Instances are tried least loaded first, so `best` shrinks early and prunes the rest.
     """
-    step, slo, t_d = perf.decode.step_seconds, settings.tbt_slo_s, settings.t_d_s
+    step, slo = perf.decode.step_seconds, settings.tbt_slo_s
     best = settings.max_retry_after_s
     for _, _, batch, ctx, d in sorted(judged, key=_by_tbt_then_id):
-        for leave_s, c in d.departures(at, t_d, predictive):
+        for leave_s, c in d.departures(at, predictive):
             if leave_s - at >= best:  # departures only get later: this instance cannot beat `best`
                 break
             batch, ctx = batch - 1, ctx - c

@@ -31,8 +31,13 @@ from typing import Collection
 from schemas.workers import DecodeReport, Layout, PrefillReport, WorkerInfo
 from common.decide.admission import DecodeLoad
 from common.decide.learn import Learned
+from common.decide.outputs import OutputLengths
 from common.decide.perf import Profile
 from common.decide.policy import DecodeCandidate, PrefillCandidate
+
+
+UNKNOWN_OUTPUT_TOKENS = 256  # a request whose max_tokens is not reported (an older instance)
+DEFAULT_STEP_S = 0.05  # without a profile or a reported step time
 
 
 @dataclass
@@ -51,6 +56,8 @@ class Routed:
     pull_bytes: int = 0
     attempt: int = 0
     joins_decode: bool = True  # False when the request ends with its first token (max_tokens 1)
+    max_tokens: int = 0  # what it may generate (0: unknown)
+    expected_tokens: int = 0  # the client's hint of its output length (0: none)
     prefilled: bool = False  # the prefill is done: it is in transfer or at decode
     seen_by: set[str] = field(default_factory=set)  # instances whose reports held it
 
@@ -81,12 +88,13 @@ class ClusterState:
         self.layout = layout  # the cluster's invariants; None = not checked
         self.perf = perf  # the profile the measurements are judged against; None = nothing learned
         self.learned = Learned()
+        self.outputs = OutputLengths()  # lengths of completed requests: how long each decoding one will stay
         self._measured: dict[str, int] = {}  # instance_id -> seq of the last measurement learned from
         self.instances: dict[str, Instance] = {}  # instance_id -> Instance
         self.routed: dict[str, Routed] = {}  # request_id -> Routed (this conductor's)
         # NOTE: who will join each decode instance is derived from every prefill report and our own
         # requests; it is rebuilt lazily, once per change, since each decision reads it per candidate
-        self._coming: dict[str, list[tuple[float, int]]] | None = None  # decode_id -> sorted (finish, context)
+        self._coming: dict[str, list[tuple[float, int, int, int]]] | None = None  # decode_id -> sorted (finish, context, max, hint)
         self._transit_s: dict[str, float] | None = None  # prefill_id -> predicted work of ours not reported yet
         self._decode_loads: dict[str, DecodeLoad] = {}  # decode_id -> admission's view, until the next change
         # nodes whose messenger stopped heartbeating: their workers can neither send nor receive KV
@@ -239,22 +247,24 @@ class ClusterState:
                                                  factor(p.instance_id, "prefill"))
                                 for p in self.of_role("prefill")), avoid)
 
-    def coming_to(self, decode_id: str) -> list[tuple[float, int]]:
-        """(predicted prefill end, context), in time order, of every request that will join
+    def coming_to(self, decode_id: str) -> list[tuple[float, int, int, int]]:
+        """(predicted prefill end, context, max tokens, output hint), in time order, of every request that will join
         `decode_id` and that it does not hold yet: those held by a prefill instance, and ours on
         the bus or in transfer (a prefilled one counts from its predicted prefill end)."""
         if self._coming is None:
-            coming: dict[str, list[tuple[float, int]]] = {}
+            coming: dict[str, list[tuple[float, int, int, int]]] = {}
             held_by_prefill: set[str] = set()
             for known in self.instances.values():
                 report: PrefillReport | None = known.info.prefill
                 if report is not None:
                     for c in report.coming:
                         held_by_prefill.add(c.request_id)
-                        coming.setdefault(c.decode_id, []).append((known.seen_at + c.finish_in_s, c.tokens))
+                        coming.setdefault(c.decode_id, []).append((known.seen_at + c.finish_in_s, c.tokens, c.max_tokens,
+                                                                   c.expected_tokens))
             for r in self.routed.values():
                 if r.joins_decode and r.request_id not in held_by_prefill and self._in_transit(r, r.decode_id):
-                    coming.setdefault(r.decode_id, []).append((r.predicted_prefill_end, r.prompt_tokens))
+                    coming.setdefault(r.decode_id, []).append((r.predicted_prefill_end, r.prompt_tokens, r.max_tokens,
+                                                               r.expected_tokens))
             for entries in coming.values():
                 entries.sort()
             self._coming = coming
@@ -266,7 +276,7 @@ class ClusterState:
         for d in self.of_role("decode"):
             report: DecodeReport | None = d.decode
             coming = self.coming_to(d.instance_id)
-            coming_tokens = sum(c for _, c in coming)
+            coming_tokens = sum(c[1] for c in coming)
             held, context, kv_free = 0, 0, None
             if report is not None:  # the batch, then those waiting for room in it
                 held = len(report.joined)
@@ -286,13 +296,35 @@ class ClusterState:
         return load
 
     def _build_decode_load(self, decode_id: str) -> DecodeLoad:
+        """Each request's leave time: now (its report) plus the tokens it will still generate
+        (self.outputs) times the instance's step time with everything held and coming in its batch."""
         info, seen_at = self._report(decode_id)
-        decoding: list[tuple[float, int]] = []
-        if info is not None and info.decode is not None:  # waiting ones count as joining now
-            decoding = sorted((seen_at - j.ago_s, j.tokens) for j in info.decode.joined)
+        report: DecodeReport | None = info.decode if info is not None else None
         coming = self.coming_to(decode_id)
+        step_s = self._step_s(decode_id, report, coming)
+        remaining = self.outputs.remaining
+        decoding: list[tuple[float, int]] = []
+        if report is not None:  # waiting ones count as decoding now
+            decoding = sorted((seen_at + step_s * (remaining(j.generated, j.max_tokens, j.expected_tokens)
+                                                   if j.max_tokens else UNKNOWN_OUTPUT_TOKENS), j.tokens)
+                              for j in report.joined)
+        joining = [(finish, finish + step_s * (remaining(1, max_tokens, hint) if max_tokens else UNKNOWN_OUTPUT_TOKENS),
+                    tokens) for finish, tokens, max_tokens, hint in coming]
         return DecodeLoad(decode_id, tuple(t for t, _ in decoding), tuple(c for _, c in decoding),
-                          tuple(t for t, _ in coming), tuple(c for _, c in coming), self.learned.factor(decode_id, "step"))
+                          tuple(j[0] for j in joining), tuple(j[1] for j in joining), tuple(j[2] for j in joining),
+                          self.learned.factor(decode_id, "step"))
+
+    def _step_s(self, decode_id: str, report: DecodeReport | None, coming: list) -> float:
+        """One step of the instance with everything it holds and everything coming to it."""
+        batch = (len(report.joined) if report is not None else 0) + len(coming)
+        context = (report.context_tokens if report is not None else 0) + sum(c[1] for c in coming)
+        if self.perf is None:
+            return report.predicted_tbt_s if report is not None and report.predicted_tbt_s > 0 else DEFAULT_STEP_S
+        return self.perf.decode.step_seconds(max(1, batch), context) * self.learned.factor(decode_id, "step")
+
+    def completed(self, generated: int) -> None:
+        """A request finished after `generated` tokens: it teaches how long requests run."""
+        self.outputs.observe(generated)
 
     def sender_queued_bytes(self) -> dict[str, int]:
         """node -> bytes our requests still in prefill are pulling from it."""

@@ -227,7 +227,7 @@ class DecodeService:
                 kv = self.engine.kv_of(rid)
                 self.forget(rid)
                 self.remember(seq, finish)
-                await self.progress("finished", seq.task)
+                await self.progress("finished", seq.task, seq.task.num_generated + len(seq.generated))
                 await self.events.request("decode_finished", rid, tokens=len(seq.generated),
                                           seconds=round(time.perf_counter() - seq.started, 6), finish_reason=finish,
                                           attempt=seq.task.attempt)
@@ -285,20 +285,22 @@ class DecodeService:
             task.request_id, task.attempt, task.num_generated + 1, why, status, self.cfg.instance_id, retryable))
         await self.progress("failed", task)
 
-    async def progress(self, kind: str, task: DecodeTask) -> None:
-        """Tell the conductors (control, not audit), with this instance's load after the change."""
+    async def progress(self, kind: str, task: DecodeTask, generated: int = 0) -> None:
+        """Tell the conductors (control, not audit), with this instance's load after the change;
+        a request that finished says how many tokens it generated."""
         if kind != "accepted":
             self.metrics.requests.labels(kind).inc()
-        report = Progress(kind, task.request_id, task.attempt, self.info())
+        report = Progress(kind, task.request_id, task.attempt, self.info(), generated)
         await bus.publish(self.nc, subjects.control_progress(self.cfg.instance_id), report.to_bytes())
 
     def report(self) -> DecodeReport:
         """The batch and the requests waiting for it, as the conductors should see them."""
         now = time.perf_counter()
         engine = self.engine
-        joined = [Joined(rid, round(now - seq.started, 6), int(engine.kv_lens[engine.index[rid]]))
+        joined = [Joined(rid, round(now - seq.started, 6), int(engine.kv_lens[engine.index[rid]]), len(seq.generated),
+                         seq.task.sampling.max_tokens, seq.task.sampling.expected_tokens)
                   for rid, seq in self.running.items() if rid in engine.index]
-        joined += [Joined(t.request_id, 0.0, len(t.prompt_token_ids))
+        joined += [Joined(t.request_id, 0.0, len(t.prompt_token_ids), 1, t.sampling.max_tokens, t.sampling.expected_tokens)
                    for t in list(self.waiting) + list(self.arrived._queue)]  # noqa: SLF001 - a read-only look
         context = engine.context_tokens
         tbt = self.perf.decode.step_seconds(max(1, engine.num_running), context) * self.speed.value

@@ -161,7 +161,8 @@ class PrefillService:
             t += work
             if task.sampling.max_tokens > 1 and (task.pipeline is None or task.stage == task.pipeline.last_stage(
                     len(task.prompt_token_ids))):  # it will join its decode instance (one stage says so)
-                coming.append(Coming(task.request_id, task.decode_id, round(t, 6), len(task.prompt_token_ids)))
+                coming.append(Coming(task.request_id, task.decode_id, round(t, 6), len(task.prompt_token_ids),
+                                     task.sampling.max_tokens, task.sampling.expected_tokens))
         running = len(self.current.prompt_token_ids) if self.current is not None else 0
         return PrefillReport(round(t, 6), queued_tokens, running, ids, coming, self.measured)
 

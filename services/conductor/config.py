@@ -62,8 +62,6 @@ def load(argv: list[str] | None = None) -> ConductorConfig:
     common.flag(parser, "--admission", "MOONBUS_ADMISSION", "predictive", help=", ".join(MODES))
     common.flag(parser, "--ttft-slo", "MOONBUS_TTFT_SLO", 30.0, float, help="seconds")
     common.flag(parser, "--tbt-slo", "MOONBUS_TBT_SLO", 1.0, float, help="seconds")
-    common.flag(parser, "--decode-time", "MOONBUS_DECODE_TIME", 10.0, float,
-                help="t_d: seconds every request is assumed to spend in decode (predictive admission)")
     common.flag(parser, "--profile", "MOONBUS_PROFILE", "", help="performance profile file")
     common.flag(parser, "--pipeline-group", "MOONBUS_PIPELINE_GROUP", 1, int,
                 help="prefill instances sharing one long prompt (chunked pipeline parallelism; 1 = off)")
@@ -75,7 +73,6 @@ def load(argv: list[str] | None = None) -> ConductorConfig:
     common.flag(parser, "--events-replicas", "MOONBUS_EVENTS_REPLICAS", 1, int,
                 help="replicas of the events stream when it is created (<= the NATS cluster's servers)")
     args = parser.parse_args(argv)
-    admission = AdmissionSettings(mode=args.admission, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
-                                  t_d_s=args.decode_time)
+    admission = AdmissionSettings(mode=args.admission, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo)
     return common.build(ConductorConfig, args, home=Path(args.home), admission=admission,
                         dtype=models.resolve_dtype(args.dtype))

@@ -94,6 +94,8 @@ class ConductorService:
             self.state.prefilled(progress.request_id, progress.attempt)
         elif progress.kind in ("finished", "failed"):  # it left the cluster (from decode, or ended at prefill)
             self.state.end(progress.request_id, up_to_attempt=progress.attempt)
+            if progress.kind == "finished" and progress.generated:
+                self.state.completed(progress.generated)
 
     async def heard(self, info: WorkerInfo) -> None:
         outcome = self.state.heard(info, time.monotonic())
@@ -187,7 +189,8 @@ class ConductorService:
         self.state.route(Routed(
             rid, tuple(spec.stages) if spec else (decision.prefill_id,), decision.decode_id, request.reply_subject,
             len(ids), now, work, decision.ttft_s, pull.source_node if pull else "", pull.nbytes if pull else 0,
-            request.attempt, joins_decode=request.sampling.max_tokens > 1))
+            request.attempt, joins_decode=request.sampling.max_tokens > 1, max_tokens=request.sampling.max_tokens,
+            expected_tokens=request.sampling.expected_tokens))
         if spec is None:
             sent = await bus.publish(self.nc, subjects.prefill_tasks(decision.prefill_id), task.to_bytes())
         else:

@@ -31,7 +31,8 @@ JSON_INT_MAX = 2**64 - 1
 ROLES = ("system", "developer", "user", "assistant")  # developer is read as system
 # the order parse checks fields in: of several problems, the first in this order is answered
 FIELD_ORDER = ("model", "prompt", "messages", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-               "stream_options", "seed", "stop", "stream", "ignore_eos", "return_token_ids", "cache_salt")
+               "stream_options", "seed", "stop", "stream", "ignore_eos", "return_token_ids", "cache_salt",
+               "expected_output_tokens")
 
 
 class ApiError(Exception):
@@ -137,6 +138,10 @@ class _Generate(_Strict):
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = Field(
         None, description="Extension (as in vLLM): a cache namespace shared by whoever sends the same salt; "
                           "without it, a tenant's cache is its own.")
+    expected_output_tokens: Annotated[int, Field(ge=1, le=JSON_INT_MAX)] | None = Field(
+        None, description="Extension: how many tokens the client expects the completion to have. A hint for "
+                          "admission, which predicts each decode instance's load from every request's remaining "
+                          "output (without a hint, from the lengths of recent completions); it limits nothing.")
 
     @field_validator("model")
     @classmethod
@@ -198,9 +203,11 @@ class GenerateRequest:
     ignore_eos: bool = False  # extension (as in vLLM): generate max_tokens even past EOS
     return_token_ids: bool = False  # extension (as in vLLM): also return the completion's token ids
     cache_salt: str | None = None  # extension (as in vLLM): a cache namespace shared by whoever sends it
+    expected_output_tokens: int = 0  # extension: the client's hint of its output length (0: none)
 
     def sampling(self, max_tokens: int) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_p, max_tokens, self.seed, self.ignore_eos)
+        return SamplingParams(self.temperature, self.top_p, max_tokens, self.seed, self.ignore_eos,
+                              min(self.expected_output_tokens, max_tokens))
 
 
 def parse(body: Any, kind: str, served_model: str) -> GenerateRequest:
@@ -228,6 +235,7 @@ def parse(body: Any, kind: str, served_model: str) -> GenerateRequest:
         ignore_eos=bool(req.ignore_eos),
         return_token_ids=bool(req.return_token_ids),
         cache_salt=req.cache_salt,
+        expected_output_tokens=req.expected_output_tokens or 0,
     )
 
 

@@ -1,7 +1,8 @@
 """Admission verdicts per mode, on hand-built decode loads.
 
 Decode step = 0.01 + 0.01 * batch, TBT SLO 0.1 s: with the new request added, an instance stays
-within the SLO while it already runs at most 8 requests. t_d = 5 s in decode per request.
+within the SLO while it already runs at most 8 requests. Every request here stays 5 s in decode
+(DecodeLoad takes each request's own leave time; these hand-built ones all leave 5 s after joining).
 """
 
 import pytest
@@ -15,7 +16,10 @@ NOW = 100.0
 
 
 def make_settings(mode: str) -> AdmissionSettings:
-    return AdmissionSettings(mode, ttft_slo_s=5.0, tbt_slo_s=0.1, t_d_s=5.0)
+    return AdmissionSettings(mode, ttft_slo_s=5.0, tbt_slo_s=0.1)
+
+
+STAY_S = 5.0
 
 
 def make_instance(decode_id: str = "d0", decoding: dict[float, int] | None = None,
@@ -24,7 +28,8 @@ def make_instance(decode_id: str = "d0", decoding: dict[float, int] | None = Non
     Every request has 100 context tokens."""
     starts = [t for t, n in sorted((decoding or {}).items()) for _ in range(n)]
     finishes = [t for t, n in sorted((in_prefill or {}).items()) for _ in range(n)]
-    return DecodeLoad(decode_id, tuple(starts), (100,) * len(starts), tuple(finishes), (100,) * len(finishes))
+    return DecodeLoad(decode_id, tuple(t + STAY_S for t in starts), (100,) * len(starts), tuple(finishes),
+                      tuple(t + STAY_S for t in finishes), (100,) * len(finishes))
 
 
 def make_load(*instances: DecodeLoad) -> DecodeLoadSnapshot:
@@ -93,15 +98,24 @@ def test_predictive_picks_the_instance_that_will_be_lightest():
 
 def test_load_at_counts_arrivals_and_departures():
     d = make_instance(decoding={96.0: 3, 99.0: 2}, in_prefill={101.0: 4, 103.0: 1, 95.0: 1})
-    assert d.at(NOW, 5.0, predictive=False) == (5, 500)
+    assert d.at(NOW, predictive=False) == (5, 500)
     # at 102: the 3 from 96 and the prefill done at 95 have left; 2 still + 4 joined; 103 not yet
-    assert d.at(102.0, 5.0, predictive=True) == (6, 600)
-    assert list(d.departures(102.0, 5.0, predictive=True)) == [(104.0, 100)] * 2 + [(106.0, 100)] * 4
+    assert d.at(102.0, predictive=True) == (6, 600)
+    assert list(d.departures(102.0, predictive=True)) == [(104.0, 100)] * 2 + [(106.0, 100)] * 4
+
+
+def test_each_request_leaves_at_its_own_time():
+    # one that will stay 30 s more, one about to leave, and one in prefill that will generate little
+    d = DecodeLoad("d0", (100.5, 130.0), (100, 100), (101.0,), (101.8,), (100,))
+    assert d.at(101.0, predictive=True) == (2, 200)  # the short one left, the new one joined
+    assert d.at(102.0, predictive=True) == (1, 100)  # the new one is already gone again
 
 
 def test_decode_load_rejects_mismatched_lengths():
     with pytest.raises(ValueError):
         DecodeLoad("d0", (1.0, 2.0), (100,))
+    with pytest.raises(ValueError):
+        DecodeLoad("d0", (), (), (1.0,), (), (100,))
 
 
 def test_no_decode_instance_rejects():
@@ -115,7 +129,7 @@ def test_decode_admits_late_check():
     assert not decode_admits(DecodeCandidate("d0", "n", 0, 0, kv_free_tokens=50), 100, PERF, 0.1)
 
 
-@pytest.mark.parametrize("kwargs", [{"mode": "eager"}, {"tbt_slo_s": 0}, {"t_d_s": -1},
+@pytest.mark.parametrize("kwargs", [{"mode": "eager"}, {"tbt_slo_s": 0},
                                     {"min_retry_after_s": 5, "max_retry_after_s": 1}])
 def test_settings_are_validated(kwargs):
     with pytest.raises(ValueError):
@@ -123,7 +137,7 @@ def test_settings_are_validated(kwargs):
 
 
 def test_predictive_verdict_matches_decode_load_at_exactly():
-    """admit's predictive loop gives, to the bit, min over instances of step(DecodeLoad.at(T) + this)."""
+    """admit's predictive verdict is, to the bit, min over instances of step(DecodeLoad.at(T) + this) * factor."""
     import random
 
     from common.decide.perf import analytic_profile
@@ -134,16 +148,17 @@ def test_predictive_verdict_matches_decode_load_at_exactly():
         now = 1000.0 + rng.random()
         loads = []
         for i in range(rng.randrange(1, 6)):
-            starts = sorted(now - rng.uniform(0, 30) for _ in range(rng.randrange(0, 12)))
+            leaves = sorted(now + rng.uniform(-5, 30) for _ in range(rng.randrange(0, 12)))
             finishes = sorted(now + rng.uniform(-3, 6) for _ in range(rng.randrange(0, 5)))
-            loads.append(DecodeLoad(f"d{rng.randrange(9)}", tuple(starts), tuple(rng.randrange(1, 9000) for _ in starts),
-                                    tuple(finishes), tuple(rng.randrange(1, 9000) for _ in finishes)))
+            loads.append(DecodeLoad(f"d{rng.randrange(9)}", tuple(leaves), tuple(rng.randrange(1, 9000) for _ in leaves),
+                                    tuple(finishes), tuple(f + rng.uniform(0, 20) for f in finishes),
+                                    tuple(rng.randrange(1, 9000) for _ in finishes), rng.choice([0.5, 1.0, 2.0])))
         ttft, ctx = rng.uniform(0, 4), rng.randrange(1, 9000)
-        settings = AdmissionSettings("predictive", ttft_slo_s=5.0, tbt_slo_s=rng.choice([0.01, 0.0105, 0.011, 1.0]), t_d_s=20.0)
+        settings = AdmissionSettings("predictive", ttft_slo_s=5.0, tbt_slo_s=rng.choice([0.01, 0.0105, 0.011, 1.0]))
         v = admit(ttft, ctx, DecodeLoadSnapshot(now, tuple(loads)), settings, perf)
         judged = []
         for d in loads:
-            batch, context = d.at(now + ttft, 20.0, True)
-            judged.append((perf.decode.step_seconds(batch + 1, context + ctx), d.decode_id))
+            batch, context = d.at(now + ttft, True)
+            judged.append((perf.decode.step_seconds(batch + 1, context + ctx) * d.step_factor, d.decode_id))
         best_tbt, best_id = min(judged)
         assert (v.tbt_s, v.decode_id, v.admit) == (best_tbt, best_id, best_tbt <= settings.tbt_slo_s)

@@ -3,6 +3,8 @@ reports plus its own dispatches that have not arrived yet."""
 
 from __future__ import annotations
 
+import pytest
+
 from common.decide.cluster_state import ClusterState, Refusal, Routed
 from schemas.workers import Coming, DecodeReport, Joined, Layout, PrefillReport, WorkerInfo
 
@@ -67,16 +69,18 @@ def test_prefill_queue_is_the_report_aged_plus_our_requests_not_in_it_yet():
 
 def test_a_decode_instance_counts_what_is_coming_to_it_exactly_once():
     state = cluster()
-    state.heard(decode(joined=[Joined("x", 2.0, 50)]), now=1.0)
+    # x has generated 5 of at most 25 tokens; steps take 0.01 s (its report, no profile here)
+    state.heard(decode(joined=[Joined("x", 2.0, 50, 5, 25)]), now=1.0)
     state.route(routed("a", at=1.0, ttft=3.0, tokens=100))  # on the bus
     [d] = state.decode_candidates(now=1.0)
     assert (d.num_running, d.context_tokens, d.kv_free_tokens) == (2, 150, 900)
-    state.heard(prefill(coming=[Coming("a", "d0", 2.5, 100)]), now=1.5)  # queued at p0
+    state.heard(prefill(coming=[Coming("a", "d0", 2.5, 100, 11)]), now=1.5)  # queued at p0, at most 11 tokens
     [d] = state.decode_candidates(now=1.5)
     assert (d.num_running, d.context_tokens) == (2, 150)
     load = state.decode_load("d0", now=1.5)
-    assert (load.decoding_starts, load.decoding_context) == ((-1.0,), (50,))
-    assert (load.prefill_finishes, load.prefill_context) == ((4.0,), (100,))
+    # x leaves after its 20 tokens still to come; a joins when its prefill ends, leaves after 10 more
+    assert (load.leaves, load.leave_context) == (pytest.approx((1.2,)), (50,))
+    assert (load.joins, load.join_leaves, load.join_context) == ((4.0,), pytest.approx((4.1,)), (100,))
     state.prefilled("a", attempt=0)
     state.heard(prefill(), now=4.0)  # p0 handed it off: it is in transfer, ours, still counted
     assert state.decode_candidates(now=4.0)[0].num_running == 2

@@ -31,7 +31,7 @@ class SimConfig:
     seed: int = 0
     ttft_slo_s: float = 30.0
     tbt_slo_s: float = 0.1
-    t_d_s: float | None = None  # admission's assumed decode time; None: mean output * predicted TBT
+    sim_max_tokens: int = 4096  # every request's max_tokens (its real length is the trace's, capped by max_output)
     dram_tokens: int = 3_000_000  # KV cache per prefill node (DRAM tier)
     eviction: str = "lru"
     block_tokens: int = 512  # one trace hash id

@@ -54,10 +54,10 @@ def make_requests(rows: list[TraceRow], cfg: SimConfig) -> list[SimRequest]:
     out = []
     for i, row in enumerate(rows):
         output = max(1, row.output_length)
-        if cfg.max_output is not None:
-            output = cfg.max_output if cfg.force_output else min(output, cfg.max_output)
+        cap = cfg.max_output or cfg.sim_max_tokens  # the client's max_tokens
+        output = cfg.max_output if cfg.force_output and cfg.max_output else min(output, cap)
         out.append(SimRequest(i, row.timestamp_ms / 1000.0 / cfg.speed, max(1, row.input_length), output,
-                              block_keys_from_hash_ids(row.hash_ids)))
+                              block_keys_from_hash_ids(row.hash_ids), cap))
     out.sort(key=lambda r: (r.arrival_s, r.index))
     return out
 
@@ -74,10 +74,7 @@ class Simulator:
         self.index = PrefixIndex()
         self.ended = 0
         self.pulls = self.pulled_blocks = 0
-        mean_out = sum(r.output_tokens for r in requests) / max(1, len(requests))
-        mean_in = sum(r.input_tokens for r in requests) / max(1, len(requests))
-        t_d = cfg.t_d_s or max(1e-3, mean_out * profile.decode.step_seconds(8, int(8 * mean_in)))
-        self.admission = AdmissionSettings(cfg.admission, cfg.ttft_slo_s, cfg.tbt_slo_s, t_d)
+        self.admission = AdmissionSettings(cfg.admission, cfg.ttft_slo_s, cfg.tbt_slo_s)
         self.policy = PolicySettings(cfg.policy, cfg.kvcache_balancing_threshold, cfg.nic_bytes_s,
                                      cfg.block_tokens, self.kv_bytes)
         dram_blocks = cfg.dram_tokens // cfg.block_tokens
@@ -151,6 +148,8 @@ class Simulator:
         r.status, r.end_s, r.error = status, t, error
         self.ended += 1
         self.state.end(str(r.index))
+        if status == OK and r.output_tokens > 1:  # how long requests run: what the conductor learns from
+            self.state.completed(r.output_tokens)
 
     def report(self, t: float) -> None:
         """Instances that changed send their report (in the live cluster: a progress message)."""
@@ -197,7 +196,7 @@ class Simulator:
         r.predicted_end_s = t + decision.ttft_s
         self.state.route(Routed(str(r.index), (p.instance_id,), r.decode.instance_id, "", r.input_tokens, t,
                                 decision.prefill_s + decision.transfer_s, decision.ttft_s,
-                                joins_decode=r.output_tokens > 1))
+                                joins_decode=r.output_tokens > 1, max_tokens=r.max_tokens))
         p.queue.append(r)
         self.dirty.add(p)
         if not p.busy:
@@ -291,7 +290,6 @@ def simulate(rows: list[TraceRow], cfg: SimConfig, profile: Profile | None = Non
     stats = {
         "wall_s": wall, "simulated_s": sim_s, "sim_s_per_wall_s": sim_s / wall if wall > 0 else None,
         "ended": sim.ended, "pulls": sim.pulls, "pulled_blocks": sim.pulled_blocks,
-        "t_d_s": sim.admission.t_d_s,
         "prefill_utilisation": {p.instance_id: round(p.busy_s / sim_s, 4) if sim_s else 0.0 for p in sim.prefills},
         "index_keys": len(sim.index),
         "prefill_mean_s": sum(p.busy_s for p in sim.prefills) / max(1, sum(p.prefills_done for p in sim.prefills)),

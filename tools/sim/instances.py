@@ -103,7 +103,7 @@ class PrefillInstance:
         """Its report, as a live prefill instance sends it: the booked work ahead and, per request,
         the decode instance it goes to and when its prefill should end (the conductor's prediction)."""
         held = ([self.current] if self.current is not None else []) + list(self.queue)
-        coming = [Coming(str(r.index), r.decode.instance_id, r.predicted_end_s - t, r.input_tokens)
+        coming = [Coming(str(r.index), r.decode.instance_id, r.predicted_end_s - t, r.input_tokens, r.max_tokens)
                   for r in held if r.output_tokens > 1]
         seq, seconds, tokens, prefix = self.measured
         return WorkerInfo(self.instance_id, "prefill", self.node, prefill=PrefillReport(
@@ -145,7 +145,8 @@ class DecodeInstance:
     def info(self, t: float) -> WorkerInfo:
         """Its report, as a live decode instance sends it: the batch, each member since its join."""
         b = self.batch
-        joined = [Joined(str(r.index), t - r.kv_arrival_s, r.input_tokens) for r in b.members]
+        joined = [Joined(str(r.index), t - r.kv_arrival_s, r.input_tokens, 1 + b.steps - r.join_steps, r.max_tokens)
+                  for r in b.members]
         measured = Measured(b.steps, b.s, b.context, batch=len(b.members)) if b.steps and b.members else None
         return WorkerInfo(self.instance_id, "decode", self.node, decode=DecodeReport(
             len(b.members), b.context, 0, self.kv_free(), 0.0, joined, measured))

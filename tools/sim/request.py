@@ -11,13 +11,15 @@ class SimRequest:
     __slots__ = ("index", "arrival_s", "input_tokens", "output_tokens", "keys", "status", "error",
                  "prefill", "decode", "decision", "ready_s", "predicted_end_s", "cached_tokens",
                  "first_token_s", "end_s", "join_log", "join_steps", "target_steps", "chunks_left",
-                 "runs", "kv_arrival_s")
+                 "runs", "kv_arrival_s", "max_tokens")
 
-    def __init__(self, index: int, arrival_s: float, input_tokens: int, output_tokens: int, keys: list[int]) -> None:
+    def __init__(self, index: int, arrival_s: float, input_tokens: int, output_tokens: int, keys: list[int],
+                 max_tokens: int = 0) -> None:
         self.index = index
         self.arrival_s = arrival_s
         self.input_tokens = input_tokens
         self.output_tokens = output_tokens  # tokens to produce, the first (from prefill) included
+        self.max_tokens = max_tokens or output_tokens  # what its client allowed (the conductor sees this, not output_tokens)
         self.keys = keys  # chained block keys, one per trace hash id
         self.status = OK
         self.error = ""

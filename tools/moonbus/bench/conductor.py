@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     queries = [Query(RequestInfo(f"req-{i}", r.input_length, len(r.hash_ids)), block_keys_from_hash_ids(r.hash_ids))
                for i, r in enumerate(rows[args.fill_rows:])]
     perf = analytic_profile(LLAMA3_70B, A800_X8)
-    admission = AdmissionSettings("predictive", ttft_slo_s=5.0, tbt_slo_s=0.02, t_d_s=20.0)
+    admission = AdmissionSettings("predictive", ttft_slo_s=5.0, tbt_slo_s=0.02)
     rng = random.Random(args.seed)
     states = [_draw_state(rng, 1000.0 + i) for i in range(args.states)]
     settings = [PolicySettings(p, block_tokens=TRACE_BLOCK_TOKENS, kv_bytes_per_token=perf.kv_bytes_per_token,

@@ -95,7 +95,7 @@ def _prefill(model: Llama, hf, tokens: int, repeats: int) -> dict:
 def _matmul_chain(model: Llama, n: int) -> torch.Tensor:
     """Only the forward's matmuls, with its shapes and dtype: what the matrix units bound."""
     hidden = torch.randn(n, model.config.hidden_size, dtype=model.dtype)
-    heads, kv_heads, d = model.num_heads, model.num_kv_heads, model.head_dim
+    heads, d = model.num_heads, model.head_dim
     half = max(1, n // 2)  # causal attention: on average each query sees half the keys
     q = torch.randn(heads, half, d, dtype=model.dtype)
     k = torch.randn(heads, d, n, dtype=model.dtype)  # GQA's keys repeated to every query head
