@@ -109,7 +109,8 @@ def resolve_trace(name: str | Path) -> Path:
 
 def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
     """The `--trace FILE` and `--limit N` flags every trace-reading command shares."""
-    parser.add_argument("--trace", required=True, type=Path, help="Mooncake-format JSONL trace")
+    parser.add_argument("--trace", required=True, type=resolve_trace,
+                        help="Mooncake-format JSONL trace: a path, or conversation / synthetic (the released traces)")
     parser.add_argument("--limit", type=int, default=None, metavar="N", help="read only the first N rows")
 
 

@@ -35,6 +35,7 @@ from bisect import bisect_right
 from dataclasses import dataclass, field
 from itertools import accumulate
 from operator import itemgetter
+from typing import Sequence
 
 from common.decide.perf import Profile
 from common.decide.policy import DecodeCandidate
@@ -181,6 +182,21 @@ def _tbt_retry_after(at: float, context_tokens: int, judged: list, settings: Adm
             batch, ctx = batch - 1, ctx - c
             if step(batch + 1, ctx + context_tokens) * d.step_factor <= slo:
                 best = leave_s - at
+                break
+    return _clamp(best, settings)
+
+
+def kv_retry_after(prompt_tokens: int, decode: Sequence[DecodeCandidate], loads: Sequence[DecodeLoad], now: float,
+                   settings: AdmissionSettings) -> float:
+    """No decode instance has KV room for the prompt: seconds until the first one frees enough, as
+    its requests are predicted to leave (their context returns to its room)."""
+    best = settings.max_retry_after_s
+    for candidate, load in zip(decode, loads):
+        missing = prompt_tokens - (candidate.kv_free_tokens or 0)
+        for leave_s, context in load.departures(now, False):
+            missing -= context
+            if missing <= 0:
+                best = min(best, leave_s - now)
                 break
     return _clamp(best, settings)
 

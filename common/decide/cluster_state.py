@@ -277,12 +277,13 @@ class ClusterState:
             report: DecodeReport | None = d.decode
             coming = self.coming_to(d.instance_id)
             coming_tokens = sum(c[1] for c in coming)
+            coming_room = sum(c[1] + c[2] for c in coming)  # what decode will reserve for them: prompt + max_tokens
             held, context, kv_free = 0, 0, None
             if report is not None:  # the batch, then those waiting for room in it
                 held = len(report.joined)
                 context = report.context_tokens + sum(j.tokens for j in report.joined[report.running:])
                 if report.kv_free_tokens is not None:
-                    kv_free = report.kv_free_tokens - coming_tokens
+                    kv_free = report.kv_free_tokens - coming_room
             out.append(DecodeCandidate(d.instance_id, d.node, held + len(coming), context + coming_tokens, kv_free,
                                        self.learned.factor(d.instance_id, "step")))
         return _elsewhere(tuple(out), avoid)

@@ -100,6 +100,7 @@ class RequestInfo:
     request_id: str
     input_tokens: int
     num_blocks: int  # full blocks of the prompt (= number of block keys)
+    kv_tokens: int = 0  # KV room it takes at decode (prompt and every token it may generate); 0: the prompt's
 
 
 # NOTE: candidates hold instance state only, so the conductor can keep them between requests and
@@ -209,10 +210,12 @@ class Decision:
 
 @dataclass(frozen=True, slots=True)
 class NoInstances:
-    """No route exists (no prefill instance, or no decode instance with KV room): answer 503."""
+    """No route exists. `overloaded`: decode instances exist but none has KV room for the prompt
+    now (an overload: 429 with Retry-After); else no instance of a kind exists (503)."""
 
     request_id: str
     reason: str
+    overloaded: bool = False
 
 
 # --------------------------------------------------------------------------- the policy
@@ -225,8 +228,9 @@ def decide(request: RequestInfo, snapshot: ClusterSnapshot, settings: PolicySett
     decode_costs = price_decode(request, snapshot.decode, perf)
     fitting = [c for c in decode_costs if c.fits]
     if not fitting:
-        why = "no decode instance" if not decode_costs else "no decode instance has KV room for the prompt"
-        return NoInstances(request.request_id, why)
+        if not decode_costs:
+            return NoInstances(request.request_id, "no decode instance")
+        return NoInstances(request.request_id, "no decode instance has KV room for the prompt", overloaded=True)
     best_len, best_holder = best_prefix(snapshot)
     pulls = settings.policy == "kvcache-centric"
     prefill_costs = price_prefill(request, snapshot, settings, perf, best_len, best_holder, pulls)
@@ -317,12 +321,13 @@ def price_decode(request: RequestInfo, decode: tuple[DecodeCandidate, ...], perf
     """Predicted TBT of every decode instance once this request joins its batch."""
     step = perf.decode.step_seconds
     n = request.input_tokens
+    room = request.kv_tokens or n
     costs = []
     append = costs.append
     for d in decode:
         running, context, free = d.num_running, d.context_tokens, d.kv_free_tokens
         append(_new_row(DecodeCost, (d.instance_id, d.node, running, context,
-                                     step(running + 1, context + n) * d.step_factor, free is None or free >= n)))
+                                     step(running + 1, context + n) * d.step_factor, free is None or free >= room)))
     return tuple(costs)
 
 

@@ -156,13 +156,23 @@ class ConductorService:
         now = time.monotonic()
         decide_started = time.perf_counter()
         snapshot = self.snapshot(now, holders, request.avoid)
-        info = policy.RequestInfo(rid, len(ids), len(keys))
+        too_big = self.beyond_capacity(len(ids), request.sampling.max_tokens)
+        if too_big:
+            self.metrics.decisions.labels("malformed").inc()
+            return RouteReply(False, 400, too_big)
+        info = policy.RequestInfo(rid, len(ids), len(keys), len(ids) + request.sampling.max_tokens)
         decision = policy.decide(info, snapshot, self.settings, self.perf)
         if isinstance(decision, policy.NoInstances):
+            retry = admission.kv_retry_after(len(ids), snapshot.decode, [self.state.decode_load(d.instance_id, now)
+                                                                          for d in snapshot.decode], now,
+                                             self.cfg.admission) if decision.overloaded else 1.0
             await self.events.request("routed", rid, admitted=False, reason=decision.reason, policy=self.cfg.policy,
-                                      policy_version=POLICY_VERSION)
+                                      policy_version=POLICY_VERSION, retry_after_s=retry)
+            if decision.overloaded:  # instances exist, their KV room is taken: an overload, not an outage
+                self.metrics.decisions.labels("rejected").inc()
+                return RouteReply(False, 429, f"rejected at arrival: {decision.reason}", retry_after_s=retry)
             self.metrics.decisions.labels("unavailable").inc()
-            return RouteReply(False, 503, f"{decision.reason} is available", retry_after_s=1.0)
+            return RouteReply(False, 503, f"{decision.reason} is available", retry_after_s=retry)
         loads = admission.DecodeLoadSnapshot(now, tuple(self.state.decode_load(d.instance_id, now)
                                                         for d in snapshot.decode))
         verdict = admission.admit(decision.ttft_s, len(ids), loads, self.cfg.admission, self.perf)
@@ -205,6 +215,17 @@ class ConductorService:
         # the prefill instance that answers for the request: with a pipeline, the stage of the last chunk
         first_token_by = decision.prefill_id if spec is None else spec.stages[spec.last_stage(len(ids))]
         return RouteReply(True, 200, prefill_id=first_token_by, decode_id=decision.decode_id)
+
+    def beyond_capacity(self, prompt_tokens: int, max_tokens: int) -> str:
+        """Why no decode instance could ever hold this request's KV (prompt and every token it may
+        generate), or "" (a 400: waiting would not help). Unknown capacities count as room."""
+        capacities = [i.info.decode.kv_used_tokens + i.info.decode.kv_free_tokens for i in self.state.instances.values()
+                      if i.info.decode is not None and i.info.decode.kv_free_tokens is not None]
+        need = prompt_tokens + max_tokens
+        if capacities and need > max(capacities):
+            return (f"the request needs {need} KV tokens ({prompt_tokens} prompt + {max_tokens} max_tokens); the largest "
+                    f"decode instance holds {max(capacities)}: lower max_tokens or shorten the prompt")
+        return ""
 
     def pipeline_spec(self, decision: policy.Decision, snapshot: policy.ClusterSnapshot,
                       input_tokens: int) -> PipelineSpec | None:

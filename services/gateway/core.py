@@ -198,8 +198,9 @@ class Gateway:
             self.release(gen)
             kind = "rejected" if reply.status == 429 else "failed"
             await self.events.request(kind, rid, status=reply.status, reason=reply.reason, stage="arrival")
-            err = ApiError(reply.status, reply.reason, retry_after_s=reply.retry_after_s,
-                           code="overloaded" if reply.status == 429 else "unavailable")
+            code = {429: "overloaded", 400: "request_too_large"}.get(reply.status, "unavailable")
+            err = ApiError(reply.status, reply.reason, retry_after_s=reply.retry_after_s if reply.status != 400 else 0.0,
+                           code=code, param="max_tokens" if reply.status == 400 else None)
             err.request_id = rid
             raise err
         return gen

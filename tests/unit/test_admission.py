@@ -162,3 +162,13 @@ def test_predictive_verdict_matches_decode_load_at_exactly():
             judged.append((perf.decode.step_seconds(batch + 1, context + ctx) * d.step_factor, d.decode_id))
         best_tbt, best_id = min(judged)
         assert (v.tbt_s, v.decode_id, v.admit) == (best_tbt, best_id, best_tbt <= settings.tbt_slo_s)
+
+
+def test_without_kv_room_retry_when_enough_requests_have_left():
+    from common.decide.admission import kv_retry_after
+
+    full = DecodeCandidate("d0", "n", 3, 300, kv_free_tokens=20)
+    # three requests of 100 context tokens leave at 101, 103 and 110; the prompt needs 150
+    load = DecodeLoad("d0", (101.0, 103.0, 110.0), (100, 100, 100))
+    assert kv_retry_after(150, [full], [load], NOW, make_settings("predictive")) == pytest.approx(3.0)
+    assert kv_retry_after(9000, [full], [load], NOW, make_settings("predictive")) == 60.0  # never: the most

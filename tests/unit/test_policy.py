@@ -176,9 +176,11 @@ def test_no_instances_is_a_result_not_an_exception():
     req, settings = make_request(), make_settings()
     assert decide(req, make_snapshot([]), settings, PERF) == NoInstances("r1", "no prefill instance")
     no_room = make_snapshot([make_prefill("p", "n")], [make_decode("d", free=10)])
-    assert isinstance(decide(req, no_room, settings, PERF), NoInstances)
+    # instances exist but their KV room is taken: an overload (429), not an outage (503)
+    assert decide(req, no_room, settings, PERF) == NoInstances("r1", "no decode instance has KV room for the prompt",
+                                                                overloaded=True)
     no_decode = ClusterSnapshot(0.0, (PrefillCandidate("p", "n", 0.0),), ())
-    assert decide(req, no_decode, settings, PERF).reason == "no decode instance"
+    assert decide(req, no_decode, settings, PERF) == NoInstances("r1", "no decode instance", overloaded=False)
 
 
 def test_decision_event_is_json_with_every_candidate():

@@ -172,9 +172,10 @@ class Simulator:
         state = self.state
         snapshot = ClusterSnapshot(t, state.prefill_candidates(t), state.decode_candidates(t), holders, queued,
                                    self.rng.random())
-        decision = decide(RequestInfo(str(r.index), r.input_tokens, len(r.keys)), snapshot, self.policy, self.perf)
+        decision = decide(RequestInfo(str(r.index), r.input_tokens, len(r.keys), r.input_tokens + r.max_tokens),
+                          snapshot, self.policy, self.perf)
         if isinstance(decision, NoInstances):
-            self.end(r, t, REJECTED_ARRIVAL, decision.reason)
+            self.end(r, t, REJECTED_ARRIVAL, decision.reason)  # an overload or no instance: either way, not served
             return
         if self.cfg.admission != "none":
             load = DecodeLoadSnapshot(t, tuple(state.decode_load(d.instance_id, t) for d in snapshot.decode))

@@ -134,7 +134,11 @@ class DecodeInstance:
             self.on_change(self)
 
     def kv_free(self) -> int | None:
-        return None if self.kv_tokens is None else self.kv_tokens - self.batch.context
+        """Room left, counted as a live decode instance counts it: each member reserves its prompt and
+        every token it may generate (common/engine/batch.py)."""
+        if self.kv_tokens is None:
+            return None
+        return self.kv_tokens - sum(min(r.input_tokens + r.max_tokens, self.kv_tokens) for r in self.batch.members)
 
     def own_state(self, step_factor: float = 1.0) -> DecodeCandidate:
         """What the decode instance itself checks when a KV arrives: its running batch only, at the
