@@ -314,4 +314,5 @@ def test_the_command_drives_each_server_and_prints_one_json_with_why_one_failed(
     assert result["dtype"] == "float32" and result["trace_rows"] == 4 and result["ratios"]["vllm"]["prefill"] == 1.0
     rows = vllm.summary(result)
     assert rows[0]["met"] is True and rows[-1]["error"].startswith("vllm-all-cores exited")
-    assert "FAILED: RuntimeError: no AVX-512" in vllm_report.format_report(result)
+    text = vllm_report.format_report(result)
+    assert "FAILED: RuntimeError: no AVX-512" in text and "moonbus: moonbus's cores; started in" in text

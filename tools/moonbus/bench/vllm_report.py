@@ -167,7 +167,9 @@ def format_report(result: dict) -> str:
                      f"{v['goodput_rps']:>5.3f}r/s {v['cpu_use']:>5.2f}   {_tps(e['prefill_tps']) or '-':>9} "
                      + " ".join(f"{(_tps(e['decode_tps'].get(b)) or '-'):>9}" for b in map(str, result['decode_batches'])))
     for name, srv in result["servers"].items():
-        lines.append(f"  {name}: {srv.get('binding', '')}")
+        if "serve" in srv:  # colleagues' work on a shared machine weighs on a pinned server most
+            load = f"{srv['load_before'][0]:.1f} -> {srv['load_after'][0]:.1f}"
+            lines.append(f"  {name}: {srv['binding']}; started in {srv['start_s']:.0f} s; load average {load}")
     lines.append("")
     for name, r in result["ratios"].items():
         parts = [f"{k} {v:.2f}x" if v is not None else f"{k} - (vLLM's is 0 or missing)" for k, v in r.items()]
