@@ -9,8 +9,10 @@ so the gateway may resume the request elsewhere (schemas.route.RouteRequest).
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
+import threading
 import uuid
 
 from nats.aio.msg import Msg
@@ -75,3 +77,53 @@ def error_chunk(request_id: str, attempt: int, index: int, error: str, status: i
                 retryable: bool, **extra) -> TokenChunk:
     return TokenChunk(request_id, index, [], error=error, error_status=status, source=source, attempt=attempt,
                       retryable=retryable, **extra)
+
+
+ALIVE_INTERVAL_S = 0.5
+
+
+class AliveBeacon:
+    """A worker's liveness, told by a thread of its own over a NATS connection of its own.
+
+    The event loop of a prefill or decode instance shares the process with its compute; under load
+    its heartbeats (which carry the load report) can come late, and a conductor that took late for
+    dead would fail and recompute a busy instance's requests. This thread only says "alive" every
+    ALIVE_INTERVAL_S: it stops when the process dies or is frozen, not when it is busy. Best effort:
+    without a connection it says nothing and the heartbeats alone tell liveness.
+    """
+
+    def __init__(self, nats_url: str, auth, instance_id: str, incarnation: str,
+                 interval_s: float = ALIVE_INTERVAL_S) -> None:
+        from schemas.workers import Alive
+
+        self.nats_url, self.auth, self.interval_s = nats_url, auth, interval_s
+        self.subject = subjects.control_alive(instance_id)
+        self.payload = Alive(instance_id, incarnation).to_bytes()
+        self._loop = asyncio.new_event_loop()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"alive-{instance_id}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._beat())
+        except Exception:  # noqa: BLE001 - liveness is best effort; heartbeats still tell it
+            log.exception("the liveness beacon stopped")
+        finally:
+            self._loop.close()
+
+    async def _beat(self) -> None:
+        nc = await bus.connect(self.nats_url, f"{self.subject}-beacon", self.auth)
+        try:
+            while not self._stop.is_set():
+                await bus.publish(nc, self.subject, self.payload)
+                await asyncio.sleep(self.interval_s)
+        finally:
+            await nc.close()

@@ -62,6 +62,21 @@ def control_progress(instance_id: str) -> str:
     return f"moonbus.control.progress.{instance_id}"
 
 
+CONTROL_ALIVE_ALL = "moonbus.control.alive.*"  # conductors: every worker's liveness beacon
+CONTROL_EXITED_ALL = "moonbus.control.exited.*"  # conductors: processes a supervisor saw exit
+
+
+def control_alive(instance_id: str) -> str:
+    """moonbus.control.alive.<instance>: a worker's liveness beacon, from a thread its compute
+    cannot starve (schemas.workers.Alive): busy is not dead."""
+    return f"moonbus.control.alive.{instance_id}"
+
+
+def control_exited(instance_id: str) -> str:
+    """moonbus.control.exited.<instance>: a supervisor -> conductors: that process exited (Exited)."""
+    return f"moonbus.control.exited.{instance_id}"
+
+
 def control_refused(instance_id: str) -> str:
     """moonbus.control.refused.<instance>: a conductor -> an instance that disagrees with the cluster."""
     return f"moonbus.control.refused.{instance_id}"

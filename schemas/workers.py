@@ -132,6 +132,22 @@ class Progress(Wire):
     generated: int = 0  # finished at decode: the completion's tokens in all (how long requests run: learned)
 
 
+class Alive(Wire):
+    """A worker's liveness beacon (subjects.control_alive), sent by a thread of its own with a NATS
+    connection of its own every ~0.5 s, whatever its event loop and its compute are doing."""
+
+    instance_id: Token
+    incarnation: OptionalToken = ""
+
+
+class Exited(Wire):
+    """A supervisor saw this instance's process exit (subjects.control_exited): it is dead now, not
+    after its heartbeats are missed."""
+
+    instance_id: Token
+    exit_code: int = 0
+
+
 class Refused(Wire):
     """conductor -> an instance (subjects.control_refused): it disagrees with the cluster."""
 

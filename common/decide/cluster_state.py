@@ -25,6 +25,7 @@ Pure: the caller passes the clock; no I/O.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Collection
 
@@ -36,6 +37,8 @@ from common.decide.perf import Profile
 from common.decide.policy import DecodeCandidate, PrefillCandidate
 
 
+GAPS_KEPT = 64  # an instance's recent gaps between signs of life
+GAP_FACTOR = 4.0  # a silence this many times its longest recent gap (and past the timeout) is death
 UNKNOWN_OUTPUT_TOKENS = 256  # a request whose max_tokens is not reported (an older instance)
 DEFAULT_STEP_S = 0.05  # without a profile or a reported step time
 
@@ -69,7 +72,19 @@ class Routed:
 @dataclass
 class Instance:
     info: WorkerInfo
-    seen_at: float
+    seen_at: float  # its last report (the load in `info` is as of then)
+    alive_at: float = 0.0  # its last sign of life: a report or a liveness beacon
+    gaps: deque = field(default_factory=lambda: deque(maxlen=GAPS_KEPT))  # seconds between its signs of life
+
+    def signal(self, now: float) -> None:
+        if self.alive_at:
+            self.gaps.append(now - self.alive_at)
+        self.alive_at = max(self.alive_at, now)
+
+    def deadline(self, timeout_s: float) -> float:
+        """How long a silence means death: the configured timeout, or more for an instance whose
+        signs of life have come that irregularly (GAP_FACTOR times its longest recent gap)."""
+        return max(timeout_s, GAP_FACTOR * max(self.gaps, default=0.0))
 
 
 @dataclass(frozen=True)
@@ -121,7 +136,10 @@ class ClusterState:
                 self.instances.pop(info.instance_id, None)
                 return Refusal(info, tuple(differences))
         known = self.instances.get(info.instance_id)
-        self.instances[info.instance_id] = Instance(info, now)
+        instance = self.instances[info.instance_id] = Instance(info, now)
+        if known is not None and known.info.incarnation == info.incarnation:
+            instance.alive_at, instance.gaps = known.alive_at, known.gaps
+        instance.signal(now)
         self._learn(info)
         if info.role == "messenger":
             self.lost_nodes.discard(info.node)
@@ -155,11 +173,26 @@ class ClusterState:
     def refresh(self, now: float) -> None:
         """Count every instance as just heard from (the silence was our own broker connection's)."""
         for known in self.instances.values():
-            known.seen_at = now
+            known.seen_at = known.alive_at = now
+            known.gaps.clear()
+
+    def alive(self, instance_id: str, incarnation: str, now: float) -> None:
+        """A liveness beacon: the instance is busy, not dead, even while its reports come late."""
+        known = self.instances.get(instance_id)
+        if known is not None and (not incarnation or incarnation == known.info.incarnation):
+            known.signal(now)
 
     def expire(self, now: float) -> list[WorkerInfo]:
-        """Forget instances whose heartbeats stopped; returns them."""
-        gone = [i.info for i in self.instances.values() if now - i.seen_at > self.timeout_s]
+        """Forget instances silent (no report, no beacon) past their deadline; returns them."""
+        gone = [i.info for i in self.instances.values() if now - i.alive_at > i.deadline(self.timeout_s)]
+        return self._forget(gone)
+
+    def dead(self, instance_id: str) -> list[WorkerInfo]:
+        """Its process exited (a supervisor saw it): forget it now; returns it, if it was known."""
+        known = self.instances.get(instance_id)
+        return self._forget([known.info] if known is not None else [])
+
+    def _forget(self, gone: list[WorkerInfo]) -> list[WorkerInfo]:
         for info in gone:
             del self.instances[info.instance_id]
             if info.role == "messenger":

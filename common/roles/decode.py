@@ -109,6 +109,7 @@ class DecodeService:
         self.speed = Factor()  # this instance's own step time against the profile: its late check uses it
         self.wakeup = asyncio.Event()  # set when work arrives
         self.gone = asyncio.Event()  # heartbeats go on while draining (they say so) and end with leave()
+        self.beacon: worker.AliveBeacon | None = None  # liveness from a thread of its own (start())
 
     # --- messages -------------------------------------------------------------------------------
     async def on_task(self, msg: Msg) -> None:
@@ -360,6 +361,8 @@ class DecodeService:
         self.cluster_layout = Layout(model_name, cfg.block_tokens, 0, self.layout.signature)
         self.tasks.spawn(self.loop(), f"decode-loop-{cfg.instance_id}")
         self.tasks.spawn(runner.every(cfg.heartbeat_interval_s, self.gone, self.heartbeat), f"heartbeat-{cfg.instance_id}")
+        self.beacon = worker.AliveBeacon(cfg.nats_url, cfg.nats_auth, cfg.instance_id, self.incarnation)
+        self.beacon.start()  # liveness from a thread the compute cannot starve
         self.tasks.spawn(runner.every(10.0, self.gone, self.sweep_orphans), f"orphans-{cfg.instance_id}")
         await self.heartbeat()
         await self.events.instance("started", cfg.instance_id, role="decode", node=cfg.node, model=model_name,
@@ -396,6 +399,8 @@ class DecodeService:
 
     async def leave(self) -> None:
         self.gone.set()
+        if self.beacon is not None:
+            await asyncio.to_thread(self.beacon.stop)
         await bus.publish(self.nc, subjects.WORKER_HEARTBEAT, self.info(leaving=True).to_bytes())
 
 

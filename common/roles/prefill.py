@@ -90,6 +90,7 @@ class PrefillService:
         self.recent: collections.OrderedDict[str, tuple[int, TokenChunk]] = collections.OrderedDict()
         self.draining = False
         self.gone = asyncio.Event()  # heartbeats go on while draining (they say so) and end with leave()
+        self.beacon: worker.AliveBeacon | None = None  # liveness from a thread of its own (start())
         self.compute_lock = compute_lock or contextlib.nullcontext()
         self.secret = security.read_secret(cfg.cluster_secret_file)  # peers on the transports prove they hold it
         self.transports = Transports(cfg.transport, self.secret, cfg.transfer_timeout_s, tcp_streams=cfg.tcp_streams,
@@ -408,6 +409,8 @@ class PrefillService:
         self.cluster_layout = Layout(model_name, cfg.block_tokens, cfg.prefill_chunk, self.layout.signature)
         tasks.spawn(self.work_loop(), f"prefill-work-{cfg.instance_id}")
         tasks.spawn(runner.every(cfg.heartbeat_interval_s, self.gone, self.heartbeat), f"heartbeat-{cfg.instance_id}")
+        self.beacon = worker.AliveBeacon(cfg.nats_url, cfg.nats_auth, cfg.instance_id, self.incarnation)
+        self.beacon.start()  # liveness from a thread the compute cannot starve
         await self.heartbeat()
         await self.events.instance("started", cfg.instance_id, role="prefill", node=cfg.node, model=model_name,
                                    incarnation=self.incarnation)
@@ -442,6 +445,8 @@ class PrefillService:
 
     async def leave(self) -> None:
         self.gone.set()
+        if self.beacon is not None:
+            await asyncio.to_thread(self.beacon.stop)
         await bus.publish(self.nc, subjects.WORKER_HEARTBEAT, self.info(leaving=True).to_bytes())
 
 

@@ -39,7 +39,7 @@ from schemas.index import IndexQuery, IndexReply
 from schemas.prefill import PipelineSpec, PrefillTask, PullSpec
 from schemas.route import RouteReply, RouteRequest
 from schemas.tokens import Cancel
-from schemas.workers import Layout, Progress, Refused, StatusReply, WorkerInfo
+from schemas.workers import Alive, Exited, Layout, Progress, Refused, StatusReply, WorkerInfo
 from common.decide import admission, policy
 from services.conductor.config import ConductorConfig
 from common.decide.cluster_state import ClusterState, Refusal, Routed
@@ -96,6 +96,20 @@ class ConductorService:
             self.state.end(progress.request_id, up_to_attempt=progress.attempt)
             if progress.kind == "finished" and progress.generated:
                 self.state.completed(progress.generated)
+
+    async def on_alive(self, msg: Msg) -> None:
+        """A worker's liveness beacon: busy is not dead (its reports may come late under load)."""
+        alive = Alive.from_bytes(msg.data)
+        self.state.alive(alive.instance_id, alive.incarnation, time.monotonic())
+
+    async def on_exited(self, msg: Msg) -> None:
+        """A supervisor saw the process exit: its requests are handed back now, not after a timeout."""
+        exited = Exited.from_bytes(msg.data)
+        for info in self.state.dead(exited.instance_id):
+            log.warning("instance %s (%s) exited (code %d)", info.instance_id, info.role, exited.exit_code)
+            await self.events.instance("lost", info.instance_id, role=info.role, node=info.node, reason="exited",
+                                       exit_code=exited.exit_code)
+            await self.fail_requests_of(info.instance_id, "exited")
 
     async def heard(self, info: WorkerInfo) -> None:
         outcome = self.state.heard(info, time.monotonic())
@@ -286,8 +300,8 @@ class ConductorService:
             self.state.refresh(now)
             log.info("broker connection back; instance expiry resumes")
         for info in self.state.expire(now):
-            log.warning("instance %s (%s) stopped sending heartbeats", info.instance_id, info.role)
-            await self.events.instance("lost", info.instance_id, role=info.role, node=info.node)
+            log.warning("instance %s (%s) went silent (no report, no liveness beacon)", info.instance_id, info.role)
+            await self.events.instance("lost", info.instance_id, role=info.role, node=info.node, reason="silent")
             await self.fail_requests_of(info.instance_id, "stopped responding")
         self.update_gauges()
         for request in self.state.expire_leases(now):
@@ -315,6 +329,8 @@ async def serve(cfg: ConductorConfig, stop: asyncio.Event) -> bool:
     await bus.subscribe(nc, subjects.CONDUCTOR_ROUTE, service.on_route, queue=subjects.CONDUCTOR_QUEUE)
     await bus.subscribe(nc, subjects.CONDUCTOR_STATUS, service.on_status)
     await bus.subscribe(nc, subjects.CONTROL_PROGRESS_ALL, service.on_progress)
+    await bus.subscribe(nc, subjects.CONTROL_ALIVE_ALL, service.on_alive)
+    await bus.subscribe(nc, subjects.CONTROL_EXITED_ALL, service.on_exited)
     await bus.subscribe(nc, subjects.REQUEST_CANCEL, service.on_cancel)
     tasks.spawn(runner.every(cfg.sweep_interval_s, stop, service.sweep), "sweep")
     tasks.spawn(bus.watchdog(nc), "broker-watchdog")

@@ -171,3 +171,30 @@ def test_a_retried_request_goes_elsewhere_where_there_is_an_elsewhere():
         state.heard(info, 0.0)
     assert [d.instance_id for d in state.decode_candidates(0.0, avoid={"d1", "p0"})] == ["d0"]
     assert [p.instance_id for p in state.prefill_candidates(0.0, avoid={"d1", "p0"})] == ["p0"]  # the only one
+
+
+def test_a_busy_instance_whose_reports_are_late_is_not_taken_for_dead():
+    state = ClusterState(timeout_s=3.0, lease_s=100.0)
+    state.heard(decode(incarnation="i1"), now=0.0)
+    for t in (1.0, 2.0, 3.0, 4.0, 5.0, 6.0):  # no report for 6 s, but its beacon says it lives
+        state.alive("d0", "i1", now=t)
+        assert state.expire(now=t + 0.4) == []
+    state.alive("d0", "another-process", now=7.0)  # a beacon of another incarnation proves nothing
+    assert state.expire(now=9.5) == []  # beacons came every second: 4 s of silence is its deadline
+    assert [i.instance_id for i in state.expire(now=10.5)] == ["d0"]
+
+
+def test_an_irregular_instance_gets_a_longer_deadline():
+    state = ClusterState(timeout_s=3.0, lease_s=100.0)
+    for t in (0.0, 2.0, 4.0, 6.0):  # reports 2 s apart: a silence of 4 x 2 s is the deadline
+        state.heard(decode(), now=t)
+    assert state.expire(now=12.0) == []
+    assert [i.instance_id for i in state.expire(now=14.5)] == ["d0"]
+
+
+def test_an_exited_process_is_dead_at_once():
+    state = cluster()
+    state.route(routed("a"))
+    assert [i.instance_id for i in state.dead("d0")] == ["d0"]
+    assert [r.request_id for r in state.lost_with("d0")] == ["a"]
+    assert state.dead("d0") == [] and state.dead("nobody") == []

@@ -92,6 +92,18 @@ class SupervisorEvents:
             return
         asyncio.run_coroutine_threadsafe(self.publisher.instance(kind, name, **data), self.loop)
 
+    def exited(self, name: str, exit_code: int) -> None:
+        """Tell the conductors that this instance's process exited: it is dead now, so its requests
+        are handed back at once rather than after its heartbeats are missed."""
+        if self.nc is None:
+            return
+        from common import bus
+        from schemas import subjects
+        from schemas.workers import Exited
+
+        payload = Exited(name, exit_code).to_bytes()
+        asyncio.run_coroutine_threadsafe(bus.publish(self.nc, subjects.control_exited(name), payload), self.loop)
+
     def close(self) -> None:
         async def shut() -> None:
             if self.nc is not None:

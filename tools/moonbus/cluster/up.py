@@ -134,6 +134,8 @@ def report(cluster: Cluster, action: Action, events: SupervisorEvents) -> None:
     if action.kind == "exited":
         say(f"moonbus up: {action.name} exited with code {d['exit_code']}; restarting it in {d['restart_in_s']:g} s "
             f"(log: {proc.log_path})")
+        for instance in instance_ids(proc):
+            events.exited(instance, d["exit_code"])
     elif action.kind == "restarted":
         say(f"moonbus up: {action.name} restarted (pid {d['pid']}, restart {d['restarts']})")
         events.instance("restarted", action.name, **d)
@@ -141,6 +143,15 @@ def report(cluster: Cluster, action: Action, events: SupervisorEvents) -> None:
         say(f"moonbus up: {action.name} exited {d['exits']} times within {d['window_s']:g} s; it is crash-looping, "
             f"so it stays down (the rest keeps serving). Last exit code {d['exit_code']}; see {proc.log_path}")
         events.instance("crash_loop", action.name, **d)
+        for instance in instance_ids(proc):
+            events.exited(instance, d["exit_code"])
+
+
+def instance_ids(proc) -> list[str]:
+    """The instance ids a process announced (a coupled one is a prefill and a decode instance)."""
+    if proc.kind == "coupled":
+        return [f"{proc.name}-prefill", f"{proc.name}-decode"]
+    return [proc.name] if proc.kind in ("prefill", "decode", "messenger") else []
 
 
 def say(line: str) -> None:
