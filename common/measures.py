@@ -122,10 +122,34 @@ def summarize(results: Sequence[RequestResult], ttft_slo_s: float, tbt_slo_s: fl
         "tbt_p99_s": percentile(tbts, 99),
         "meets_slo": good,
         "effective_capacity": good / len(results) if results else 0.0,
+        # of the requests served, the share within both SLOs: what admission must keep high
+        "slo_attainment": good / counts[OK] if counts[OK] else None,
         "goodput_rps": good / span,
+        "goodput_per_min": 60.0 * good / span,
+        "rejections": rejection_reasons(results),
         "span_s": span,
         "cache_hit_ratio": sum(r.cached_tokens for r in prefilled) / input_tokens if input_tokens else 0.0,
     }
+
+
+def rejection_reasons(results: Sequence[RequestResult]) -> dict[str, int]:
+    """How many requests were rejected, by stage and reason (the reason's words, numbers left out)."""
+    out: dict[str, int] = {}
+    for r in results:
+        if r.status in (REJECTED_ARRIVAL, REJECTED_LATE):
+            stage = "arrival" if r.status == REJECTED_ARRIVAL else "late"
+            key = f"{stage}: {_reason_kind(r.error)}"
+            out[key] = out.get(key, 0) + 1
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def _reason_kind(error: str) -> str:
+    """'HTTP 429: rejected at arrival: tbt 0.0131s on d0 ... > slo' -> 'tbt'; the first word that names a cause."""
+    text = error.lower()
+    for kind in ("ttft", "tbt", "kv room", "holds", "tokens per minute", "concurrent"):
+        if kind in text:
+            return {"holds": "gateway full", "concurrent": "tenant limit", "tokens per minute": "tenant limit"}.get(kind, kind)
+    return "other"
 
 
 def load_over_time(results: Sequence[RequestResult], step_s: float) -> tuple[list[float], list[int], list[int]]:
@@ -174,7 +198,10 @@ def format_summary(summary: dict, title: str = "") -> str:
         f"TBT  p50 {ms('tbt_p50_s')}  p90 {ms('tbt_p90_s')}  p99 {ms('tbt_p99_s')}   (mean of longest 10% of intervals)",
         f"SLO ttft {summary['ttft_slo_s']:g}s tbt {summary['tbt_slo_s']:g}s: effective request capacity "
         f"{summary['effective_capacity']:.3f} ({summary['meets_slo']} requests), goodput {summary['goodput_rps']:.3f} req/s "
-        f"over {summary['span_s']:.1f}s",
+        f"({summary.get('goodput_per_min', 0.0):.1f} per minute) over {summary['span_s']:.1f}s",
+        "SLO attainment (served within both SLOs): " + ("-" if summary.get("slo_attainment") is None
+                                                       else f"{summary['slo_attainment']:.3f}"),
+        "rejections: " + (", ".join(f"{k} {v}" for k, v in summary.get("rejections", {}).items()) or "none"),
         f"cache hit ratio {summary['cache_hit_ratio']:.3f}",
     ]
     return "\n".join(lines)

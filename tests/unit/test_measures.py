@@ -1,5 +1,7 @@
 """common.measures: TBT from runs, percentiles, the summary, load over time."""
 
+import pytest
+
 from common.measures import (OK, REJECTED_ARRIVAL, REJECTED_LATE, RequestResult, effective_capacity,
                              load_over_time, percentile, summarize, tbt_from_runs, tbt_of)
 
@@ -50,3 +52,19 @@ def test_load_over_time():
     assert times[:5] == [0, 1, 2, 3, 4]
     assert pre[:5] == [1, 2, 0, 0, 0]
     assert dec[:5] == [0, 0, 2, 1, 0]
+
+
+def test_attainment_goodput_per_minute_and_rejections_by_reason():
+    from common.measures import OK, REJECTED_ARRIVAL, REJECTED_LATE, RequestResult, summarize
+
+    def r(i, status, ttft=1.0, error=""):
+        return RequestResult(i, status, arrival_s=float(i), input_tokens=10, ttft_s=ttft if status == OK else None,
+                             end_s=float(i) + 2.0, error=error)
+
+    results = [r(0, OK), r(1, OK), r(2, OK, ttft=50.0), r(3, REJECTED_ARRIVAL, error="HTTP 429: rejected at arrival: ttft 40s > slo 30s"),
+               r(4, REJECTED_ARRIVAL, error="HTTP 429: rejected at arrival: tbt 1.2s on d0 at prefill end > slo 1s"),
+               r(5, REJECTED_LATE, error="{'code': 429, 'message': 'no decode instance has KV room'}")]
+    s = summarize(results, ttft_slo_s=30.0, tbt_slo_s=1.0)
+    assert s["slo_attainment"] == 2 / 3  # of the three served, one came too late
+    assert s["goodput_per_min"] == pytest.approx(60 * 2 / 7.0)  # over the 7 s from the first arrival to the last end
+    assert s["rejections"] == {"arrival: ttft": 1, "arrival: tbt": 1, "late: kv room": 1}

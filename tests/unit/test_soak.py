@@ -320,10 +320,17 @@ def test_report_text_and_plot(tmp_path: Path):
     assert "kills prefill 1" in text and "peak RSS: prefill 300.0 MiB" in text
     assert "slab blocks used/capacity: before node-p0 0/100; after node-p0 ?" in text
     assert "request files 0 -> 0 (0 new, 0.0 MiB)" in text and "achieved: 0.800 completed req/s" in text
-    assert text.endswith("nothing leaked")
+    assert text.endswith("nothing leaked, and the completed ones met the SLOs")
     failed = soak_report.format_text(make_report(["request cmpl-1: never ended: no terminal event"]))
     assert failed.splitlines()[-2:] == ["FAIL: 1 violation(s)", "  request cmpl-1: never ended: no terminal event"]
     assert soak_report.outcomes_per_second(make_report()["requests"], 3) == {
         "completed": [1, 0, 1], "429": [1, 0, 0], "503": [0, 0, 0], "failed": [0, 0, 0]}
     png = soak_report.plot(make_report(), tmp_path / "soak.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_served_late_fails_the_soak():
+    assert sv.slo_violations(0.95, 0.9, 40) == []
+    [v] = sv.slo_violations(0.72, 0.9, 40)
+    assert v.what == "slo" and "72.0% of the 40 completed requests" in v.detail
+    assert sv.slo_violations(0.5, 0.0, 40) == [] and sv.slo_violations(None, 0.9, 0) == []

@@ -63,6 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seeds the chaos and the prompts")
     parser.add_argument("--timeout", type=float, default=300.0, metavar="S", help="seconds per request")
     parser.add_argument("--drain-timeout", type=float, default=60.0, metavar="S", help="seconds to wait for idle")
+    parser.add_argument("--ttft-slo", type=float, default=30.0, metavar="S", help="as the cluster's (moonbus up: 30)")
+    parser.add_argument("--tbt-slo", type=float, default=1.0, metavar="S", help="as the cluster's (moonbus up: 1)")
+    parser.add_argument("--min-attainment", type=float, default=0.9, metavar="F",
+                        help="fail when fewer of the completed requests met both SLOs (default 0.9; 0: do not judge)")
     parser.add_argument("--out", type=Path, default=Path("soak-out"), metavar="DIR")
     parser.add_argument("--json", action="store_true", help="also print soak.json")
     parser.add_argument("--no-progress", action="store_true")

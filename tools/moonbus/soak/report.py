@@ -77,12 +77,21 @@ def format_text(report: dict) -> str:
         lines.append("  unknown during the drain: " + "; ".join(drain["unknown_seen"]))
     lat = report["latency"]
     lines.append(f"TTFT p50 {_ms(lat['ttft_p50_s'])}  p90 {_ms(lat['ttft_p90_s'])} of completed requests")
+    slo = report.get("slo")
+    if slo and slo.get("slo_attainment") is not None:
+        lines.append(f"SLOs ttft {slo['ttft_slo_s']:g} s, tbt {slo['tbt_slo_s']:g} s: {slo['slo_attainment']:.1%} of the "
+                     f"completed requests met both ({slo['meets_slo']}); goodput {slo['goodput_per_min']:.1f} per minute; "
+                     "rejections: " + (", ".join(f"{k} {v}" for k, v in slo["rejections"].items()) or "none"))
+    cpu = report.get("machine_cpu")
+    if cpu and cpu.get("share") is not None:
+        lines.append(f"machine CPU while the load ran: {cpu['share']:.1%} of {cpu['cores']} cores")
     lines += [f"note: {n}" for n in report["notes"]]
     if report["violations"]:
         lines.append(f"FAIL: {len(report['violations'])} violation(s)")
         lines += [f"  {v}" for v in report["violations"]]
     else:
-        lines.append("PASS: every request completed or was rejected (429/503), each ended exactly once, nothing leaked")
+        lines.append("PASS: every request completed or was rejected (429/503), each ended exactly once, nothing leaked, "
+                     "and the completed ones met the SLOs")
     return "\n".join(lines)
 
 

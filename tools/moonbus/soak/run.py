@@ -23,6 +23,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from common import bus
 from common.config import NatsAuth
 from common.measures import FAILED, RequestResult, summarize
+from tools.moonbus.observe.cpu import MachineCpu
 from common.traces import load_trace, prompt_token_ids, resolve_trace
 from schemas import subjects
 from schemas.codec import WireError
@@ -78,6 +79,8 @@ class Soak:
         self.outcomes: dict[int, Outcome] = {}  # seq -> outcome, filled as requests end
         self.t0 = 0.0  # perf_counter at the first request: every time in the report is relative to it
         self.load_end_s = 0.0  # every request answered: the drain starts
+        self.cpu: MachineCpu | None = None  # the machine's use while the load runs
+        self.cpu_during_load: dict | None = None
 
     # --- the plan ---------------------------------------------------------------------------
     def capacity(self, model: str) -> dict:
@@ -137,8 +140,10 @@ class Soak:
                 restarts0 = self.state.restarts_by_kind()
                 self.t0 = time.perf_counter()
                 sampler = asyncio.create_task(self.sample_every_second())
+                self.cpu = MachineCpu()
                 results = await self.send_all(session, model, arrivals)
                 self.load_end_s = time.perf_counter() - self.t0
+                self.cpu_during_load = self.cpu.result()
                 drain = await self.drain(nc, results, before)
                 sampler.cancel()
                 after = await self.look(nc)
@@ -309,7 +314,9 @@ class Soak:
         for s in self.samples:
             for kind, rss in s["rss"].items():
                 peak[kind] = max(peak.get(kind, 0), rss)
-        latency = summarize(results, float("inf"), float("inf")) if results else {}
+        slo = summarize(results, self.args.ttft_slo, self.args.tbt_slo) if results else {}
+        violations += sv.slo_violations(slo.get("slo_attainment"), self.args.min_attainment, slo.get("ok", 0))
+        latency = slo
         ours = {r.request_id for r in results if r.request_id}
         kills_by_kind: dict[str, int] = {}
         for k in self.kills:
@@ -335,6 +342,9 @@ class Soak:
             "slabs": {"before": before["slabs"], "after": after["slabs"]},
             "drain": drain | {"probe": probe.to_json()},
             "latency": {k: latency.get(k) for k in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tbt_p50_s", "tbt_p90_s")},
+            "slo": {k: slo.get(k) for k in ("ttft_slo_s", "tbt_slo_s", "meets_slo", "slo_attainment", "goodput_rps",
+                                            "goodput_per_min", "rejections")} | {"min_attainment": self.args.min_attainment},
+            "machine_cpu": self.cpu_during_load,
             "timeline": self.samples, "notes": self.notes,
             "violations": [str(v) for v in violations], "exit_code": sv.exit_code(violations),
             "requests": [{"seq": a.seq, "row": a.row_index, "request_id": r.request_id, "outcome": o.kind,

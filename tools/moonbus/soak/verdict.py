@@ -45,7 +45,7 @@ class Outcome:
 class Violation:
     """One reason the run fails: `subject` is a request id (or #seq without one) or a resource."""
 
-    what: str  # "request" | "resource"
+    what: str  # "request" | "resource" | "slo"
     subject: str
     detail: str
 
@@ -227,6 +227,15 @@ def request_violations(results: Sequence[RequestResult], outcomes: Sequence[Outc
     out += [Violation("request", t["request_id"], f"ended twice: {', '.join(t['terminal'])}") for t in twice]
     out += [Violation("request", n["request_id"], f"never ended: {n['why']}") for n in never]
     return out
+
+
+def slo_violations(attainment: float | None, minimum: float, completed: int) -> list[Violation]:
+    """Served late is a failure of the design: fewer than `minimum` of the completed requests within
+    both SLOs fails the run (0 turns the check off; nothing completed is judged by the outcomes)."""
+    if minimum <= 0 or attainment is None or completed == 0 or attainment >= minimum:
+        return []
+    return [Violation("slo", "attainment", f"{attainment:.1%} of the {completed} completed requests met both SLOs; "
+                                           f"the run asks for {minimum:.0%}")]
 
 
 def exit_code(violations: Sequence[Violation]) -> int:

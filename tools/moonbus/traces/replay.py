@@ -26,6 +26,7 @@ import orjson
 
 from common.measures import FAILED, OK, REJECTED_ARRIVAL, REJECTED_LATE, RequestResult, format_summary, summarize, tbt_of
 from common.traces import TRACE_BLOCK_TOKENS, TraceRow, add_trace_arguments, load_trace, prompt_token_ids
+from tools.moonbus.observe.cpu import MachineCpu
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -158,8 +159,10 @@ async def replay(rows: list[TraceRow], args: argparse.Namespace) -> list[Request
 
 def run(args: argparse.Namespace) -> int:
     rows = load_trace(args.trace, args.limit)
+    cpu = MachineCpu()
     results = asyncio.run(replay(rows, args))
     summary = summarize(results, args.ttft_slo, args.tbt_slo)
+    summary["machine_cpu"] = cpu.result()
     report = {"trace": str(args.trace), "url": args.url, "scalings": scalings(args, len(rows)), "summary": summary}
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "results.jsonl", "wb") as f:
@@ -173,5 +176,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"replay {args.trace} -> {args.url}")
     print("scalings: " + "; ".join(report["scalings"]))
     print(format_summary(summary))
+    m = summary["machine_cpu"]
+    print(f"machine CPU during the run: {m['share']:.1%} of {m['cores']} cores ({m['busy_core_s']} core-seconds busy "
+          f"over {m['wall_s']} s; every process on the machine counts)")
     print(f"results in {args.out}")
     return 0 if not math.isnan(summary["effective_capacity"]) else 1
