@@ -127,3 +127,21 @@ class AliveBeacon:
                 await asyncio.sleep(self.interval_s)
         finally:
             await nc.close()
+
+
+class Stamps:
+    """When each (request, attempt) arrived here (monotonic), until it is taken; bounded, since a
+    task that is cancelled or fails before it is taken is never taken."""
+
+    def __init__(self, limit: int = 10_000) -> None:
+        self.limit = limit
+        self._at: collections.OrderedDict[tuple[str, int], float] = collections.OrderedDict()
+
+    def put(self, request_id: str, attempt: int, now: float) -> None:
+        self._at[(request_id, attempt)] = now
+        while len(self._at) > self.limit:
+            self._at.popitem(last=False)
+
+    def waited(self, request_id: str, attempt: int, now: float) -> float:
+        """Seconds since it arrived (0 if unknown), and forget it."""
+        return now - self._at.pop((request_id, attempt), now)

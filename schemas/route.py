@@ -40,3 +40,4 @@ class RouteReply(Wire):
     retry_after_s: float = 0.0
     prefill_id: str = ""
     decode_id: str = ""
+    predicted_ttft_s: float = 0.0  # the conductor's prediction of this attempt's prefill end (from its routing)

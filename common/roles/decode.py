@@ -107,6 +107,7 @@ class DecodeService:
         self.draining = False
         self.measured: Measured | None = None  # the latest iteration's seconds, for the conductors to learn from
         self.speed = Factor()  # this instance's own step time against the profile: its late check uses it
+        self.arrived_at = worker.Stamps()  # when each task (its KV landed) came: its wait for the batch
         self.wakeup = asyncio.Event()  # set when work arrives
         self.gone = asyncio.Event()  # heartbeats go on while draining (they say so) and end with leave()
         self.beacon: worker.AliveBeacon | None = None  # liveness from a thread of its own (start())
@@ -118,6 +119,7 @@ class DecodeService:
         except WireError as exc:
             log.error("dropping a malformed decode task: %s", exc)
             return
+        self.arrived_at.put(task.request_id, task.attempt, time.monotonic())
         await self.arrived.put(task)
         self.wakeup.set()
         await self.progress("accepted", task)
@@ -187,6 +189,9 @@ class DecodeService:
             return
         self.engine.add(rid, kv, task.first_token, task.sampling, task.num_generated + 1)
         self.running[rid] = Running(task, [task.first_token])
+        waited = self.arrived_at.waited(rid, task.attempt, time.monotonic())
+        await self.events.request("decode_joined", rid, waited_s=round(waited, 6), batch=self.engine.num_running,
+                                  attempt=task.attempt)
 
     async def drop_cancelled(self) -> None:
         for seq in [seq for rid, seq in self.running.items() if self.cancelled.covers(rid, seq.task.attempt)]:

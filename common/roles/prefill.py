@@ -83,6 +83,8 @@ class PrefillService:
         self.current: PrefillTask | None = None
         self.current_started = 0.0  # monotonic
         self.measured: Measured | None = None  # the latest prefill's seconds, for the conductors to learn from
+        self.arrived_at = worker.Stamps()  # when each task came: its wait in the queue
+        self.queued_s = 0.0  # how long the current task waited in the queue
         self.model_name = cfg.model
         self.cluster_layout: Layout | None = None  # set at start: what the conductors check
         # request_id -> (attempt, its first token chunk) of requests prefilled here lately: a probe
@@ -107,6 +109,7 @@ class PrefillService:
             return
         if task.pipeline is not None:
             self.receiver.expect(task.request_id, len(task.prompt_token_ids))
+        self.arrived_at.put(task.request_id, task.attempt, time.monotonic())
         await self.queue.put(task)
         await self.progress("accepted", task)
 
@@ -120,6 +123,7 @@ class PrefillService:
             self.running = 1
             self.current = task
             self.current_started = time.monotonic()
+            self.queued_s = self.arrived_at.waited(task.request_id, task.attempt, self.current_started)
             outcome = "failed"
             try:
                 if task.pipeline is not None:
@@ -203,6 +207,7 @@ class PrefillService:
         await self.events.request(
             "prefilled", rid, prompt_tokens=len(ids), cached_tokens=cached, computed_tokens=len(ids) - cached,
             seconds=round(prefill_s, 6), decode_id=task.decode_id, finished=finish is not None, attempt=task.attempt,
+            queued_s=round(self.queued_s, 6), predicted_s=task.predicted_s,
         )
         await self.reply(task, TokenChunk(rid, task.num_generated, [first], finish_reason=finish, cached_tokens=cached,
                                           source=self.cfg.instance_id, attempt=task.attempt))

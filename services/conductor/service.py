@@ -66,6 +66,9 @@ class ConductorMetrics:
         self.in_flight = Gauge("moonbus_conductor_in_flight", "requests this conductor routed that have not ended",
                                registry=r)
         self.instances = Gauge("moonbus_conductor_instances", "live instances by role", ["role"], registry=r)
+        self.learned = Gauge("moonbus_conductor_learned_factor", "what an instance really takes against the profile's "
+                             "prediction (prefill: a prompt; step: a decode iteration), learned from its measured work",
+                             ["instance", "kind"], registry=r)
 
 
 class ConductorService:
@@ -228,7 +231,8 @@ class ConductorService:
             return RouteReply(False, 503, "could not dispatch the request", retry_after_s=1.0)
         # the prefill instance that answers for the request: with a pipeline, the stage of the last chunk
         first_token_by = decision.prefill_id if spec is None else spec.stages[spec.last_stage(len(ids))]
-        return RouteReply(True, 200, prefill_id=first_token_by, decode_id=decision.decode_id)
+        return RouteReply(True, 200, prefill_id=first_token_by, decode_id=decision.decode_id,
+                          predicted_ttft_s=round(decision.ttft_s, 6))
 
     def beyond_capacity(self, prompt_tokens: int, max_tokens: int) -> str:
         """Why no decode instance could ever hold this request's KV (prompt and every token it may
@@ -289,6 +293,9 @@ class ConductorService:
             m.decode_load.labels(d.instance_id).set(d.num_running)
         for role in ("prefill", "decode", "messenger", "cache_index"):
             m.instances.labels(role).set(roles.get(role, 0))
+        for instance, kinds in self.state.learned.snapshot().items():
+            for kind, factor in kinds.items():
+                m.learned.labels(instance, kind).set(factor)
 
     async def sweep(self) -> None:
         now = time.monotonic()

@@ -81,6 +81,7 @@ class Generation:
     key_seed: int = 0  # its cache namespace (tenants.cache_seed)
     prefill_id: str = ""  # where the current attempt was routed
     decode_id: str = ""
+    predicted_ttft_s: float = 0.0  # the conductor's prediction for the current attempt (0: none)
     handed_off_unseen: int = 0  # probes in a row where prefill handed it off and decode did not know it
 
     @property
@@ -217,6 +218,7 @@ class Gateway:
             msg = await self.nc.request(subjects.CONDUCTOR_ROUTE, request.to_bytes(), timeout=self.cfg.route_timeout_s)
             reply = RouteReply.from_bytes(msg.data)
             gen.prefill_id, gen.decode_id, gen.handed_off_unseen = reply.prefill_id, reply.decode_id, 0
+            gen.predicted_ttft_s = reply.predicted_ttft_s
             return reply
         except (NoRespondersError, NatsTimeout, WireError) as exc:
             # the conductor may still dispatch it: the cancel makes the workers drop it and frees its load
@@ -336,7 +338,8 @@ class Gateway:
                 if gen.ttft_s is None:
                     gen.ttft_s = time.time() - gen.arrival
                     gen.cached_tokens = chunk.cached_tokens
-                    await self.events.request("first_token", gen.request_id, ttft_s=round(gen.ttft_s, 6))
+                    await self.events.request("first_token", gen.request_id, ttft_s=round(gen.ttft_s, 6),
+                                              predicted_ttft_s=gen.predicted_ttft_s, attempt=gen.attempt)
                 gen.token_ids.extend(chunk.token_ids)
                 text = detok.add(chunk.token_ids)
                 ids = tuple(chunk.token_ids)

@@ -73,7 +73,7 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
     "decode": (
         [_HEARTBEAT, "moonbus.tokens.*", "moonbus.messenger.*.reserve", "moonbus.messenger.*.commit",
          "moonbus.messenger.*.release", "moonbus.control.progress.*", "moonbus.control.alive.*",
-         *_events("decode_finished", "rejected_late"), _STARTED],
+         *_events("decode_finished", "decode_joined", "rejected_late"), _STARTED],
         ["moonbus.decode.*.tasks", "moonbus.requests.cancel", "moonbus.workers.*.probe", _HEARTBEAT,
          "moonbus.control.refused.*"],
     ),

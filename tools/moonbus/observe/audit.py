@@ -26,7 +26,7 @@ from pathlib import Path
 
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from common import bus
+from common import bus, timeline
 from common.audit import Problem, Report, Stored, verify
 from common.config import default_home
 from common.security import SecretError, read_secret
@@ -198,17 +198,24 @@ def _is_of_request(record: Stored, request_id: str) -> bool:
 def print_request(report: Report, mine: list[Stored], around: list[Problem], request_id: str) -> None:
     print(f"request {request_id}: {len(mine)} events")
     terminal = False
+    verified: list[dict] = []
     for r in mine:
         mark = report.marks.get(r.stream_seq, "?")
         try:
             event = Event.from_bytes(r.payload)
             line = format_event(event)
             terminal |= event.kind in TERMINAL_KINDS and mark == "verified"
+            if mark == "verified":
+                verified.append({"kind": event.kind, "ts": event.ts, "data": event.data})
         except ValueError:
             line = r.payload.decode(errors="replace")
         print(f"  {mark.upper() if mark != 'verified' else mark:<10} #{r.stream_seq:<7} {line}")
     if not terminal:
         print("  (no verified terminal event)")
+    rows = timeline.stages(verified)
+    if rows:
+        print("\nits time, stage by stage, beside the conductor's prediction (verified events only):")
+        print("  " + timeline.format_stages(rows).replace("\n", "\n  "))
     if around:
         print(f"\n{len(around)} problem(s) in its span of the stream:")
     for p in around:
@@ -250,8 +257,17 @@ async def audit(args: argparse.Namespace) -> int:
         print(f"no events of request {args.request_id} in the stream")
     else:
         print_request(report, mine, around, args.request_id)
-    clean = mine and not around and all(report.marks.get(r.stream_seq) == "verified" for r in mine)
+    ended = any(report.marks.get(r.stream_seq) == "verified" and _terminal(r) for r in mine)
+    # a record is proven only whole: every event verified, nothing wrong around it, and a verified end
+    clean = mine and ended and not around and all(report.marks.get(r.stream_seq) == "verified" for r in mine)
     return 0 if clean else 1
+
+
+def _terminal(record: Stored) -> bool:
+    try:
+        return Event.from_bytes(record.payload).kind in TERMINAL_KINDS
+    except ValueError:
+        return False
 
 
 def _is_json(payload: bytes) -> bool:
