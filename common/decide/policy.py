@@ -16,7 +16,8 @@ Algorithm, `kvcache-centric` (ARCHITECTURE.md section 3, Mooncake's Conductor):
     (p.speed and d.step_factor: what each instance really takes against the profile, learned
     from its measured work: common/decide/learn.py)
     d* = decode instance with the lowest predicted TBT once this request joins its batch
-         (t_step(batch + 1, context + input_tokens) * d.step_factor)
+         (t_step(batch + 1, context + input_tokens) * d.step_factor); those within TBT_TIE (10%)
+         of it are tied, and the one with fewer requests wins
          (ties: fewer requests there, then lowest instance id; a predictor that prices batch
          size at nothing makes every instance tie, and they must still share the load);
          instances without KV room for the prompt are skipped
@@ -251,10 +252,10 @@ def decide(request: RequestInfo, snapshot: ClusterSnapshot, settings: PolicySett
             p = min(eligible, key=_by_ttft)
             reason = _ttft_reason(settings, p, best_len, best_holder)
         if settings.colocate:
-            d = min((c for c in fitting if c.node == p.node), key=_by_tbt)
+            d = lightest([c for c in fitting if c.node == p.node])
             reason += f"; decode {d.instance_id}: colocated on {p.node}, tbt {d.tbt_s:.4f}s"
         else:
-            d = min(fitting, key=_by_tbt)
+            d = lightest(fitting)
             reason += f"; decode {d.instance_id}: lowest tbt {d.tbt_s:.4f}s"
 
     pull = None
@@ -334,7 +335,18 @@ def price_decode(request: RequestInfo, decode: tuple[DecodeCandidate, ...], perf
 # Sort keys, ties broken by instance id (C-level itemgetter: no Python call per candidate).
 _by_ttft = itemgetter(PrefillCost._fields.index("ttft_s"), 0)
 _by_queue = itemgetter(PrefillCost._fields.index("queue_s"), 0)
-_by_tbt = itemgetter(DecodeCost._fields.index("tbt_s"), DecodeCost._fields.index("num_running"), 0)
+_by_running = itemgetter(DecodeCost._fields.index("num_running"), DecodeCost._fields.index("tbt_s"), 0)
+TBT_TIE = 0.1  # predicted TBTs this close are equal: below what the learned factors can tell apart
+
+
+def lightest(decode: list[DecodeCost]) -> DecodeCost:
+    """The decode instance with the lowest predicted TBT; instances within TBT_TIE of it count as
+    tied and the one with fewer requests wins (then the lowest id). NOTE: the per-instance factors
+    learned from measurements carry a few percent of noise, and a model whose step time hardly
+    grows with the batch would otherwise send every request to whichever instance measured
+    fastest."""
+    best = min(c.tbt_s for c in decode)
+    return min((c for c in decode if c.tbt_s <= best * (1.0 + TBT_TIE)), key=_by_running)
 
 
 def _random_pick(draw: float, prefill: tuple[PrefillCost, ...], decode: list[DecodeCost],

@@ -286,3 +286,13 @@ def test_decode_instances_that_tie_on_tbt_share_the_load():
     decode = (make_decode("d0", running=5), make_decode("d1", running=2), make_decode("d2", running=3))
     decision = decide(make_request(), make_snapshot([make_prefill("p0", "n0")], decode), make_settings(), flat)
     assert decision.decode_id == "d1"
+
+
+def test_decode_tbts_within_the_tie_count_as_equal_and_the_emptier_instance_wins():
+    from common.decide.policy import DecodeCost, lightest
+
+    a = DecodeCost("d0", "n0", 5, 500, 0.050, True)
+    b = DecodeCost("d1", "n1", 2, 200, 0.053, True)  # 6% slower by its learned factor: a tie
+    c = DecodeCost("d2", "n2", 0, 0, 0.080, True)  # clearly slower
+    assert lightest([a, b, c]).instance_id == "d1"
+    assert lightest([a, c]).instance_id == "d0"
