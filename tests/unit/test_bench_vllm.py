@@ -316,3 +316,20 @@ def test_the_command_drives_each_server_and_prints_one_json_with_why_one_failed(
     assert rows[0]["met"] is True and rows[-1]["error"].startswith("vllm-all-cores exited")
     text = vllm_report.format_report(result)
     assert "FAILED: RuntimeError: no AVX-512" in text and "moonbus: moonbus's cores; started in" in text
+
+
+def test_cpu_meter_does_not_count_the_past_of_a_process_the_first_sample_missed(monkeypatch):
+    code = ("import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+            "print('spun', flush=True)\nsys.stdin.readline()\ntime.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "spun\n"  # 0.3 s of CPU before the meter starts
+        monkeypatch.setattr(CpuMeter, "BORN_SLACK_S", 0.0)
+        meter = CpuMeter([])
+        meter.start()
+        meter.roots = [child.pid]  # first seen by a later poll
+        meter.poll()
+        assert meter.stop() < 0.3
+    finally:
+        child.kill()
+        child.wait()

@@ -271,41 +271,64 @@ def moonbus_spec(home: Path, prefill: int, decode: int, dtype: str, ttft_slo_s: 
 
 class CpuMeter:
     """CPU-seconds spent by process trees between start() and stop() (psutil; a process that
-    appears meanwhile counts whole, one that exits meanwhile counts up to its last sample)."""
+    appears meanwhile counts from its birth, one that exits meanwhile up to its last sample).
+
+    NOTE: processes are told apart by pid and the psutil.Process first seen with it, not by
+    create_time(), which adds /proc/stat's btime: the kernel derives that from the wall clock, so
+    it moves when the clock is stepped. Keyed by create_time, one run here counted vLLM at 2.3 of
+    2 cores, most likely every process looking new and counting its whole life (the model's
+    compile at start included). For the same reason a process first seen after start() that is
+    older than start() (missed by the first sample) counts from when it was first seen."""
+
+    BORN_SLACK_S = 5.0  # older than start() by this much: it was there (btime wobbles by a second)
 
     def __init__(self, roots: list[int]) -> None:
         self.roots = roots
-        self.first: dict[tuple[int, float], float] = {}
-        self.last: dict[tuple[int, float], float] = {}
+        self.procs: dict[int, psutil.Process] = {}  # pid -> the Process first seen with it
+        self.first: dict[int, float] = {}
+        self.last: dict[int, float] = {}
+        self.started_at = 0.0  # wall clock, as create_time() is
 
-    def sample(self) -> dict[tuple[int, float], float]:
-        """(pid, create time) -> user + system seconds of every live process in the trees."""
+    def sample(self) -> dict[int, float]:
+        """pid -> user + system seconds of every live process in the trees."""
         out = {}
         for pid in self.roots:
             try:
-                root = psutil.Process(pid)
+                root = self.procs.get(pid) or psutil.Process(pid)
                 procs = [root, *root.children(recursive=True)]
             except psutil.NoSuchProcess:
                 continue
             for p in procs:
+                p = self.procs.setdefault(p.pid, p)
                 try:
                     t = p.cpu_times()
-                    out[(p.pid, p.create_time())] = t.user + t.system
+                    out[p.pid] = t.user + t.system
                 except psutil.NoSuchProcess:
                     pass
         return out
 
     def start(self) -> None:
+        self.started_at = time.time()
         self.first = self.sample()
         self.last = dict(self.first)
 
     def poll(self) -> None:
         """Note the trees again (call now and then, so a process that exits is counted up to here)."""
-        self.last |= self.sample()
+        now = self.sample()
+        for pid, cpu in now.items():
+            if pid not in self.first and pid not in self.last and self._born_before_start(pid):
+                self.first[pid] = cpu
+        self.last |= now
+
+    def _born_before_start(self, pid: int) -> bool:
+        try:
+            return self.procs[pid].create_time() < self.started_at - self.BORN_SLACK_S
+        except psutil.NoSuchProcess:
+            return False
 
     def stop(self) -> float:
         self.poll()
-        return sum(cpu - self.first.get(key, 0.0) for key, cpu in self.last.items())
+        return sum(cpu - self.first.get(pid, 0.0) for pid, cpu in self.last.items())
 
 
 def _answers(url: str) -> bool:
