@@ -15,7 +15,7 @@ class TokenChunk(Wire):
     cached_tokens: int = 0  # prompt tokens whose KV was reused (sent with the first token)
     source: str = ""  # instance that sent it
     retry_after_s: float = 0.0
-    stage: str = ""  # where an error arose: "decode" for a late rejection
+    stage: str = ""  # where an error arose: "decode" for a late rejection, "transfer" (KV did not reach decode), "decode_lost"
     wasted_prefill_tokens: int = 0  # a late rejection threw away this much prefill work
     wasted_prefill_s: float = 0.0
     attempt: int = 0  # the attempt that produced it: chunks of an abandoned attempt are dropped

@@ -123,8 +123,10 @@ class ClusterState:
 
     # --- what instances say ------------------------------------------------------------------------
     def heard(self, info: WorkerInfo, now: float) -> str | Refusal | None:
-        """A heartbeat or a report: "joined" for a new instance, "left" for a leaving one, a
-        Refusal for one whose invariants differ from the cluster's, else None."""
+        """A heartbeat or a report: "joined" for a new instance, "left" for a leaving one,
+        "restarted" for a new process under a known id (its predecessor died: what it held is
+        lost, though no silence was ever long enough to say so), a Refusal for one whose
+        invariants differ from the cluster's, else None."""
         self.changed()
         if info.leaving:  # a clean exit: a new instance under this id starts from the profile
             self.learned.forget(info.instance_id)
@@ -147,7 +149,11 @@ class ClusterState:
             request = self.routed.get(rid)
             if request is not None:
                 request.seen_by.add(info.instance_id)
-        return "joined" if known is None else None
+        if known is None:
+            return "joined"
+        if known.info.incarnation and info.incarnation and known.info.incarnation != info.incarnation:
+            return "restarted"
+        return None
 
     def _learn(self, info: WorkerInfo) -> None:
         """A measurement not seen before teaches the instance's factor (against the profile)."""

@@ -300,9 +300,10 @@ class LayerwisePrefill:
             for layer in range(self.num_layers):
                 if kv.error is not None:
                     return
-                kv.write_layer(layer, 0, prefix.load_layer(layer))
-                if streamer is not None:
-                    streamer.submit(layer, 0, kv.kv[layer, :, :, :p])
+                kv.kv[layer, :, :, :p].copy_(prefix.load_layer(layer))
+                if streamer is not None:  # NOTE: queued before it counts as in place, so that the
+                    streamer.submit(layer, 0, kv.kv[layer, :, :, :p])  # layer's computed slice cannot overtake it
+                kv.mark(layer, 0, p)
         except BaseException as exc:  # noqa: BLE001 - surfaces in the compute thread's wait
             kv.fail(exc)
 

@@ -122,6 +122,10 @@ class ConductorService:
             self.refused.discard(info.instance_id)
             log.info("instance %s joined (%s on node %s)", info.instance_id, info.role, info.node)
             await self.events.instance("joined", info.instance_id, role=info.role, node=info.node)
+        elif outcome == "restarted":  # its predecessor died: whatever it held went with it
+            log.warning("instance %s restarted (a new process); handing back what the old one held", info.instance_id)
+            await self.events.instance("lost", info.instance_id, role=info.role, node=info.node, reason="restarted")
+            await self.fail_requests_of(info.instance_id, "restarted")
         elif outcome == "left":
             log.info("instance %s left", info.instance_id)
             await self.events.instance("left", info.instance_id, role=info.role, node=info.node)
@@ -318,9 +322,10 @@ class ConductorService:
         """Every request the instance held gets a retryable error: its gateway resumes it elsewhere."""
         for request in self.state.lost_with(instance_id):
             log.warning("request %s: instance %s %s; handing it back to its gateway", request.request_id, instance_id, why)
+            # its decode instance lost: the prefill did (or will do) its part, the request moves on (a migration)
             await worker.reply(self.nc, request.reply_subject, worker.error_chunk(
                 request.request_id, request.attempt, -1, f"instance {instance_id} {why}", 503, self.cfg.instance_id,
-                retryable=True))
+                retryable=True, stage="decode_lost" if request.decode_id == instance_id else ""))
 
 
 async def serve(cfg: ConductorConfig, stop: asyncio.Event) -> bool:

@@ -59,9 +59,10 @@ def load(argv: list[str] | None = None) -> GatewayConfig:
     common.flag(parser, "--route-timeout", "MOONBUS_ROUTE_TIMEOUT", 5.0, float, help="seconds to wait for a route", dest="route_timeout_s")
     common.flag(parser, "--stall-timeout", "MOONBUS_STALL_TIMEOUT", 120.0, float, help="seconds without progress before a request fails", dest="stall_timeout_s")
     common.flag(parser, "--default-chat-max-tokens", "MOONBUS_DEFAULT_CHAT_MAX_TOKENS", 512, int, help="max_tokens of a chat request that sets none")
-    common.flag(parser, "--max-migrations", "MOONBUS_MAX_MIGRATIONS", 2, int,
-                help="times a request is resumed on another instance after its first token (or after its KV could not reach its decode node)")
-    common.flag(parser, "--prefill-retries", "MOONBUS_PREFILL_RETRIES", 1, int,
+    common.flag(parser, "--max-migrations", "MOONBUS_MAX_MIGRATIONS", 3, int,
+                help="times a request is resumed on another instance after its first token (or after its KV could not "
+                     "reach its decode node, or its decode instance was lost)")
+    common.flag(parser, "--prefill-retries", "MOONBUS_PREFILL_RETRIES", 2, int,
                 help="times a request whose prefill is lost before its first token is dispatched again")
     common.flag(parser, "--migration-timeout", "MOONBUS_MIGRATION_TIMEOUT", 30.0, float, dest="migration_timeout_s",
                 help="seconds a resumed request waits for an instance to take it")

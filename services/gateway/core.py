@@ -235,9 +235,10 @@ class Gateway:
         """Route the request again after a retryable error; False if its limits are spent or no
         instance took it in time (the caller then fails it with the error)."""
         started = bool(gen.token_ids)
-        # after the first token, or when its KV could not reach the decode node, it is a migration
-        # (the prefill instance did its part); otherwise a re-dispatch of a prefill that failed
-        migrating = started or chunk.stage == "transfer"
+        # after the first token, or when its KV could not reach the decode node or its decode instance
+        # was lost, it is a migration (the prefill instance did its part); otherwise a re-dispatch of
+        # a prefill that failed
+        migrating = started or chunk.stage in ("transfer", "decode_lost")
         if (migrating and gen.migrations >= self.cfg.max_migrations) or \
                 (not migrating and gen.redispatches >= self.cfg.prefill_retries):
             log.warning("request %s: not resumed again (%d migrations, %d re-dispatches): %s", gen.request_id,

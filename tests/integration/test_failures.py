@@ -2,7 +2,7 @@
 
 One cluster of 2 prefill + 2 decode instances (tiny-random). Processes are killed with SIGKILL
 while they hold requests, or sent SIGTERM (a drain). The gateway here resumes a request at most
-once after its first token (`--max-migrations 1`, default 2), so the limit is reached by killing
+once after its first token (`--max-migrations 1`, default 3), so the limit is reached by killing
 twice. Decode instances drain for up to 120 s (`--drain-grace`), which a 60-token request of
 tiny-random finishes inside; the test of what outlives the grace restarts them with a grace of 0,
 which any request still running outlives.

@@ -198,3 +198,10 @@ def test_an_exited_process_is_dead_at_once():
     assert [i.instance_id for i in state.dead("d0")] == ["d0"]
     assert [r.request_id for r in state.lost_with("d0")] == ["a"]
     assert state.dead("d0") == [] and state.dead("nobody") == []
+
+
+def test_a_new_process_under_a_known_id_means_its_predecessor_died():
+    state = ClusterState(timeout_s=3.0, lease_s=100.0)
+    assert state.heard(decode(incarnation="old"), now=0.0) == "joined"
+    assert state.heard(decode(incarnation="old"), now=0.2) is None
+    assert state.heard(decode(incarnation="new"), now=1.0) == "restarted"  # well before any timeout
