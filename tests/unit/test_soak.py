@@ -3,6 +3,7 @@
 Everything runs on made-up data; `send_one` is checked against a fake gateway (aiohttp, in process).
 """
 
+import json
 import mmap
 import os
 import random
@@ -334,3 +335,10 @@ def test_served_late_fails_the_soak():
     [v] = sv.slo_violations(0.72, 0.9, 40)
     assert v.what == "slo" and "72.0% of the 40 completed requests" in v.detail
     assert sv.slo_violations(0.5, 0.0, 40) == [] and sv.slo_violations(None, 0.9, 0) == []
+
+
+def test_a_probe_with_pools_is_written_as_json():
+    report = sv.Probe(0, {"node-p0": make_pool(files=2), "node-d0": None}).to_json()
+    assert report["pools"]["node-d0"] is None
+    assert report["pools"]["node-p0"]["request_files"] == 2
+    json.dumps(report)

@@ -20,7 +20,7 @@ them made-up data). The rules:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from common.measures import OK, RequestResult
@@ -169,7 +169,7 @@ class Probe:
 
     def to_json(self) -> dict:
         return {"in_flight": self.in_flight,
-                "pools": {n: (asdict(p) if p is not None else None) for n, p in self.pools.items()},
+                "pools": {n: (p.to_dict() if p is not None else None) for n, p in self.pools.items()},
                 "pool_errors": self.pool_errors, "pinned_blocks": self.pinned_blocks,
                 "pool_request_files": self.pool_request_files,
                 "shm_request_files": None if self.new_files is None else len(self.new_files),
