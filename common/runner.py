@@ -15,6 +15,9 @@ import uvloop
 log = logging.getLogger(__name__)
 
 
+OWNER_ONLY = 0o077  # the umask of every cluster process: nothing it writes is readable by other users
+
+
 class TaskGroup:
     """Background tasks owned by a service; all are cancelled on shutdown.
 
@@ -78,6 +81,8 @@ def run(main: Callable[[Stop], Awaitable[bool | None]]) -> None:
     """Run `main(stop)` on uvloop until SIGINT/SIGTERM sets `stop`; main owns its cleanup and
     returns False (or raises) when the process failed, which exits with status 1 so a supervisor
     restarts it. Every service process (the gateway included) starts its loop here."""
+
+    os.umask(OWNER_ONLY)  # before anything is created: pool, SSD tier, KV files, logs are the owner's alone
 
     async def runner() -> bool | None:
         stop = Stop()

@@ -9,7 +9,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
+
+from common.runner import OWNER_ONLY
 
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -38,6 +41,7 @@ def build_parser(available: dict[str, tuple[str, str]]) -> argparse.ArgumentPars
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    os.umask(OWNER_ONLY)  # `moonbus up` and its children, profiles, reports: the owner's alone
     # Only import the module of the subcommand asked for (torch is slow to import).
     wanted = {k: v for k, v in COMMANDS.items() if argv and argv[0] == k} or COMMANDS
     available = {k: v for k, v in wanted.items() if importlib.util.find_spec(v[0]) is not None}
