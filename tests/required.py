@@ -8,6 +8,7 @@ failure, so a run that must prove them cannot pass with them untested:
     compose   a Docker engine and compose (tests/integration/test_compose_e2e.py, tests/unit/test_compose.py)
     hosts     network namespaces for nodes on separate hosts (tests/integration/test_hosts.py)
     browser   headless chromium and chromedriver (tests/integration/test_dashboard.py)
+    mooncake  Mooncake's Transfer Engine, the transfer bench's baseline (tests/integration/test_bench_transfer.py)
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 
 import pytest
 
-COMPONENTS = ("rdma", "compose", "hosts", "browser")
+COMPONENTS = ("rdma", "compose", "hosts", "browser", "mooncake")
 
 
 def required(component: str) -> bool:

@@ -17,8 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.required import missing
 from tools.moonbus.bench.transfer_patterns import Case, digest, make_buffer, measure, pull_pattern, size_pattern
-from tools.moonbus.bench.transfer_peers import OursPeer
+from tools.moonbus.bench.transfer_peers import OursPeer, mooncake_missing
 from tools.moonbus.bench.transfer_socket import SocketPeer
 
 pytestmark = pytest.mark.integration
@@ -43,6 +44,8 @@ def bench(*extra: str, env: dict | None = None, home: Path) -> subprocess.Comple
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
+    if why := mooncake_missing():
+        missing("mooncake", f"the baseline engine cannot be used ({why}); `make setup` installs it")
     done = bench("--sizes", "block,1MiB,8MiB", "--handoff-tokens", "64,256", "--pull-blocks", "4,16",
                  "--repeats", "2", "--case-seconds", "0.05", "--tail-tokens", ",".join(map(str, TAIL_TOKENS)),
                  home=tmp_path_factory.mktemp("home"))
