@@ -11,6 +11,8 @@
     vllm.py        moonbus against vLLM's CPU backend on the same weights, trace slice and SLOs
                    (vllm_servers.py: both servers and vLLM's own environment; vllm_load.py: the load
                    through the replay client; vllm_report.py: the numbers and ratios)
+    goodput.py     the admission modes side by side on live clusters under the same overload: what
+                   predictive early rejection buys over admitting everything
 
 `make bench` runs every target of TARGETS one after another (suite.py) into one JSON and one table.
 """
@@ -29,6 +31,7 @@ TARGETS = {
     "transfer": "tools.moonbus.bench.transfer",
     "wire": "tools.moonbus.bench.wire",
     "vllm": "tools.moonbus.bench.vllm",
+    "goodput": "tools.moonbus.bench.goodput",
 }
 
 
