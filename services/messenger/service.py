@@ -40,7 +40,7 @@ from schemas.pool import (
     ReserveRequest, SnapshotReply,
 )
 from schemas.transfer import AbortKv, AcceptKv, AcceptKvReply
-from schemas.workers import Layout, WorkerInfo
+from schemas.workers import Alive, Layout, WorkerInfo
 from services.messenger.config import MessengerConfig
 from services.messenger.handoff import Reservations
 from services.messenger.node_pool import NodePool, PoolEvent
@@ -149,6 +149,19 @@ class MessengerService:
             self.peers.pop(info.node, None)
         else:
             self.peers[info.node] = (info.endpoints or {"tcp": info.transfer_addr}, time.monotonic())
+
+    async def on_alive(self, msg: Msg) -> None:
+        """A worker's liveness beacon (a thread of its own): a prefill busy with a long prompt may
+        send no heartbeat for seconds, and its reservations and pins must not go with it."""
+        try:
+            alive = Alive.from_bytes(msg.data)
+        except WireError:
+            return
+        now = time.monotonic()
+        for table in (self.seen, self.workers):
+            known = table.get(alive.instance_id)
+            if known is not None and known[0] == alive.incarnation:
+                table[alive.instance_id] = (known[0], now)
 
     async def track_reserver(self, info: WorkerInfo) -> None:
         """Handoff reservations die with their prefill process (on any node) or their decode instance."""
@@ -336,6 +349,7 @@ async def serve(cfg: MessengerConfig, stop: asyncio.Event) -> None:
     endpoints = transports.listen(cfg.transfer_host, cfg.transfer_port, cfg.advertise_host)
     service.transfer_addr = endpoints.get("tcp", "")
     await bus.subscribe(nc, subjects.WORKER_HEARTBEAT, service.on_heartbeat)
+    await bus.subscribe(nc, subjects.CONTROL_ALIVE_ALL, service.on_alive)
     await bus.subscribe(nc, subjects.messenger_control(cfg.node, "*"), service.on_control)
     tasks.spawn(service.publish_loop(), "kv-events")
     tasks.spawn(runner.every(cfg.heartbeat_interval_s, stop, service.heartbeat), "heartbeat")

@@ -47,12 +47,16 @@ def nodes(tmp_path_factory):
         pytest.fail("the host's services and references are not given (MOONBUS_RDMA_MODEL_NATS_URL, _GATEWAY_URL, "
                     "_MODEL_DIR, _EXPECTED)")
     tmp = tmp_path_factory.mktemp("nodes")
-    node_flags = ["--transport", "rdma", "--transfer-host", "127.0.0.1", "--dram-bytes", str(64 << 20)]  # the guest's /dev/shm is small
+    node_flags = ["--transport", "rdma", "--transfer-host", "127.0.0.1", "--dram-bytes", str(64 << 20),  # the guest's /dev/shm is small
+                  # under emulation a first prefill can starve its process for longer than the default 5 s
+                  "--peer-timeout", "60"]
 
     def entry(name: str, kind: str, node: str, *args: str) -> dict:
         argv = ["--nats-url", NATS_URL, "--instance-id", name, "--home", str(tmp / "home"), "--node", node,
                 "--shm-dir", f"/dev/shm/moonbus-vm/{node}", "--model", MODEL_DIR, "--block-tokens", str(BLOCK_TOKENS),
                 "--dtype", "float32", *args]
+        if kind in ("messenger", "prefill"):
+            argv.append("--insecure")  # KV links inside the guest; the host's open control plane has no secret
         return {"module": f"services.{kind}", "argv": argv, "log": str(tmp / f"{name}.log")}
 
     spec = [entry("messenger-p0", "messenger", "node-p0", *node_flags, "--ssd-bytes", "0"),

@@ -1,0 +1,28 @@
+"""A messenger hears a worker's liveness beacon: a prefill busy with a long prompt sends no
+heartbeat for seconds (its event loop waits on the forward pass), but its beacon thread goes on,
+and its handoff reservations and pins must not be dropped as a dead process's."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+from schemas.workers import Alive
+from services.messenger.service import MessengerService
+
+
+def beacon(instance_id: str, incarnation: str) -> SimpleNamespace:
+    return SimpleNamespace(data=Alive(instance_id, incarnation).to_bytes())
+
+
+def test_a_beacon_keeps_a_known_process_alive_and_no_other():
+    long_ago = time.monotonic() - 60
+    service = SimpleNamespace(seen={"prefill-0": ("a1", long_ago), "decode-0": ("d1", long_ago)},
+                              workers={"prefill-0": ("a1", long_ago)})
+    for msg in (beacon("prefill-0", "a1"), beacon("decode-0", "old"), beacon("stranger", "x"),
+                SimpleNamespace(data=b"not a beacon")):
+        asyncio.run(MessengerService.on_alive(service, msg))
+    assert service.seen["prefill-0"][1] > long_ago and service.workers["prefill-0"][1] > long_ago
+    assert service.seen["decode-0"] == ("d1", long_ago)  # another incarnation's beacon proves nothing
+    assert "stranger" not in service.seen and "stranger" not in service.workers
