@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -62,7 +63,15 @@ def build(cls: type[T], args: argparse.Namespace, **computed: Any) -> T:
             values["nats_auth"] = NatsAuth(args.nats_user, args.nats_password_file, args.nats_ca)
         elif field.name not in values:
             values[field.name] = getattr(args, field.name)
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ValueError as exc:  # a setting the service refuses: say which, without a traceback
+        raise SystemExit(f"{_program()}: refusing to start: {exc}") from None
+
+
+def _program() -> str:
+    path = Path(sys.argv[0] or "moonbus")
+    return path.parent.name if path.name == "__main__.py" else path.name
 
 
 def add_common_flags(parser: argparse.ArgumentParser, role: str) -> None:
@@ -92,8 +101,20 @@ def add_transport_flag(parser: argparse.ArgumentParser) -> None:
     flag(parser, "--tcp-streams", "MOONBUS_TCP_STREAMS", 1, int,
          help="tcp connections per peer: a write of --tcp-stripe-min bytes or more is striped over them (more than 1 helps where one "
               "connection's core or window cannot fill the link; `moonbus bench transfer --streams` measures it)")
+    flag(parser, "--insecure", "MOONBUS_INSECURE", False, boolean, nargs="?", const=True,
+         help="run the KV links without the cluster-secret handshake when no --cluster-secret-file is given "
+              "(a trusted fabric only; without either the service refuses to start)")
     flag(parser, "--tcp-stripe-min", "MOONBUS_TCP_STRIPE_MIN", STRIPE_MIN, int,
          help="bytes from which a write is striped over the --tcp-streams connections (parts of at least half)")
+
+
+def check_link_secret(cluster_secret_file: str, insecure: bool) -> None:
+    """A service that opens KV links fails closed: without the cluster secret its links would take
+    any peer, so it refuses to start unless told --insecure."""
+    if not cluster_secret_file and not insecure:
+        raise ValueError("this service opens KV links, and without --cluster-secret-file (MOONBUS_CLUSTER_SECRET_FILE) "
+                         "they would accept any peer; give the cluster secret (moonbus up and compose-secrets write "
+                         "one), or --insecure to run the links without the handshake on a fabric you trust")
 
 
 def check_transport(transport: str, tcp_streams: int, tcp_stripe_min: int) -> None:

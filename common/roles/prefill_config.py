@@ -13,7 +13,8 @@ from common import config as common, models
 class PrefillConfig:
     nats_url: str
     nats_auth: common.NatsAuth  # this role's NATS credentials
-    cluster_secret_file: str  # '' = no cluster secret
+    cluster_secret_file: str  # '' = no cluster secret (then only with insecure)
+    insecure: bool  # KV links without the cluster-secret handshake (common.check_link_secret)
     instance_id: str
     node: str
     shm_dir: Path
@@ -47,6 +48,7 @@ class PrefillConfig:
         if self.heartbeat_interval_s <= 0 or self.transfer_timeout_s <= 0:
             raise ValueError("intervals and timeouts must be > 0")
         common.check_transport(self.transport, self.tcp_streams, self.tcp_stripe_min)
+        common.check_link_secret(self.cluster_secret_file, self.insecure)
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:

@@ -41,6 +41,7 @@ from schemas.codec import WireError
 from schemas.route import RouteReply, RouteRequest
 from schemas.tokens import Cancel, Probe, ProbeReply, TokenChunk
 from schemas.workers import StatusReply
+from services.gateway.chat import TemplateError, chat_prompt_ids, control_strings
 from services.gateway.config import GatewayConfig
 from services.gateway.detokenize import Detokenizer
 from services.gateway.protocol import COMPLETION_DEFAULT_MAX_TOKENS, ApiError, GenerateRequest
@@ -104,6 +105,7 @@ class Gateway:
         self.served_model = served_model
         self.max_context = max_context
         self.vocab_size = len(tokenizer)
+        self.controls = control_strings(tokenizer)  # typed in a message, these stay text (chat.py)
         self.events = bus.EventPublisher(nc, "gateway", cfg.instance_id,
                                           secret=security.read_secret(cfg.cluster_secret_file))
         self.reply_subject = subjects.gateway_tokens(cfg.instance_id)
@@ -128,12 +130,10 @@ class Gateway:
     def tokenize(self, req: GenerateRequest) -> list[int]:
         if req.messages is not None:
             try:
-                encoded = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True,
-                                                             return_dict=True)
-            except Exception as exc:  # the template refuses this conversation (e.g. an order of roles)
+                return chat_prompt_ids(self.tokenizer, req.messages, self.controls)
+            except TemplateError as exc:
                 raise ApiError(400, f"the messages cannot be formatted with this model's chat template: {exc}",
                                param="messages") from None
-            return list(encoded["input_ids"])
         if isinstance(req.prompt, list):
             bad = [t for t in req.prompt if not 0 <= t < self.vocab_size]
             if bad:

@@ -14,7 +14,8 @@ from common.decide.eviction import POLICIES
 class MessengerConfig:
     nats_url: str
     nats_auth: common.NatsAuth  # this role's NATS credentials
-    cluster_secret_file: str  # '' = no cluster secret
+    cluster_secret_file: str  # '' = no cluster secret (then only with insecure)
+    insecure: bool  # KV links without the cluster-secret handshake (common.check_link_secret)
     instance_id: str
     node: str
     shm_dir: Path
@@ -59,6 +60,7 @@ class MessengerConfig:
         if self.eviction not in POLICIES:
             raise ValueError(f"eviction must be one of {', '.join(POLICIES)}; got {self.eviction!r}")
         common.check_transport(self.transport, self.tcp_streams, self.tcp_stripe_min)
+        common.check_link_secret(self.cluster_secret_file, self.insecure)
 
     @property
     def transfer_addr_host(self) -> str:

@@ -190,6 +190,10 @@ async def test_the_kv_link_refuses_strangers_and_writes_outside_its_regions(guar
         with contextlib.suppress(OSError):
             sock.sendall(writes)
         assert closed_on_us(sock)
+    # ... and the refusal reaches the audit log (the messenger may write it: it once could not, and
+    # the refused event held back every later event of that messenger)
+    refused = await stored_event(cluster, subjects.instance_event("link_refused", messenger.instance_id))
+    assert refused["data"]["node"] == messenger.node and refused["data"]["reason"]
     # 2. with the cluster secret (a compromised node): a write to a region that is not there, or
     # past its end, lands nowhere and the next call says so; a path for a region name is refused
     secret = read_secret(cluster.secrets.cluster_key)
@@ -214,3 +218,16 @@ async def test_the_pipeline_listener_is_closed_when_nothing_pipelines(guarded):
     cluster, _ = guarded
     prefill = await heartbeat_of(cluster, "prefill")
     assert prefill.transfer_addr == ""  # no port to connect to at all
+
+
+async def stored_event(cluster, subject: str, timeout_s: float = 60) -> dict:
+    """The first event stored in the stream under `subject` (the admin user reads it)."""
+    from nats.js.api import ConsumerConfig, DeliverPolicy
+
+    nc = await nats.connect(cluster.spec.nats_url)
+    try:
+        sub = await nc.jetstream().subscribe(subject, ordered_consumer=True,
+                                             config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
+        return json.loads((await sub.next_msg(timeout=timeout_s)).data)
+    finally:
+        await nc.drain()

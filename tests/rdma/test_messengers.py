@@ -61,7 +61,7 @@ class Messenger:
                 "--dram-blocks", str(2 * BLOCKS), "--ssd-blocks", "0", "--transfer-host", "127.0.0.1",
                 # NOTE: the sweep drops pins of holders it does not see heartbeating after the peer
                 # timeout; the test's own pins must outlive a slow step under emulation
-                "--peer-timeout", "60"]
+                "--peer-timeout", "60", "--insecure"]  # the guest's loopback: no cluster secret
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 

@@ -278,7 +278,8 @@ class Cluster:
         return args + (["--profile", spec.profile] if spec.profile else [])
 
     def transport_args(self) -> list[str]:
-        return ["--transport", self.spec.transport, "--tcp-streams", str(self.spec.tcp_streams)]
+        insecure = ["--insecure"] if self.secrets is None else []  # an open cluster (auth off) has no link secret
+        return ["--transport", self.spec.transport, "--tcp-streams", str(self.spec.tcp_streams), *insecure]
 
     def messenger(self, name: str, node: str) -> None:
         spec = self.spec

@@ -58,8 +58,8 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
         ["moonbus.events.kv.>", _HEARTBEAT, "moonbus.index.query", "moonbus.index.dump"],
     ),
     "messenger": (
-        [_HEARTBEAT, "moonbus.events.kv.>", _STARTED],
-        [_HEARTBEAT, "moonbus.messenger.*.*", "moonbus.control.refused.*"],
+        [_HEARTBEAT, "moonbus.events.kv.>", _STARTED, "moonbus.events.instance.link_refused.*"],
+        [_HEARTBEAT, "moonbus.messenger.*.*", "moonbus.control.refused.*", "moonbus.control.alive.*"],
     ),
     "prefill": (
         [_HEARTBEAT, "moonbus.tokens.*", "moonbus.decode.*.tasks", "moonbus.messenger.*.lookup",
