@@ -25,7 +25,16 @@ owner the write's own pieces once every part landed (`_Groups`), or its first fa
 call then follows a FENCE on each other connection written since the last call, so a call still
 runs after every write before it. Every read of
 a frame has a deadline (`Transports.timeout_s`): a silent peer cannot hold a connection, or a
-region, open. At most MAX_CONNECTIONS are served at once; more are closed at once.
+region, open. At most MAX_CONNECTIONS proven peers' connections are served at once; more are
+closed at once.
+
+The door (`_Door`): a connection that has not proven the cluster secret yet holds no connection
+slot. It has HANDSHAKE_TIMEOUT_S to prove it, and at most MAX_HANDSHAKES such connections wait at
+once, MAX_HANDSHAKES_PER_ADDRESS of them from one address; more are closed at once. So a stranger
+who only reaches the port can neither hold the slots proven peers use nor, from one address, the
+handshakes of peers at other addresses (from one address, it delays them by at most
+HANDSHAKE_TIMEOUT_S per attempt). Refusals are counted (`TcpBackend.refused`, by reason), logged at
+most once per address every REFUSAL_LOG_S with the count since, and reported to `on_refused`.
 
 Speed (measured by `moonbus bench transfer`): each connection is served by its own thread on a
 blocking socket (deadlines by SO_RCVTIMEO/SO_SNDTIMEO, see `tune`), receiving with recv_into
@@ -39,6 +48,7 @@ moved 0.35 GiB/s where a plain socket moved 2.6.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import socket
@@ -66,7 +76,10 @@ CHUNK = 1 << 20  # bytes hashed and sent (or received and hashed) at a time: the
 # net.ipv4.tcp_[rw]mem's maximum (32 MiB here), beyond what setsockopt may ask (net.core.[rw]mem_max,
 # 4 MiB here): measured, a fixed 4 MiB moved less and cost the receiver more CPU per byte
 SOCKET_BUFFER = 0
-HANDSHAKE_TIMEOUT_S = 10.0
+HANDSHAKE_TIMEOUT_S = 3.0  # two small messages each way; a peer that cannot is refused
+MAX_HANDSHAKES = 64  # connections proving themselves at once
+MAX_HANDSHAKES_PER_ADDRESS = 16  # of them from one address (a busy local cluster shares 127.0.0.1)
+REFUSAL_LOG_S = 10.0  # one log line per refused address per this long
 FENCE = "fence"  # a call each connection answers itself: the writes before it landed (or the first failed)
 OPEN_GROUPS = 1024  # striped writes a listener waits on at once; more are refused
 _PROOF_BYTES = 32
@@ -329,7 +342,14 @@ class TcpBackend(Backend):
         self._locator = ""
         self._listener: socket.socket | None = None
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.door = _Door()
         self.groups = _Groups(transports.timeout_s)
+
+    @property
+    def refused(self) -> dict[str, int]:
+        """Connections refused so far, by reason: 'handshakes' (too many proving themselves, at
+        once or from one address), 'secret' (failed the proof or its deadline), 'connections'."""
+        return dict(self.door.refused)
 
     @property
     def locator(self) -> str:
@@ -361,25 +381,40 @@ class TcpBackend(Backend):
                 sock, addr = listener.accept()
             except OSError:
                 return  # closed
-            if not self._slots.acquire(blocking=False):  # at the limit: refuse rather than queue
-                log.warning("connection from %s refused: %d connections already open", addr, MAX_CONNECTIONS)
+            if not self.door.enter(addr[0]):  # too many unproven connections: refuse rather than queue
                 sock.close()
+                self._refuse(addr, "handshakes", f"more than {MAX_HANDSHAKES_PER_ADDRESS} from this address or "
+                                                 f"{MAX_HANDSHAKES} in all are proving themselves")
                 continue
             threading.Thread(target=self._serve, args=(sock, addr), name=f"tcp-peer-{addr[0]}:{addr[1]}",
                              daemon=True).start()
 
+    def _refuse(self, addr, reason: str, why: str) -> None:
+        if self.door.refusal(addr[0], reason):
+            log.warning("connection from %s:%s refused: %s (refusals from this address since the last line: %d)",
+                        addr[0], addr[1], why, self.door.quiet.pop(addr[0], 0))
+        if self.transports.on_refused is not None:
+            self.transports.on_refused(f"{addr[0]}:{addr[1]}", why)
+
     def _serve(self, sock: socket.socket, addr) -> None:
         peer = Peer(f"{addr[0]}:{addr[1]}")
         t = self.transports
+        slot = False
         try:
-            tune(sock, HANDSHAKE_TIMEOUT_S)
-            server_handshake(sock, t.secret)
+            try:
+                tune(sock, HANDSHAKE_TIMEOUT_S)
+                server_handshake(sock, t.secret)
+            except (TransportError, OSError) as exc:  # a wrong proof, or none within the deadline
+                self._refuse(addr, "secret", str(exc) or type(exc).__name__)
+                return
+            finally:
+                self.door.leave(addr[0])
+            slot = self._slots.acquire(blocking=False)
+            if not slot:
+                self._refuse(addr, "connections", f"{MAX_CONNECTIONS} connections already open")
+                return
             set_deadline(sock, t.timeout_s)
             _Connection(self, sock, peer).run()
-        except TransportRefused as exc:
-            log.warning("connection from %s refused: %s", peer.name, exc)
-            if t.on_refused is not None:
-                t.on_refused(peer.name, str(exc))
         except (TransportError, WireError, ValueError, OSError) as exc:  # a broken peer or a malformed frame
             log.warning("connection from %s broke: %s", peer.name, exc)
         except Exception:
@@ -387,7 +422,50 @@ class TcpBackend(Backend):
         finally:
             sock.close()
             peer.closed()
-            self._slots.release()
+            if slot:
+                self._slots.release()
+
+
+class _Door:
+    """Connections proving themselves, per address, and refusals (counted; logged sparingly)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: dict[str, int] = {}
+        self.refused: collections.Counter[str] = collections.Counter()
+        self.quiet: dict[str, int] = {}  # address -> refusals not logged since its last line
+        self._logged: dict[str, float] = {}  # address -> when its last line was logged
+
+    def enter(self, address: str) -> bool:
+        with self._lock:
+            here = self._waiting.get(address, 0)
+            if here >= MAX_HANDSHAKES_PER_ADDRESS or sum(self._waiting.values()) >= MAX_HANDSHAKES:
+                return False
+            self._waiting[address] = here + 1
+            return True
+
+    def leave(self, address: str) -> None:
+        with self._lock:
+            left = self._waiting.get(address, 0) - 1
+            if left > 0:
+                self._waiting[address] = left
+            else:
+                self._waiting.pop(address, None)
+
+    def refusal(self, address: str, reason: str) -> bool:
+        """Count a refusal; whether to log it (the first of an address in REFUSAL_LOG_S)."""
+        now = time.monotonic()
+        with self._lock:
+            self.refused[reason] += 1
+            if now - self._logged.get(address, -REFUSAL_LOG_S) >= REFUSAL_LOG_S:
+                self._logged[address] = now
+                if len(self._logged) > 4096:  # forget the oldest addresses
+                    for old in sorted(self._logged, key=self._logged.get)[:2048]:
+                        self._logged.pop(old, None)
+                        self.quiet.pop(old, None)
+                return True
+            self.quiet[address] = self.quiet.get(address, 0) + 1
+            return False
 
 
 class _Connection:

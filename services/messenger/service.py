@@ -47,6 +47,7 @@ from services.messenger.node_pool import NodePool, PoolEvent
 from services.messenger.pulls import Pulls
 
 log = logging.getLogger(__name__)
+REFUSAL_EVENT_S = 10.0  # one link_refused event per refused address per this long
 
 
 class MessengerMetrics:
@@ -56,6 +57,8 @@ class MessengerMetrics:
                              ["peer", "transport", "direction"], registry=r)
         self.transfer_s = Histogram("moonbus_messenger_transfer_seconds", "KV transfers (pull: blocks fetched "
                                     "for replication)", ["op"], buckets=metrics.SLOW_BUCKETS, registry=r)
+        self.link_refused = Counter("moonbus_messenger_link_refused", "connections the KV transport refused "
+                                    "(no proof of the cluster secret, too many at once)", registry=r)
         self.reserved = Gauge("moonbus_messenger_handoff_reservations", "handoff destinations reserved in this "
                               "node's memory, not complete yet", registry=r)
         blocks = Gauge("moonbus_messenger_pool_blocks", "blocks held, by tier", ["tier"], registry=r)
@@ -94,6 +97,7 @@ class MessengerService:
         self.seen: dict[str, tuple[str, float]] = {}  # prefill/decode instance anywhere -> (incarnation, last heartbeat)
         self.pulls: Pulls | None = None  # set by serve(): it needs the running loop
         self.replies = bus.Replies()  # control ops asked again after a lost reply run once
+        self.refusals: dict[str, tuple[int, float]] = {}  # peer address -> (refusals not audited, last audited)
         self.loop: asyncio.AbstractEventLoop | None = None
         # op -> (handler, runs as its own task); slow ops must not hold up the others
         self.ops: dict[str, tuple[Callable[[bytes], Awaitable[Wire]], bool]] = {
@@ -279,10 +283,26 @@ class MessengerService:
             await asyncio.sleep(0.05)
 
     def on_refused(self, peer: str, reason: str) -> None:
-        """A peer failed the transport's handshake (a connection thread): logged there, audited here."""
-        self.loop.call_soon_threadsafe(lambda: self.tasks.spawn(
-            self.events.instance("link_refused", self.cfg.instance_id, node=self.cfg.node, peer=peer, reason=reason),
-            "link-refused-event", essential=False))
+        """The transport refused a connection (from a connection thread): counted, and audited as a
+        `link_refused` event at most once per address every REFUSAL_EVENT_S, with the count since,
+        so that a flood of strangers cannot flood the audit log."""
+        self.metrics.link_refused.inc()
+        self.loop.call_soon_threadsafe(self._audit_refusal, peer, reason)
+
+    def _audit_refusal(self, peer: str, reason: str) -> None:
+        address = peer.rsplit(":", 1)[0]
+        count, last = self.refusals.get(address, (0, -REFUSAL_EVENT_S))
+        now = time.monotonic()
+        if now - last < REFUSAL_EVENT_S:
+            self.refusals[address] = (count + 1, last)
+            return
+        self.refusals[address] = (0, now)
+        if len(self.refusals) > 4096:
+            for old in sorted(self.refusals, key=lambda a: self.refusals[a][1])[:2048]:
+                del self.refusals[old]
+        self.tasks.spawn(self.events.instance("link_refused", self.cfg.instance_id, node=self.cfg.node, peer=peer,
+                                              reason=reason, refusals_since_last=count),
+                         "link-refused-event", essential=False)
 
     # --- events and housekeeping -------------------------------------------------------------
     def publish(self, events: list[PoolEvent]) -> None:

@@ -12,10 +12,12 @@ import json
 import os
 import socket
 import struct
+import threading
 
 import aiohttp
 import nats
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from common.security import LINK_NONCE_BYTES, link_proof, read_secret
 from common.transport import checksum
@@ -149,13 +151,13 @@ async def test_the_bus_refuses_strangers_and_keeps_each_role_to_its_subjects(gua
             assert any(subject.lower() in d.lower() for d in denied[role]), (role, subject, denied[role])
 
 
-async def heartbeat_of(cluster, role: str) -> WorkerInfo:
+async def heartbeat_of(cluster, role: str, instance_id: str = "") -> WorkerInfo:
     nc = await nats.connect(cluster.spec.nats_url, allow_reconnect=False)
     try:
         sub = await nc.subscribe(subjects.WORKER_HEARTBEAT)
         while True:
             info = WorkerInfo.from_bytes((await sub.next_msg(timeout=10)).data)
-            if info.role == role:
+            if info.role == role and instance_id in ("", info.instance_id):
                 return info
     finally:
         await nc.close()
@@ -211,6 +213,64 @@ async def test_the_kv_link_refuses_strangers_and_writes_outside_its_regions(guar
     # the cluster is unharmed: a request still goes through prefill -> link -> decode
     status, body, _ = await call(cluster, completion("still serving?"), issued["acme"])
     assert status == 200 and body["usage"]["completion_tokens"] == 4
+    assert not cluster.dead()
+
+
+async def test_a_stranger_holding_the_kv_door_delays_no_one_and_floods_no_log(guarded):
+    """Reproduced: holding the KV listener's 64 slots from one address made every handoff fail
+    (500 "cannot reach the KV destination") and wrote a log line per refusal."""
+    cluster, issued = guarded
+    messenger = await heartbeat_of(cluster, "messenger", "messenger-d0")  # where every handoff lands
+    host, port = messenger.transfer_addr.rsplit(":", 1)
+    stop = threading.Event()
+    opened = []
+
+    def hold():  # from another loopback address, up to 100 connections open at all times, none proving anything
+        held: list[socket.socket] = []
+        while not stop.is_set():
+            held = [c for c in held if c.fileno() != -1]
+            while len(held) < 100 and not stop.is_set():
+                c = socket.socket()
+                c.bind(("127.0.0.2", 0))
+                try:
+                    c.connect((host, int(port)))
+                except OSError:
+                    c.close()
+                    break
+                held.append(c)
+                opened.append(1)
+            for c in held:  # let go of those the door closed
+                c.setblocking(False)
+                try:
+                    if c.recv(64) == b"":
+                        c.close()
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    c.close()
+            stop.wait(0.05)
+        for c in held:
+            c.close()
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    try:
+        while len(opened) < 200:  # the door is under siege before the requests come
+            await asyncio.sleep(0.1)
+        for i in range(4):
+            status, body, _ = await call(cluster, completion(f"through the siege {i}"), issued["acme"])
+            assert status == 200 and body["usage"]["completion_tokens"] == 4, body
+    finally:
+        stop.set()
+        holder.join(30)
+    async with aiohttp.ClientSession() as session:
+        async with session.get(cluster.procs[messenger.instance_id].metrics) as resp:
+            text = await resp.text()
+    refused = next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "moonbus_messenger_link_refused_total")
+    assert refused >= 100  # most of the stranger's connections were turned away at the door
+    log = (cluster.log_dir / f"{messenger.instance_id}.log").read_text()
+    assert log.count("127.0.0.2") < refused / 10  # a line per address now and then, not one per refusal
     assert not cluster.dead()
 
 
