@@ -171,6 +171,12 @@ class Gateway:
             raise ApiError(400, f"the prompt has {chars} characters; this model's context of {self.max_context} tokens "
                                 f"cannot hold it", param="messages" if req.kind == "chat" else "prompt",
                            code="context_length_exceeded")
+        if req.messages is not None and len(req.messages) > self.max_context:  # each takes a token at least
+            raise ApiError(400, f"{len(req.messages)} messages cannot fit this model's context of {self.max_context} "
+                                f"tokens", param="messages", code="context_length_exceeded")
+        why, retry = self.limits.precheck(tenant, time.monotonic())
+        if why:  # a tenant over its limits costs no tokenization
+            raise ApiError(429, why, retry_after_s=retry, code="overloaded")
         prompt_ids = await asyncio.to_thread(self.tokenize, req)
         if not prompt_ids:
             raise ApiError(400, "the prompt is empty after tokenization", param="prompt")

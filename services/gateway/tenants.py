@@ -121,6 +121,16 @@ class TenantLimits:
             window.popleft()
         return sum(tokens for _, tokens in window)
 
+    def precheck(self, tenant: Tenant, now: float) -> tuple[str, float]:
+        """What admit() would refuse whatever the request's size: ("", 0) if nothing yet, else (why,
+        retry after seconds). Checked before a prompt is tokenized."""
+        if tenant.max_concurrent is not None and self.in_flight[tenant.name] >= tenant.max_concurrent:
+            return f"tenant {tenant.name} already has {tenant.max_concurrent} requests in flight", 1.0
+        if tenant.tokens_per_minute is not None and self._used(tenant.name, now) >= tenant.tokens_per_minute:
+            return (f"tenant {tenant.name} used its {tenant.tokens_per_minute} tokens per minute",
+                    self._retry_after(tenant, 1, now))
+        return "", 0.0
+
     def admit(self, tenant: Tenant, tokens: int, now: float) -> tuple[list | None, str, float]:
         """(booking, "", 0) if admitted, else (None, why, retry after seconds)."""
         if tenant.max_concurrent is not None and self.in_flight[tenant.name] >= tenant.max_concurrent:

@@ -45,7 +45,8 @@ CHAT = {"model": "tiny-random", "messages": [{"role": "user", "content": "hi"}]}
     (CHAT | {"messages": [{"role": "wizard", "content": "hi"}]}, "role must be one of"),
     (CHAT | {"messages": [{"role": "user", "content": 5}]}, "content must be a string"),
     (CHAT | {"stream": "yes"}, "'stream' must be a boolean"),
-], ids=["empty", "not a list", "bad role", "bad content", "bad stream"])
+    (CHAT | {"messages": [{"role": "user", "content": "x"}] * 5000}, "5000 messages cannot fit"),
+], ids=["empty", "not a list", "bad role", "bad content", "bad stream", "more messages than the context"])
 async def test_chat_bad_input(cluster, body, message):
     status, reply, _ = await post(f"{cluster.spec.url}/v1/chat/completions", body)
     assert status == 400, reply

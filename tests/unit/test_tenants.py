@@ -65,6 +65,20 @@ def test_tokens_per_minute_book_at_admission_and_correct_at_the_end():
     assert "may use 1000 per minute" in limits.admit(acme, 5000, now=200.0)[1]
 
 
+def test_a_tenant_at_its_limits_is_refused_before_its_prompt_is_tokenized():
+    limits = TenantLimits()
+    busy, spent = Tenant("busy", max_concurrent=1), Tenant("spent", tokens_per_minute=100)
+    assert limits.precheck(busy, now=0.0) == ("", 0.0)
+    limits.admit(busy, 10, now=0.0)
+    why, retry = limits.precheck(busy, now=0.0)
+    assert "1 requests in flight" in why and retry == 1.0
+    limits.admit(spent, 100, now=0.0)
+    why, retry = limits.precheck(spent, now=30.0)
+    assert "used its 100 tokens per minute" in why and retry == 30.0
+    assert limits.precheck(spent, now=61.0) == ("", 0.0)  # the window moved on
+    assert limits.precheck(Tenant("free"), now=0.0) == ("", 0.0)
+
+
 def test_equal_prompts_of_two_tenants_never_share_a_block():
     prompt = list(range(64))
     a, b = Tenant("a"), Tenant("b")
