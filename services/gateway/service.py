@@ -34,7 +34,9 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event) -> bool:
     for kind in ("prefilled", "kv_pulled"):
         await bus.subscribe(nc, subjects.request_event(kind, "*"), api.on_request_event)
     await bus.subscribe(nc, subjects.request_event("routed", "*"), api.dashboard.on_routed)
-    runner = web.AppRunner(api.app(), access_log=None)
+    # handler_cancellation: a client that goes away cancels its handler, non-streaming too, so its
+    # request is cancelled at the workers and audited as cancelled (not run to max_tokens)
+    runner = web.AppRunner(api.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()

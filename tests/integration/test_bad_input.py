@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
+
 import pytest
 
-from tests.integration.conftest import post
+from schemas.events import TERMINAL_KINDS
+from tests.integration.conftest import collect_request_events, post
 
 pytestmark = pytest.mark.integration
 
@@ -73,3 +78,29 @@ async def test_control_tokens_typed_in_a_message_stay_text(cluster, tiny):
     start = tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert start in as_controls and start not in as_text  # the attack: a turn marker of its own
     assert reply["usage"]["prompt_tokens"] == len(naive) - len(as_controls) + len(as_text)
+
+
+async def test_a_non_streaming_request_whose_client_went_away_is_cancelled(cluster):
+    """It used to run to its max_tokens and be audited as completed."""
+    import aiohttp
+
+    from common import bus
+    from schemas import subjects
+
+    nc = await bus.connect(cluster.spec.nats_url, "test-gone")
+    try:
+        first = await nc.subscribe(subjects.events_of_kind("first_token"))
+        body = CHAT | {"messages": [{"role": "user", "content": "talk for a long time"}], "max_tokens": 3500,
+                       "ignore_eos": True}
+        async with aiohttp.ClientSession() as session:
+            post_task = asyncio.ensure_future(session.post(f"{cluster.spec.url}/v1/chat/completions", json=body))
+            request_id = json.loads((await first.next_msg(timeout=120)).data)["request_id"]
+            post_task.cancel()  # the client goes away once its request is generating
+            with contextlib.suppress(asyncio.CancelledError):
+                await post_task
+        events = await collect_request_events(cluster.spec.nats_url, request_id)
+    finally:
+        await nc.drain()
+    ends = [e for e in events if e["kind"] in TERMINAL_KINDS]
+    assert [e["kind"] for e in ends] == ["cancelled"], ends
+    assert ends[0]["data"]["completion_tokens"] < 3500 and ends[0]["data"]["reason"] == "client went away"
