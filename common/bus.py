@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import secrets
 import time
+import urllib.parse
 import weakref
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
@@ -65,6 +66,17 @@ def server_urls(url: str) -> list[str]:
     return urls
 
 
+def inbox_prefix(user: str) -> str:
+    """Where a NATS user's replies come back: `_INBOX_<user>`, which only that user may read
+    (the cluster's permissions, tools/moonbus/cluster/security.py); `_INBOX` for no user."""
+    return f"_INBOX_{user}" if user else "_INBOX"
+
+
+def url_user(url: str) -> str:
+    """The user named in a NATS URL's credentials (nats://user:password@host:port), or ""."""
+    return urllib.parse.urlsplit(server_urls(url)[0]).username or ""
+
+
 async def connect(url: str, name: str, auth: "NatsAuth | None" = None, first_connect_timeout_s: float = 60.0) -> Client:
     """Connect, retrying for a while: services may start before the server is up.
 
@@ -76,6 +88,7 @@ async def connect(url: str, name: str, auth: "NatsAuth | None" = None, first_con
     options: dict[str, Any] = {}
     if auth is not None and auth.user:
         options.update(user=auth.user, password=auth.password())
+    options["inbox_prefix"] = inbox_prefix(auth.user if auth is not None and auth.user else url_user(url))
     if auth is not None and auth.ca_file:
         import ssl
 

@@ -149,6 +149,22 @@ async def test_the_bus_refuses_strangers_and_keeps_each_role_to_its_subjects(gua
         for subject in forbidden:
             assert subject not in seen, (role, subject)
             assert any(subject.lower() in d.lower() for d in denied[role]), (role, subject, denied[role])
+    # replies: each user reads its own inbox only (every role once read `_INBOX.>`: others' replies)
+    errors = []
+
+    async def on_sub_error(exc):
+        errors.append(str(exc))
+
+    nc = await nats.connect(cluster.spec.nats_addr, user="decode", password=secrets.password("decode"),
+                            error_cb=on_sub_error, allow_reconnect=False, inbox_prefix="_INBOX_decode")
+    for theirs in ("_INBOX.>", "_INBOX_gateway.>", "_INBOX_conductor.>"):
+        await nc.subscribe(theirs)
+    await nc.subscribe("_INBOX_decode.>")
+    await nc.flush()
+    await asyncio.sleep(0.5)
+    await nc.close()
+    refused = [e for e in errors if "subscription" in e.lower()]
+    assert len(refused) == 3 and not any("_inbox_decode" in e.lower() for e in refused), errors
 
 
 async def heartbeat_of(cluster, role: str, instance_id: str = "") -> WorkerInfo:

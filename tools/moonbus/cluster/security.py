@@ -27,9 +27,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.bus import inbox_prefix
 from common.security import new_secret_file
 
-_SERVICE = {"subscribe": ["_INBOX.>"], "allow_responses": True}
 _HEARTBEAT = "moonbus.workers.heartbeat"
 _STARTED = "moonbus.events.instance.started.*"
 
@@ -38,7 +38,7 @@ def _events(*kinds: str) -> list[str]:
     return [f"moonbus.events.request.{kind}.*" for kind in kinds]
 
 
-# role -> (publish, subscribe): every service role also subscribes to _INBOX.> and answers requests
+# role -> (publish, subscribe): every service role also reads its own inbox (_INBOX_<role>.>) and answers requests
 ROLES: dict[str, tuple[list[str], list[str]]] = {
     "gateway": (
         ["moonbus.conductor.route", "moonbus.conductor.status", "moonbus.requests.cancel", "moonbus.workers.*.probe",
@@ -160,7 +160,8 @@ def nats_config(secrets: ClusterSecrets, host: str, port: int, store_dir: Path, 
             publish, subscribe = ROLES[user]
             permissions: dict = {"publish": {"allow": list(publish)}, "subscribe": {"allow": list(subscribe)}}
             if user in SERVICE_ROLES or user in ("auditor", "supervisor"):  # replies: requests, JetStream acks
-                permissions["subscribe"]["allow"] = sorted(set(subscribe) | set(_SERVICE["subscribe"]))
+                # its own inbox only (common.bus.connect asks replies there): no user reads another's replies
+                permissions["subscribe"]["allow"] = sorted(set(subscribe) | {f"{inbox_prefix(user)}.>"})
             if user in SERVICE_ROLES:
                 permissions["allow_responses"] = True
             entry["permissions"] = permissions
