@@ -72,3 +72,22 @@ def test_unknown_modes_are_refused_before_anything_starts(capsys):
 
 def test_registered_for_make_bench():
     assert TARGETS["goodput"] == "tools.moonbus.bench.goodput"
+
+
+def test_the_ttft_prediction_is_judged_on_first_attempts_per_prefill_instance():
+    def routed(rid, prefill, attempt=0, admitted=True):
+        return {"kind": "routed", "request_id": rid, "data": {"prefill_id": prefill, "attempt": attempt,
+                                                               "admitted": admitted}}
+
+    def first(rid, actual, predicted, attempt=0):
+        return {"kind": "first_token", "request_id": rid,
+                "data": {"ttft_s": actual, "predicted_ttft_s": predicted, "attempt": attempt}}
+
+    events = [routed("a", "prefill-0"), first("a", 1.0, 1.0), routed("b", "prefill-0"), first("b", 3.0, 2.0),
+              routed("c", "prefill-1"), first("c", 0.9, 1.0), routed("d", "prefill-1", attempt=1),
+              first("d", 50.0, 1.0, attempt=1), routed("e", "prefill-1"), first("e", 2.0, 0.0)]
+    got = goodput.ttft_prediction(events)
+    assert got["requests"] == 3 and got["median"] == pytest.approx(1.0)
+    assert got["per_instance"] == {"prefill-0": pytest.approx(1.25), "prefill-1": pytest.approx(0.9)}
+    assert got["within_20pct"] == pytest.approx(2 / 3)
+    assert goodput.ttft_prediction([])["median"] is None

@@ -8,14 +8,17 @@ open loop by the replay client (tools/moonbus/bench/vllm_load). Per mode: comple
 (by reason), failed, SLO attainment, goodput, TTFT and TBT percentiles, and the cluster's CPU use
 (its process trees, psutil). The design's promise: predictive keeps attainment high while it
 rejects the least, and its goodput beats admission none's (goal >= 1.5x on a trace at about 2x
-capacity); printed, not asserted.
+capacity); printed, not asserted. Also per mode, from the run's events: the actual TTFT over the
+conductor's prediction at routing (median, per prefill instance, share within 20%).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -32,6 +35,7 @@ from tools.moonbus.bench.vllm_load import run_plan
 from tools.moonbus.bench.vllm_servers import (
     CpuMeter, MoonbusServer, ServerError, cache_dir, ensure_profile, moonbus_spec,
 )
+from tools.moonbus.observe.audit import read_stream
 
 GOODPUT_GOAL = 1.5  # predictive's goodput over admission none's
 
@@ -93,12 +97,32 @@ def measure(server: MoonbusServer, plan, args: argparse.Namespace, cores: int) -
     server.start(args.start_timeout)
     try:
         raw = run_plan(server.url, plan, CpuMeter(server.pids()))
+        stored = asyncio.run(read_stream(server.spec.nats_url, None, None)).records  # the run's events
     finally:
         server.stop()
     summary = summarize(raw["trace"], args.ttft_slo, args.tbt_slo)
     row = vllm_report.serve_row(summary, raw["trace"], raw["cpu_s"], raw["wall_s"], cores)
     return {"start_s": time.perf_counter() - started, "serve": row, "rejections": summary["rejections"],
-            "tbt_p90_s": summary["tbt_p90_s"], "goodput_per_min": summary["goodput_per_min"]}
+            "tbt_p90_s": summary["tbt_p90_s"], "goodput_per_min": summary["goodput_per_min"],
+            "ttft_prediction": ttft_prediction([orjson.loads(r.data) for r in stored])}
+
+
+def ttft_prediction(events: list[dict]) -> dict:
+    """How the conductor's predicted TTFT compared with the actual, for first attempts: the median
+    of actual / predicted, overall and per prefill instance, and the share within 20%."""
+    prefill_of = {e["request_id"]: e["data"].get("prefill_id") for e in events
+                  if e["kind"] == "routed" and e["data"].get("admitted") and not e["data"].get("attempt")}
+    ratios: dict[str, list[float]] = {}
+    for e in events:
+        d = e["data"]
+        if e["kind"] == "first_token" and not d.get("attempt") and d.get("predicted_ttft_s", 0) > 0:
+            ratios.setdefault(prefill_of.get(e["request_id"]) or "?", []).append(d["ttft_s"] / d["predicted_ttft_s"])
+    every = [r for rs in ratios.values() for r in rs]
+    if not every:
+        return {"requests": 0, "median": None, "within_20pct": None, "per_instance": {}}
+    return {"requests": len(every), "median": statistics.median(every),
+            "within_20pct": sum(abs(r - 1.0) <= 0.2 for r in every) / len(every),
+            "per_instance": {i: statistics.median(rs) for i, rs in sorted(ratios.items())}}
 
 
 def ratios(modes: dict) -> dict:
@@ -124,6 +148,12 @@ def format_report(result: dict) -> str:
                      f"{s['slo_attainment']:>7.1%} {r['goodput_per_min']:>11.1f} {_s(s['ttft_p50_s']):>9} "
                      f"{_s(s['ttft_p90_s']):>7} {_s(r['tbt_p90_s']):>8} {s['cpu_use']:>5.0%} "
                      f"{'' if ratio is None else f'{ratio:.2f}x':>8}")
+    for mode, r in result["modes"].items():
+        t = r.get("ttft_prediction") or {}
+        if t.get("requests"):
+            per = ", ".join(f"{i} {m:.2f}" for i, m in t["per_instance"].items())
+            lines.append(f"  {mode} TTFT actual / predicted: median {t['median']:.2f} ({per}), "
+                         f"{t['within_20pct']:.0%} within 20%, {t['requests']} first attempts")
     for mode, r in result["modes"].items():
         if r.get("rejections"):
             lines.append(f"  {mode} rejections: " + ", ".join(f"{k} {v}" for k, v in r["rejections"].items()))
