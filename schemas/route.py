@@ -31,6 +31,7 @@ class RouteRequest(Wire):
     deadline_ts: float = 0.0  # wall clock after which the gateway stopped waiting: do not dispatch (0 = none)
     key_seed: int = 0  # seed of the request's block keys: its cache namespace (0 = the common one)
     avoid: list[Token] = []  # instances its failed attempts used: others first
+    tenant: str = ""  # whose request (its API key's tenant; "" = an open gateway): in the routed event
 
 
 class RouteReply(Wire):

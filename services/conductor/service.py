@@ -82,7 +82,8 @@ class ConductorService:
         self.metrics = ConductorMetrics()
         self.refused: set[str] = set()  # instance ids told so, not to repeat it every heartbeat
         self.settings = policy.PolicySettings(cfg.policy, cfg.kvcache_balancing_threshold, cfg.link_bytes_s,
-                                              cfg.block_tokens, kv_bytes_per_token, cfg.colocate)
+                                              cfg.block_tokens, kv_bytes_per_token, cfg.colocate,
+                                              tbt_slo_s=cfg.admission.tbt_slo_s)
         self.rng = random.Random()
         self.offline = False  # the broker connection was down at the last sweep
 
@@ -205,7 +206,7 @@ class ConductorService:
             "routed", rid, **terms, admitted=verdict.admit, admission=self.cfg.admission.mode,
             verdict=verdict.reason, predicted_tbt_s=verdict.tbt_s, retry_after_s=verdict.retry_after_s,
             policy_version=POLICY_VERSION, prompt_blocks=len(keys), attempt=request.attempt,
-            resumed_tokens=request.num_generated,
+            resumed_tokens=request.num_generated, tenant=request.tenant,
         )
         if not verdict.admit:
             return RouteReply(False, 429, f"rejected at arrival: {verdict.reason}", retry_after_s=verdict.retry_after_s)

@@ -219,7 +219,7 @@ class Gateway:
                                gen.request.sampling(gen.max_tokens - done), self.reply_subject, gen.arrival,
                                attempt=gen.attempt, num_generated=done,
                                deadline_ts=time.time() + self.cfg.route_timeout_s, key_seed=gen.key_seed,
-                               avoid=sorted(gen.avoid))
+                               avoid=sorted(gen.avoid), tenant=gen.tenant.name if gen.tenant else "")
         try:
             msg = await self.nc.request(subjects.CONDUCTOR_ROUTE, request.to_bytes(), timeout=self.cfg.route_timeout_s)
             reply = RouteReply.from_bytes(msg.data)

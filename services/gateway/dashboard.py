@@ -42,7 +42,7 @@ STATE_MAX_AGE_S = 0.5  # a state younger than this is served again instead of as
 OUTCOMES = ("completed", "rejected_arrival", "rejected_late", "failed")
 # the fields of a `routed` event the page shows (the rest of the event stays in the audit log)
 DECISION_FIELDS = ("prefill_id", "decode_id", "ttft_s", "queue_s", "prefill_s", "transfer_s", "tbt_s",
-                   "predicted_tbt_s", "reason", "admitted", "verdict", "policy", "prefix_blocks", "attempt")
+                   "predicted_tbt_s", "reason", "admitted", "verdict", "policy", "prefix_blocks", "attempt", "tenant")
 PREFILL_COST_FIELDS = ("instance_id", "queue_s", "prefix_blocks", "pull_blocks", "prefill_s", "transfer_s", "ttft_s")
 DECODE_COST_FIELDS = ("instance_id", "num_running", "context_tokens", "tbt_s", "fits")
 
@@ -216,10 +216,13 @@ class Dashboard:
 
     async def state(self, request: web.Request) -> web.Response:
         """The JSON the page polls; with API keys configured it takes one (the page asks for it)."""
-        self.gateway.authenticate(request.headers.get("Authorization"))
+        tenant = self.gateway.authenticate(request.headers.get("Authorization"))
         view = await self.cache.get()
         now = time.time()
+        decisions = self.decisions.newest_first()
+        if not (self.gateway.keys.open or tenant.operator):  # a tenant sees its own requests' decisions only
+            decisions = [d for d in decisions if d.get("tenant") == tenant.name]
         body = {"now": now, "gateway": self.gateway.cfg.instance_id, "model": self.gateway.served_model, **view,
-                "decisions": self.decisions.newest_first(), "outcomes": self.outcomes.series(now)}
+                "decisions": decisions, "outcomes": self.outcomes.series(now)}
         return web.Response(body=orjson.dumps(body), content_type="application/json",
                             headers={"Cache-Control": "no-store"})

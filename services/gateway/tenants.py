@@ -44,6 +44,7 @@ class Tenant:
     max_concurrent: int | None = None
     tokens_per_minute: int | None = None
     shared_cache: bool = False
+    operator: bool = False  # sees every tenant's routing decisions on /dashboard/state
 
 
 def cache_seed(tenant: Tenant | None, cache_salt: str | None) -> int:
@@ -68,7 +69,7 @@ def parse_key_file(text: str) -> dict[str, Tenant]:
             if len(e["hash"]) != 64:
                 raise ValueError(f"not a SHA-256 hash: {e['hash'][:12]}...")
             out[e["hash"]] = Tenant(str(e["tenant"]), limits["max_concurrent"], limits["tokens_per_minute"],
-                                    bool(e.get("shared_cache", False)))
+                                    bool(e.get("shared_cache", False)), bool(e.get("operator", False)))
         return out
     except (ValueError, KeyError, TypeError) as exc:
         raise KeyFileError(f"malformed key file: {exc}") from exc

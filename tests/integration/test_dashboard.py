@@ -188,7 +188,7 @@ async def dashboard_only(bare_nats):
     """The dashboard's routes on their own, as the gateway serves them, over the bare nats-server."""
     keys = KeyBook("")  # an open gateway: everyone may look
     gateway = SimpleNamespace(nc=bare_nats, served_model="tiny-random", cfg=SimpleNamespace(instance_id="gateway-t"),
-                              authenticate=keys.tenant_of)
+                              authenticate=keys.tenant_of, keys=keys)
     app = web.Application()
     Dashboard(gateway).add_routes(app)
     runner = web.AppRunner(app, access_log=None)

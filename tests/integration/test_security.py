@@ -35,7 +35,7 @@ def guarded(tmp_path_factory, tiny_profile):
     home = tmp_path_factory.mktemp("security")
     key_file = home / "api-keys.json"
     issued = {}
-    for tenant, extra in (("acme", []), ("globex", []), ("tiny", ["--max-concurrent", "1"])):
+    for tenant, extra in (("acme", []), ("globex", []), ("tiny", ["--max-concurrent", "1"]), ("ops", ["--operator"])):
         issued[tenant] = add_key(key_file, tenant, extra)
     cluster = start_cluster(home, profile=tiny_profile, api_keys=str(key_file))
     yield cluster, issued
@@ -92,6 +92,28 @@ async def test_a_tenant_sees_nothing_of_another_tenants_cache_unless_both_opt_in
     await call(cluster, completion(shared, cache_salt="partners-v1"), issued["acme"])
     _, joined, _ = await call(cluster, completion(shared, cache_salt="partners-v1"), issued["globex"])
     assert joined["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+async def test_the_dashboard_shows_a_tenant_only_its_own_decisions(guarded):
+    cluster, issued = guarded
+    status, _, headers = await call(cluster, completion("whose decision is this?"), issued["acme"])
+    assert status == 200
+    rid = headers["X-Request-Id"]
+    seen = {}
+    async with aiohttp.ClientSession() as session:
+        for tenant in ("acme", "globex", "ops"):
+            for _ in range(600):  # the routed event reaches the gateway's dashboard shortly after the reply
+                async with session.get(f"{cluster.spec.url}/dashboard/state",
+                                       headers={"Authorization": f"Bearer {issued[tenant]}"}) as resp:
+                    assert resp.status == 200
+                    decisions = (await resp.json())["decisions"]
+                seen[tenant] = {d["request_id"]: d.get("tenant") for d in decisions}
+                if tenant == "globex" or rid in seen[tenant]:
+                    break
+                await asyncio.sleep(0.1)
+    assert seen["acme"][rid] == "acme" and set(seen["acme"].values()) == {"acme"}
+    assert rid not in seen["globex"] and set(seen["globex"].values()) <= {"globex"}
+    assert seen["ops"][rid] == "acme"  # an operator's key sees every tenant's
 
 
 async def test_an_oversized_body_is_413_and_a_tenant_over_its_limit_gets_429(guarded):

@@ -1,6 +1,6 @@
 """`moonbus keys`: API keys of a cluster, stored hashed (services/gateway/tenants.py reads them).
 
-  moonbus keys add --tenant acme [--max-concurrent 8] [--tokens-per-minute 200000] [--shared-cache] [--label ci]
+  moonbus keys add --tenant acme [--max-concurrent 8] [--tokens-per-minute 200000] [--shared-cache] [--operator] [--label ci]
       prints the new key once (only its SHA-256 is kept)
   moonbus keys list                 tenants, labels and the first characters of each hash
   moonbus keys revoke --label ci    (or --tenant acme, or --hash 3fa2...)
@@ -34,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrent", type=int, default=None, help="requests in flight for the tenant")
     parser.add_argument("--tokens-per-minute", type=int, default=None, help="prompt + completion tokens per minute")
     parser.add_argument("--shared-cache", action="store_true", help="the tenant shares the common cache namespace")
+    parser.add_argument("--operator", action="store_true",
+                        help="the key sees every tenant's routing decisions on /dashboard/state (others: their own)")
 
 
 def load(path: Path) -> list[dict]:
@@ -61,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
             print("moonbus keys add: --tenant is required", file=sys.stderr)
             return 2
         key = new_api_key()
-        entry = {"hash": hash_key(key), "tenant": args.tenant, "label": args.label, "shared_cache": args.shared_cache}
+        entry = {"hash": hash_key(key), "tenant": args.tenant, "label": args.label, "shared_cache": args.shared_cache,
+                 "operator": args.operator}
         for name in ("max_concurrent", "tokens_per_minute"):
             if getattr(args, name) is not None:
                 entry[name] = getattr(args, name)
@@ -73,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         for e in keys:
             limits = ", ".join(f"{k} {e[k]}" for k in ("max_concurrent", "tokens_per_minute") if k in e)
             print(f"{e['hash'][:12]}  tenant {e['tenant']}  {e.get('label', '')}  {limits}"
-                  f"{'  shared cache' if e.get('shared_cache') else ''}")
+                  f"{'  shared cache' if e.get('shared_cache') else ''}{'  operator' if e.get('operator') else ''}")
         return 0
     if not (args.tenant or args.label or args.hash):
         print("moonbus keys revoke: say which (--tenant, --label or --hash)", file=sys.stderr)
