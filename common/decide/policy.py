@@ -77,6 +77,7 @@ class PolicySettings:
     block_tokens: int = 16
     kv_bytes_per_token: int = 46080
     colocate: bool = False
+    tbt_slo_s: float = 0.0  # decode TBTs closer than TBT_TIE_OF_SLO of it are ties (0: only TBT_TIE counts)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -252,10 +253,10 @@ def decide(request: RequestInfo, snapshot: ClusterSnapshot, settings: PolicySett
             p = min(eligible, key=_by_ttft)
             reason = _ttft_reason(settings, p, best_len, best_holder)
         if settings.colocate:
-            d = lightest([c for c in fitting if c.node == p.node])
+            d = lightest([c for c in fitting if c.node == p.node], settings.tbt_slo_s * TBT_TIE_OF_SLO)
             reason += f"; decode {d.instance_id}: colocated on {p.node}, tbt {d.tbt_s:.4f}s"
         else:
-            d = lightest(fitting)
+            d = lightest(fitting, settings.tbt_slo_s * TBT_TIE_OF_SLO)
             reason += f"; decode {d.instance_id}: lowest tbt {d.tbt_s:.4f}s"
 
     pull = None
@@ -337,16 +338,19 @@ _by_ttft = itemgetter(PrefillCost._fields.index("ttft_s"), 0)
 _by_queue = itemgetter(PrefillCost._fields.index("queue_s"), 0)
 _by_running = itemgetter(DecodeCost._fields.index("num_running"), DecodeCost._fields.index("tbt_s"), 0)
 TBT_TIE = 0.1  # predicted TBTs this close are equal: below what the learned factors can tell apart
+TBT_TIE_OF_SLO = 0.1  # ... and TBTs closer than this share of the TBT SLO: a difference that no SLO feels
 
 
-def lightest(decode: list[DecodeCost]) -> DecodeCost:
-    """The decode instance with the lowest predicted TBT; instances within TBT_TIE of it count as
-    tied and the one with fewer requests wins (then the lowest id). NOTE: the per-instance factors
-    learned from measurements carry a few percent of noise, and a model whose step time hardly
-    grows with the batch would otherwise send every request to whichever instance measured
-    fastest."""
+def lightest(decode: list[DecodeCost], tie_s: float = 0.0) -> DecodeCost:
+    """The decode instance with the lowest predicted TBT; instances within TBT_TIE of it, or within
+    `tie_s` seconds, count as tied and the one with fewer requests wins (then the lowest id).
+    NOTE: the per-instance factors learned from measurements carry noise (tens of percent on a
+    shared, loaded machine), and a model whose step time hardly grows with the batch would
+    otherwise send most requests to whichever instance measured fastest, far below the SLO,
+    while one that is truly slower by more than the band still gets fewer."""
     best = min(c.tbt_s for c in decode)
-    return min((c for c in decode if c.tbt_s <= best * (1.0 + TBT_TIE)), key=_by_running)
+    limit = max(best * (1.0 + TBT_TIE), best + tie_s)
+    return min((c for c in decode if c.tbt_s <= limit), key=_by_running)
 
 
 def _random_pick(draw: float, prefill: tuple[PrefillCost, ...], decode: list[DecodeCost],

@@ -296,3 +296,17 @@ def test_decode_tbts_within_the_tie_count_as_equal_and_the_emptier_instance_wins
     c = DecodeCost("d2", "n2", 0, 0, 0.080, True)  # clearly slower
     assert lightest([a, b, c]).instance_id == "d1"
     assert lightest([a, c]).instance_id == "d0"
+    # far below a TBT SLO of 1 s, 30 ms of learned difference is noise: the emptiest wins
+    assert lightest([a, c], tie_s=0.1 * 1.0).instance_id == "d2"
+    assert lightest([a, c], tie_s=0.1 * 0.2).instance_id == "d0"  # a tight SLO feels it
+
+
+def test_the_tbt_slo_sets_the_decode_tie_band_of_a_decision():
+    flat = Profile(PrefillModel((0.01, 0.001, 0.0, 0.0)), DecodeModel((0.02, 0.0, 0.0)))
+    decode = (DecodeCandidate("d0", "n0", 1, 100, None, step_factor=1.5),  # measured 1.5x slower
+              DecodeCandidate("d1", "n1", 4, 400, None, step_factor=1.0))
+    loose = PolicySettings(block_tokens=10, kv_bytes_per_token=100, tbt_slo_s=1.0)
+    tight = PolicySettings(block_tokens=10, kv_bytes_per_token=100, tbt_slo_s=0.05)
+    snapshot = make_snapshot([make_prefill("p0", "n0")], decode)
+    assert decide(make_request(), snapshot, loose, flat).decode_id == "d0"  # 10 ms apart, far under 1 s: emptier
+    assert decide(make_request(), snapshot, tight, flat).decode_id == "d1"

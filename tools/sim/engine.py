@@ -76,7 +76,7 @@ class Simulator:
         self.pulls = self.pulled_blocks = 0
         self.admission = AdmissionSettings(cfg.admission, cfg.ttft_slo_s, cfg.tbt_slo_s)
         self.policy = PolicySettings(cfg.policy, cfg.kvcache_balancing_threshold, cfg.nic_bytes_s,
-                                     cfg.block_tokens, self.kv_bytes)
+                                     cfg.block_tokens, self.kv_bytes, tbt_slo_s=cfg.tbt_slo_s)
         dram_blocks = cfg.dram_tokens // cfg.block_tokens
         self.nics: dict[str, Nic] = {}  # node -> its NIC
         self.prefills: list[PrefillInstance] = []
