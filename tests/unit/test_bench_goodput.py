@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import argparse
 
+import orjson
 import pytest
+
+from common.audit import Stored
 
 from tools.moonbus.bench import TARGETS, goodput
 
@@ -91,3 +94,5 @@ def test_the_ttft_prediction_is_judged_on_first_attempts_per_prefill_instance():
     assert got["per_instance"] == {"prefill-0": pytest.approx(1.25), "prefill-1": pytest.approx(0.9)}
     assert got["within_20pct"] == pytest.approx(2 / 3)
     assert goodput.ttft_prediction([])["median"] is None
+    stored = [Stored(i + 1, "moonbus.events.request.x.r", orjson.dumps(e)) for i, e in enumerate(events)]
+    assert goodput.ttft_prediction(goodput.events_of(stored)) == got

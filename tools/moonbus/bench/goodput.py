@@ -27,6 +27,7 @@ from pathlib import Path
 import orjson
 
 from common import models
+from common.audit import Stored
 from common.decide.admission import MODES
 from common.measures import summarize
 from tools.moonbus.bench import vllm_report
@@ -104,7 +105,12 @@ def measure(server: MoonbusServer, plan, args: argparse.Namespace, cores: int) -
     row = vllm_report.serve_row(summary, raw["trace"], raw["cpu_s"], raw["wall_s"], cores)
     return {"start_s": time.perf_counter() - started, "serve": row, "rejections": summary["rejections"],
             "tbt_p90_s": summary["tbt_p90_s"], "goodput_per_min": summary["goodput_per_min"],
-            "ttft_prediction": ttft_prediction([orjson.loads(r.data) for r in stored])}
+            "ttft_prediction": ttft_prediction(events_of(stored))}
+
+
+def events_of(stored: list[Stored]) -> list[dict]:
+    """The stream's events as dicts (a sealed event's digest is one more member)."""
+    return [orjson.loads(r.payload) for r in stored]
 
 
 def ttft_prediction(events: list[dict]) -> dict:
