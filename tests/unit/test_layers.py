@@ -79,3 +79,26 @@ def test_a_service_s_modules_import_in_a_line(package):
     names = {f"services.{package}.{p.stem}": p for p in modules(f"services/{package}") if p.parent.name == package}
     graph = {name: {m for m in imports(path) if m in names and m != name} for name, path in names.items()}
     assert _circle(graph) == []
+
+
+def test_every_module_imports():
+    """A module moved without its importers noticed (tools/experiments imported `tools.moonbus.replay`
+    for weeks after replay moved under traces/) fails here, not in a user's hands."""
+    import importlib
+    import pkgutil
+
+    import common
+    import schemas
+    import services
+    import tools
+
+    broken = {}
+    for package in (common, schemas, services, tools):
+        for module in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+            if module.name.endswith("__main__"):
+                continue  # running it is what `python -m` does
+            try:
+                importlib.import_module(module.name)
+            except Exception as exc:
+                broken[module.name] = repr(exc)
+    assert not broken, broken

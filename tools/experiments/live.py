@@ -28,7 +28,7 @@ from common.config import default_home  # noqa: E402
 from common.measures import OK, format_summary, summarize  # noqa: E402
 from common.traces import load_trace  # noqa: E402
 from tools.experiments.runs import _write  # noqa: E402
-from tools.moonbus import replay  # noqa: E402
+from tools.moonbus.traces import replay  # noqa: E402
 from tools.moonbus.cluster.processes import Cluster, ClusterSpec, free_port  # noqa: E402
 
 MODEL = models.SMOLLM2

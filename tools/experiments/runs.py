@@ -114,7 +114,7 @@ def overload(args: argparse.Namespace) -> Path:
     settings = [*_limit_note(args), "speed 2 (timestamps / 2), 8 prefill + 8 decode, kvcache-centric, LLaMA3-70B on 8xA800",
                 "SLOs: TTFT 30 s, TBT 12.5 ms (the decode step floor is 11.0 ms, reading the weights: this SLO makes "
                 "decode the binding stage at 2x; with 100 ms nothing is rejected late)",
-                "predictive admission: t_d = mean output x predicted step at batch 8 (4.6 s)",
+                "predictive admission: each request's remaining output from common/decide/outputs.py (the trace's output lengths through the live estimator), times the learned step time",
                 "command: moonbus sim --trace conversation_trace.jsonl --speed 2 --tbt-slo 0.0125 --admission MODE --plot"]
     lines = ["# Overload admission", "", *[f"- {s}" for s in settings], "",
              "| admission | rejected at arrival | rejected late | goodput (req/s) | effective capacity |", "|---|---|---|---|---|"]
