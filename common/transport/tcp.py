@@ -390,9 +390,10 @@ class TcpBackend(Backend):
                              daemon=True).start()
 
     def _refuse(self, addr, reason: str, why: str) -> None:
-        if self.door.refusal(addr[0], reason):
+        unlogged = self.door.refusal(addr[0], reason)
+        if unlogged is not None:
             log.warning("connection from %s:%s refused: %s (refusals from this address since the last line: %d)",
-                        addr[0], addr[1], why, self.door.quiet.pop(addr[0], 0))
+                        addr[0], addr[1], why, unlogged)
         if self.transports.on_refused is not None:
             self.transports.on_refused(f"{addr[0]}:{addr[1]}", why)
 
@@ -452,8 +453,9 @@ class _Door:
             else:
                 self._waiting.pop(address, None)
 
-    def refusal(self, address: str, reason: str) -> bool:
-        """Count a refusal; whether to log it (the first of an address in REFUSAL_LOG_S)."""
+    def refusal(self, address: str, reason: str) -> int | None:
+        """Count a refusal; if it is to be logged (the first of its address in REFUSAL_LOG_S), the
+        address's refusals not logged since its last line, else None."""
         now = time.monotonic()
         with self._lock:
             self.refused[reason] += 1
@@ -463,9 +465,9 @@ class _Door:
                     for old in sorted(self._logged, key=self._logged.get)[:2048]:
                         self._logged.pop(old, None)
                         self.quiet.pop(old, None)
-                return True
+                return self.quiet.pop(address, 0)
             self.quiet[address] = self.quiet.get(address, 0) + 1
-            return False
+            return None
 
 
 class _Connection:

@@ -31,7 +31,7 @@ from common.audit import Stored
 from common.decide.admission import MODES
 from common.measures import summarize
 from tools.moonbus.bench import vllm_report
-from tools.moonbus.bench.vllm import make_plan, say
+from tools.moonbus.bench.vllm import add_load_arguments, make_plan, say
 from tools.moonbus.bench.vllm_load import run_plan
 from tools.moonbus.bench.vllm_servers import (
     CpuMeter, MoonbusServer, ServerError, cache_dir, ensure_profile, moonbus_spec,
@@ -42,19 +42,8 @@ GOODPUT_GOAL = 1.5  # predictive's goodput over admission none's
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_load_arguments(parser)
     parser.add_argument("--modes", default=",".join(MODES), help=f"admission modes, in order (default {','.join(MODES)})")
-    parser.add_argument("--trace", default="conversation", help="a released trace's name or a JSONL path")
-    parser.add_argument("--rows", type=int, default=60, help="the trace's first N rows")
-    parser.add_argument("--speed", type=float, default=0.5, help="divide trace timestamps by this")
-    parser.add_argument("--tokens-per-block", type=int, default=16, help="prompt tokens per trace hash id (trace: 512)")
-    parser.add_argument("--max-tokens", type=int, default=32, help="every request's max_tokens (ignore_eos)")
-    parser.add_argument("--ttft-slo", type=float, default=30.0, metavar="S")
-    parser.add_argument("--tbt-slo", type=float, default=1.0, metavar="S")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    parser.add_argument("--dtype", default="auto", choices=("auto", *models.DTYPES))
-    parser.add_argument("--prefill", type=int, default=1)
-    parser.add_argument("--decode", type=int, default=1)
-    parser.add_argument("--start-timeout", type=float, default=900.0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 

@@ -48,6 +48,22 @@ TRACE_VOCAB = 259  # `moonbus replay`'s default: trace prompt ids are drawn from
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_load_arguments(parser)
+    parser.add_argument("--servers", default=",".join(SERVERS), help=f"which, in order (default {','.join(SERVERS)})")
+    parser.add_argument("--vllm-venv", type=Path, default=cache_dir() / "vllm-venv",
+                        help="vLLM's own environment, installed there once (default ~/.cache/moonbus/vllm-venv)")
+    parser.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE, GiB")
+    parser.add_argument("--prefill-tokens", type=int, default=1024, help="engine: the prefill prompt's length")
+    parser.add_argument("--engine-repeats", type=int, default=2, help="engine: prefill prompts (the fastest kept)")
+    parser.add_argument("--decode-batches", default="1,16", help="engine: decode batch sizes")
+    parser.add_argument("--decode-prompt-tokens", type=int, default=32, help="engine: each decode prompt's length")
+    parser.add_argument("--decode-tokens", type=int, default=64, help="engine: max_tokens of each decode request")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (the servers' logs)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    """The trace slice, SLOs and moonbus cluster every live comparison drives (also bench goodput's)."""
     parser.add_argument("--trace", default="conversation", help="a released trace's name or a JSONL path")
     parser.add_argument("--rows", type=int, default=60, help="the trace's first N rows")
     parser.add_argument("--speed", type=float, default=0.5, help="divide trace timestamps by this (0.5: half speed)")
@@ -60,18 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="both servers' dtype (auto: bfloat16 where the CPU has AVX-512 BF16 or AMX, else float32)")
     parser.add_argument("--prefill", type=int, default=1, help="moonbus prefill instances")
     parser.add_argument("--decode", type=int, default=1, help="moonbus decode instances")
-    parser.add_argument("--servers", default=",".join(SERVERS), help=f"which, in order (default {','.join(SERVERS)})")
-    parser.add_argument("--vllm-venv", type=Path, default=cache_dir() / "vllm-venv",
-                        help="vLLM's own environment, installed there once (default ~/.cache/moonbus/vllm-venv)")
-    parser.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE, GiB")
     parser.add_argument("--start-timeout", type=float, default=900.0, help="seconds a server may take to answer")
-    parser.add_argument("--prefill-tokens", type=int, default=1024, help="engine: the prefill prompt's length")
-    parser.add_argument("--engine-repeats", type=int, default=2, help="engine: prefill prompts (the fastest kept)")
-    parser.add_argument("--decode-batches", default="1,16", help="engine: decode batch sizes")
-    parser.add_argument("--decode-prompt-tokens", type=int, default=32, help="engine: each decode prompt's length")
-    parser.add_argument("--decode-tokens", type=int, default=64, help="engine: max_tokens of each decode request")
-    parser.add_argument("--keep", action="store_true", help="keep the work directory (the servers' logs)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def check_args(args: argparse.Namespace) -> list[str]:
