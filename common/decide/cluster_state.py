@@ -41,6 +41,7 @@ GAPS_KEPT = 64  # an instance's recent gaps between signs of life
 GAP_FACTOR = 4.0  # a silence this many times its longest recent gap (and past the timeout) is death
 UNKNOWN_OUTPUT_TOKENS = 256  # a request whose max_tokens is not reported (an older instance)
 DEFAULT_STEP_S = 0.05  # without a profile or a reported step time
+RECOVERY_S = 60.0  # how long after losing an instance its role counts as recovering (ClusterState.recovering)
 
 
 @dataclass
@@ -115,6 +116,7 @@ class ClusterState:
         # nodes whose messenger stopped heartbeating: their workers can neither send nor receive KV
         # (a messenger that was never heard of, as in the simulator, marks nothing)
         self.lost_nodes: set[str] = set()
+        self.lost_at: dict[str, float] = {}  # role -> when an instance of it was last lost
 
     def changed(self) -> None:
         self._coming = None
@@ -191,16 +193,22 @@ class ClusterState:
     def expire(self, now: float) -> list[WorkerInfo]:
         """Forget instances silent (no report, no beacon) past their deadline; returns them."""
         gone = [i.info for i in self.instances.values() if now - i.alive_at > i.deadline(self.timeout_s)]
-        return self._forget(gone)
+        return self._forget(gone, now)
 
-    def dead(self, instance_id: str) -> list[WorkerInfo]:
+    def dead(self, instance_id: str, now: float) -> list[WorkerInfo]:
         """Its process exited (a supervisor saw it): forget it now; returns it, if it was known."""
         known = self.instances.get(instance_id)
-        return self._forget([known.info] if known is not None else [])
+        return self._forget([known.info] if known is not None else [], now)
 
-    def _forget(self, gone: list[WorkerInfo]) -> list[WorkerInfo]:
+    def recovering(self, role: str, now: float) -> bool:
+        """An instance of `role` was lost lately (RECOVERY_S): with none left, that is capacity lost
+        while its supervisor brings it back (an overload, 429), not a cluster without the role (503)."""
+        return now - self.lost_at.get(role, -RECOVERY_S - 1.0) <= RECOVERY_S
+
+    def _forget(self, gone: list[WorkerInfo], now: float) -> list[WorkerInfo]:
         for info in gone:
             del self.instances[info.instance_id]
+            self.lost_at[info.role] = now
             if info.role == "messenger":
                 self.lost_nodes.add(info.node)
         if gone:

@@ -218,6 +218,7 @@ class NoInstances:
     request_id: str
     reason: str
     overloaded: bool = False
+    role: str = ""  # the kind that has no instance ("prefill" or "decode"), when that is why
 
 
 # --------------------------------------------------------------------------- the policy
@@ -226,12 +227,12 @@ class NoInstances:
 def decide(request: RequestInfo, snapshot: ClusterSnapshot, settings: PolicySettings, perf: Profile) -> Decision | NoInstances:
     """Route `request` by `settings.policy`; every candidate is priced and returned with the choice."""
     if not snapshot.prefill:
-        return NoInstances(request.request_id, "no prefill instance")
+        return NoInstances(request.request_id, "no prefill instance", role="prefill")
     decode_costs = price_decode(request, snapshot.decode, perf)
     fitting = [c for c in decode_costs if c.fits]
     if not fitting:
         if not decode_costs:
-            return NoInstances(request.request_id, "no decode instance")
+            return NoInstances(request.request_id, "no decode instance", role="decode")
         return NoInstances(request.request_id, "no decode instance has KV room for the prompt", overloaded=True)
     best_len, best_holder = best_prefix(snapshot)
     pulls = settings.policy == "kvcache-centric"

@@ -46,6 +46,7 @@ from common.decide.cluster_state import ClusterState, Refusal, Routed
 
 log = logging.getLogger(__name__)
 POLICY_VERSION = "moonbus-conductor/1"
+RECOVERY_RETRY_S = 5.0  # Retry-After while the only instance of a kind is being restarted
 
 
 class ConductorMetrics:
@@ -109,7 +110,7 @@ class ConductorService:
     async def on_exited(self, msg: Msg) -> None:
         """A supervisor saw the process exit: its requests are handed back now, not after a timeout."""
         exited = Exited.from_bytes(msg.data)
-        for info in self.state.dead(exited.instance_id):
+        for info in self.state.dead(exited.instance_id, time.monotonic()):
             log.warning("instance %s (%s) exited (code %d)", info.instance_id, info.role, exited.exit_code)
             await self.events.instance("lost", info.instance_id, role=info.role, node=info.node, reason="exited",
                                        exit_code=exited.exit_code)
@@ -193,6 +194,10 @@ class ConductorService:
             if decision.overloaded:  # instances exist, their KV room is taken: an overload, not an outage
                 self.metrics.decisions.labels("rejected").inc()
                 return RouteReply(False, 429, f"rejected at arrival: {decision.reason}", retry_after_s=retry)
+            if decision.role and self.state.recovering(decision.role, now):  # lost capacity, coming back
+                self.metrics.decisions.labels("rejected").inc()
+                return RouteReply(False, 429, f"rejected at arrival: {decision.reason} while a lost one is restarted",
+                                  retry_after_s=RECOVERY_RETRY_S)
             self.metrics.decisions.labels("unavailable").inc()
             return RouteReply(False, 503, f"{decision.reason} is available", retry_after_s=retry)
         loads = admission.DecodeLoadSnapshot(now, tuple(self.state.decode_load(d.instance_id, now)

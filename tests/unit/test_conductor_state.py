@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.decide.cluster_state import ClusterState, Refusal, Routed
+from common.decide.cluster_state import RECOVERY_S, ClusterState, Refusal, Routed
 from schemas.workers import Coming, DecodeReport, Joined, Layout, PrefillReport, WorkerInfo
 
 LAYOUT = Layout("tiny-random", 16, 2048, "4x2x2x16 float32")
@@ -195,9 +195,17 @@ def test_an_irregular_instance_gets_a_longer_deadline():
 def test_an_exited_process_is_dead_at_once():
     state = cluster()
     state.route(routed("a"))
-    assert [i.instance_id for i in state.dead("d0")] == ["d0"]
+    assert [i.instance_id for i in state.dead("d0", now=0.0)] == ["d0"]
     assert [r.request_id for r in state.lost_with("d0")] == ["a"]
-    assert state.dead("d0") == [] and state.dead("nobody") == []
+    assert state.dead("d0", now=0.0) == [] and state.dead("nobody", now=0.0) == []
+
+
+def test_a_role_that_lost_an_instance_is_recovering_for_a_while():
+    state = cluster()
+    assert not state.recovering("decode", now=0.0)  # never lost one: with none, the cluster lacks the role
+    state.dead("d0", now=10.0)
+    assert state.recovering("decode", now=10.0 + RECOVERY_S) and not state.recovering("prefill", now=10.0)
+    assert not state.recovering("decode", now=10.1 + RECOVERY_S)
 
 
 def test_a_new_process_under_a_known_id_means_its_predecessor_died():

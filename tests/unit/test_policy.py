@@ -174,13 +174,14 @@ def test_whole_prompt_cached_still_computes_last_token():
 
 def test_no_instances_is_a_result_not_an_exception():
     req, settings = make_request(), make_settings()
-    assert decide(req, make_snapshot([]), settings, PERF) == NoInstances("r1", "no prefill instance")
+    assert decide(req, make_snapshot([]), settings, PERF) == NoInstances("r1", "no prefill instance", role="prefill")
     no_room = make_snapshot([make_prefill("p", "n")], [make_decode("d", free=10)])
     # instances exist but their KV room is taken: an overload (429), not an outage (503)
     assert decide(req, no_room, settings, PERF) == NoInstances("r1", "no decode instance has KV room for the prompt",
                                                                 overloaded=True)
     no_decode = ClusterSnapshot(0.0, (PrefillCandidate("p", "n", 0.0),), ())
-    assert decide(req, no_decode, settings, PERF) == NoInstances("r1", "no decode instance", overloaded=False)
+    assert decide(req, no_decode, settings, PERF) == NoInstances("r1", "no decode instance", overloaded=False,
+                                                                role="decode")
 
 
 def test_decision_event_is_json_with_every_candidate():
