@@ -116,7 +116,7 @@ class ClusterState:
         # nodes whose messenger stopped heartbeating: their workers can neither send nor receive KV
         # (a messenger that was never heard of, as in the simulator, marks nothing)
         self.lost_nodes: set[str] = set()
-        self.lost_at: dict[str, float] = {}  # role -> when an instance of it was last lost
+        self.lost: dict[str, tuple[str, float]] = {}  # lost instance -> (its role, when), until heard again
 
     def changed(self) -> None:
         self._coming = None
@@ -130,6 +130,7 @@ class ClusterState:
         lost, though no silence was ever long enough to say so), a Refusal for one whose
         invariants differ from the cluster's, else None."""
         self.changed()
+        self.lost.pop(info.instance_id, None)  # back (or leaving on purpose): no longer capacity lost
         if info.leaving:  # a clean exit: a new instance under this id starts from the profile
             self.learned.forget(info.instance_id)
             self._measured.pop(info.instance_id, None)
@@ -201,14 +202,15 @@ class ClusterState:
         return self._forget([known.info] if known is not None else [], now)
 
     def recovering(self, role: str, now: float) -> bool:
-        """An instance of `role` was lost lately (RECOVERY_S): with none left, that is capacity lost
-        while its supervisor brings it back (an overload, 429), not a cluster without the role (503)."""
-        return now - self.lost_at.get(role, -RECOVERY_S - 1.0) <= RECOVERY_S
+        """An instance of `role` was lost lately (RECOVERY_S) and has not been heard from since: with
+        none left, that is capacity lost while its supervisor brings it back (an overload, 429), not a
+        cluster without the role (503). One that came back, or later left cleanly, is not pending."""
+        return any(r == role and now - at <= RECOVERY_S for r, at in self.lost.values())
 
     def _forget(self, gone: list[WorkerInfo], now: float) -> list[WorkerInfo]:
         for info in gone:
             del self.instances[info.instance_id]
-            self.lost_at[info.role] = now
+            self.lost[info.instance_id] = (info.role, now)
             if info.role == "messenger":
                 self.lost_nodes.add(info.node)
         if gone:

@@ -208,6 +208,17 @@ def test_a_role_that_lost_an_instance_is_recovering_for_a_while():
     assert not state.recovering("decode", now=10.1 + RECOVERY_S)
 
 
+def test_a_lost_instance_that_came_back_or_left_cleanly_is_not_recovering():
+    state = cluster()
+    state.dead("d0", now=10.0)
+    assert state.recovering("decode", now=11.0)
+    state.heard(decode(), now=12.0)  # its supervisor brought it back
+    assert not state.recovering("decode", now=12.0)
+    state.dead("d0", now=20.0)
+    state.heard(decode(leaving=True), now=21.0)  # an operator's clean stop after a restart
+    assert not state.recovering("decode", now=21.0)
+
+
 def test_a_new_process_under_a_known_id_means_its_predecessor_died():
     state = ClusterState(timeout_s=3.0, lease_s=100.0)
     assert state.heard(decode(incarnation="old"), now=0.0) == "joined"
