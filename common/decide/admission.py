@@ -5,7 +5,7 @@ that prefill, so the conductor predicts. Modes (AdmissionSettings.mode):
 
     none        admit everything
     baseline    reject if predicted TTFT (of the policy's p*) > ttft_slo_s. Nothing else at
-                arrival: the decode instance re-checks TBT when the KV arrives (`decode_admits`)
+                arrival: the decode instance re-checks TBT when the KV arrives (`late_verdict`)
                 and may reject then, late, with the prefill wasted.
     early       baseline, and also reject if the decode pool's CURRENT load already breaks the
                 TBT SLO: min over decode instances of tbt(batch + 1, context + this prompt) >
@@ -160,11 +160,32 @@ def admit(ttft_s: float, context_tokens: int, load: DecodeLoadSnapshot, settings
 _by_tbt_then_id = itemgetter(0, 1)
 
 
-def decode_admits(state: DecodeCandidate, context_tokens: int, perf: Profile, tbt_slo_s: float) -> bool:
-    """The decode instance's late check when the KV arrives: TBT with it added, and KV room."""
-    if state.kv_free_tokens is not None and state.kv_free_tokens < context_tokens:
-        return False
-    return perf.decode.step_seconds(state.num_running + 1, state.context_tokens + context_tokens) * state.step_factor <= tbt_slo_s
+def kv_reservation(kv_len: int, max_tokens: int, num_generated: int, max_context: int | None = None) -> int:
+    """KV tokens a request reserves on a decode instance: its KV now plus one per step it may still
+    run (each step feeds one token and yields the next), capped by the model's context."""
+    tokens = kv_len + max(max_tokens - num_generated, 0)
+    return tokens if max_context is None else min(tokens, max_context)
+
+
+def late_verdict(state: DecodeCandidate, context_tokens: int, needed_tokens: int, budget_tokens: int | None,
+                 perf: Profile, tbt_slo_s: float, check_tbt: bool = True) -> str:
+    """The decode instance's check when a request's KV arrives, live and simulated alike: "" takes
+    it (it waits for KV room, first come first served), else why it is rejected late: "tbt" (with it
+    the batch's step breaks the TBT SLO; admission "none" does not check) or "kv" (its reservation,
+    `needed_tokens`, exceeds the instance's whole KV budget: no departure would ever make room)."""
+    if check_tbt and perf.decode.step_seconds(state.num_running + 1, state.context_tokens + context_tokens) \
+            * state.step_factor > tbt_slo_s:
+        return "tbt"
+    if budget_tokens is not None and needed_tokens > budget_tokens:
+        return "kv"
+    return ""
+
+
+def has_room(running: int, max_batch: int | None, reserved_tokens: int, needed_tokens: int,
+             budget_tokens: int | None) -> bool:
+    """A waiting request may join the batch now: a free row, and its reservation fits the budget."""
+    return ((max_batch is None or running < max_batch)
+            and (budget_tokens is None or reserved_tokens + needed_tokens <= budget_tokens))
 
 
 def _tbt_retry_after(at: float, context_tokens: int, judged: list, settings: AdmissionSettings,

@@ -28,6 +28,7 @@ Capacities are in blocks; `capacity_in_blocks(bytes, layout)` converts.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import groupby
 from typing import Iterable, Literal, Union
 
 from common.kv.blocks import KvLayout
@@ -76,6 +77,26 @@ class NoRoom:
 
 
 PoolAction = Union[Stored, Demoted, Promoted, Evicted, NoRoom]
+Change = tuple[str, Tier, int]  # (KV event kind, tier, key): one block's change, as the index hears it
+
+
+def change_of(action: PoolAction) -> Change | None:
+    """What the prefix index hears of an action executed as the pool decided it (None: NoRoom)."""
+    if isinstance(action, Stored):
+        return "stored", action.tier, action.key
+    if isinstance(action, Demoted):
+        return "demoted", SSD, action.key
+    if isinstance(action, Promoted):
+        return "promoted", DRAM, action.key
+    if isinstance(action, Evicted):
+        return "evicted", action.tier, action.key
+    return None
+
+
+def runs(changes: Iterable[Change]) -> list[tuple[str, Tier, list[int]]]:
+    """Consecutive changes of one kind and tier, each run one KV event (kind, tier, keys), in order:
+    the live messenger and the simulator number and publish these alike."""
+    return [(kind, tier, [key for _, _, key in run]) for (kind, tier), run in groupby(changes, key=lambda c: c[:2])]
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,8 +18,9 @@ Rows stay contiguous: `remove()` moves the last row into the freed slot.
 
 Admission: a request reserves `kv_len + tokens it may still generate` (capped by the model's
 context) against `kv_budget_tokens`, so a running request never runs out of room; `can_admit()`
-checks that and `max_batch`; `tbt_admits()` is the late TBT re-check of ARCHITECTURE.md (the
-conductor's pure `decode_admits`, fed this engine's state).
+checks that and `max_batch`. Both are the decision floor's (`kv_reservation`, `has_room`), which
+the simulator counts with too; the late TBT re-check of ARCHITECTURE.md is its `late_verdict`,
+fed `admission_state()`.
 NOTE: the budget counts reserved tokens, not the padded buffer: with very ragged lengths the
 buffer holds up to rows * (longest + grow) tokens.
 
@@ -32,15 +33,14 @@ to ~1e-6 in float32 (whose M=1 kernel differs in the last bits). Tests check tok
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from common.decide.perf import Profile
 from common.engine.llama import KvWriter, Llama
 from common.sampling import SamplingError, is_greedy, sample
 from schemas.route import SamplingParams
-from common.decide.admission import decode_admits
+from common.decide.admission import has_room, kv_reservation
 from common.decide.policy import DecodeCandidate
 
 
@@ -109,24 +109,15 @@ class BatchEngine:
         Each step feeds one token (its K, V join the cache) and yields the next, so a request at
         `num_generated` of `max_tokens` runs `max_tokens - num_generated` more steps.
         """
-        return min(kv_len + max(sampling.max_tokens - num_generated, 0), self.max_context)
+        return kv_reservation(kv_len, sampling.max_tokens, num_generated, self.max_context)
 
     def can_admit(self, num_tokens: int) -> bool:
-        return len(self.rows) < self.max_batch and self.reserved_tokens + num_tokens <= self.kv_budget_tokens
+        return has_room(len(self.rows), self.max_batch, self.reserved_tokens, num_tokens, self.kv_budget_tokens)
 
-    def admission_state(self, instance_id: str = "", node: str = "") -> DecodeCandidate:
-        """This engine as the conductor sees a decode instance (heartbeats, `decode_admits`)."""
+    def admission_state(self, instance_id: str = "", node: str = "", step_factor: float = 1.0) -> DecodeCandidate:
+        """This engine as the conductor sees a decode instance (heartbeats, `late_verdict`)."""
         return DecodeCandidate(instance_id, node, len(self.rows), self.context_tokens,
-                               self.kv_budget_tokens - self.reserved_tokens)
-
-    def tbt_admits(self, context_tokens: int, perf: Profile, tbt_slo_s: float, step_factor: float = 1.0) -> bool:
-        """The late TBT re-check when a request's KV arrives: predicted step time with it added <= SLO.
-
-        `perf` is a common.decide.perf.Profile (only `perf.decode.step_seconds(batch, context)` is used).
-        KV room is `can_admit`'s job (it counts reservations), so it is not re-checked here.
-        """
-        return decode_admits(replace(self.admission_state(), kv_free_tokens=None, step_factor=step_factor),
-                             context_tokens, perf, tbt_slo_s)
+                               self.kv_budget_tokens - self.reserved_tokens, step_factor)
 
     # ------------------------------------------------------------------ membership
 

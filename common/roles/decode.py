@@ -40,6 +40,7 @@ from schemas.codec import WireError
 from schemas.decode import DecodeTask
 from schemas.tokens import Probe, ProbeReply, TokenChunk
 from schemas.workers import DecodeReport, Joined, Layout, Measured, Progress, WorkerInfo
+from common.decide.admission import late_verdict
 from common.decide.learn import Factor
 from common.engine.batch import BatchEngine
 from common.roles.decode_config import DecodeConfig
@@ -163,12 +164,13 @@ class DecodeService:
         old = self.running.get(rid)
         if old is not None:  # an abandoned attempt of the same request still runs here: the new one wins
             self.forget(rid)
-        if self.cfg.late_check and not self.engine.tbt_admits(len(task.prompt_token_ids), self.perf, self.cfg.tbt_slo_s,
-                                                               self.speed.value):
+        needed, budget = self.needed(task), self.engine.kv_budget_tokens
+        why = late_verdict(self.engine.admission_state(step_factor=self.speed.value), len(task.prompt_token_ids),
+                           needed, budget, self.perf, self.cfg.tbt_slo_s, check_tbt=self.cfg.late_check)
+        if why == "tbt":
             await self.reject_late(task, f"decode instance {self.cfg.instance_id} cannot meet the TBT SLO")
-        elif self.needed(task) > self.engine.kv_budget_tokens:
-            await self.reject_late(task, f"the request needs {self.needed(task)} KV tokens; "
-                                         f"the decode budget is {self.engine.kv_budget_tokens}")
+        elif why == "kv":
+            await self.reject_late(task, f"the request needs {needed} KV tokens; the decode budget is {budget}")
         else:
             self.waiting.append(task)
 

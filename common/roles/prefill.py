@@ -33,6 +33,7 @@ from common import bus, kvfiles, metrics, runner, sampling, security, worker
 from common.kv.blocks import DEFAULT_SEED, block_keys
 from common.pool_client import PoolClient, PoolUnavailable, Prefix
 from common.transport import TransportError, Transports
+from common.decide.perf import queue_ends
 from schemas import subjects
 from schemas.codec import WireError
 from schemas.decode import DecodeTask
@@ -155,21 +156,17 @@ class PrefillService:
         """The queue as the conductors should see it: each request's predicted end, in order."""
         now = time.monotonic()
         held = ([self.current] if self.current is not None else []) + list(self.queue._queue)  # noqa: SLF001
-        t, coming, queued_tokens = 0.0, [], 0
+        running_for = now - self.current_started if self.current is not None else None
+        ends = queue_ends((task.predicted_s for task in held), running_for)
         ids = [task.request_id for task in held]
-        for i, task in enumerate(held):
-            work = task.predicted_s
-            if i == 0 and self.current is not None:
-                work = max(0.0, work - (now - self.current_started))
-            else:
-                queued_tokens += len(task.prompt_token_ids)
-            t += work
-            if task.sampling.max_tokens > 1 and (task.pipeline is None or task.stage == task.pipeline.last_stage(
-                    len(task.prompt_token_ids))):  # it will join its decode instance (one stage says so)
-                coming.append(Coming(task.request_id, task.decode_id, round(t, 6), len(task.prompt_token_ids),
-                                     task.sampling.max_tokens, task.sampling.expected_tokens))
+        queued_tokens = sum(len(task.prompt_token_ids) for task in held[1 if self.current is not None else 0:])
+        coming = [Coming(task.request_id, task.decode_id, round(end, 6), len(task.prompt_token_ids),
+                         task.sampling.max_tokens, task.sampling.expected_tokens)
+                  for task, end in zip(held, ends)
+                  if task.sampling.max_tokens > 1 and (task.pipeline is None or task.stage == task.pipeline.last_stage(
+                      len(task.prompt_token_ids)))]  # it will join its decode instance (one stage says so)
         running = len(self.current.prompt_token_ids) if self.current is not None else 0
-        return PrefillReport(round(t, 6), queued_tokens, running, ids, coming, self.measured)
+        return PrefillReport(round(ends[-1] if ends else 0.0, 6), queued_tokens, running, ids, coming, self.measured)
 
     async def fail(self, task: PrefillTask, index: int, why: str, status: int = 500, stage: str = "") -> None:
         """A retryable error: the gateway re-dispatches (before the first token) or resumes (after).

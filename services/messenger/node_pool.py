@@ -29,7 +29,8 @@ from pathlib import Path
 
 from common.kv import blocks as kvblocks
 from common.kv.blocks import ChecksumMismatch, KvLayout
-from common.decide.pool import DRAM, SSD, Demoted, Evicted, NoRoom, PoolAction, Promoted, Stored, TieredPool
+from common.decide.pool import (DRAM, SSD, Demoted, Evicted, NoRoom, PoolAction, Promoted, Stored, TieredPool,
+                                change_of, runs)
 from schemas.pool import KvEventData, SlotRef
 from common.kv.slab import DramSlab
 from services.messenger.ssd import PutStatus, SsdStore, map_size_for
@@ -115,7 +116,7 @@ class NodePool:
             self.checksums[ref.key] = ref.checksum
             self.pool.unpin([ref.key])
             held.remove(ref.key)
-            self._events.append(("stored", DRAM, ref.key))
+            self._events.append(change_of(Stored(ref.key, DRAM)))
         return self.take_events()
 
     def release(self, hold: str, corrupt: list[int] = ()) -> list[PoolEvent]:
@@ -212,7 +213,7 @@ class NodePool:
                 self.checksums.pop(key, None)
                 self._events.append(("evicted", DRAM, key))
             else:
-                self._events.append(("demoted", SSD, key))
+                self._events.append(change_of(action))
         elif isinstance(action, Promoted):
             self._execute_promotion(key)
         elif isinstance(action, Evicted):
@@ -224,7 +225,7 @@ class NodePool:
                 except Exception as exc:  # the record stays on disk; the pool has forgotten it
                     log.error("node %s: SSD delete of block %016x failed: %r", self.node, key, exc)
             self.checksums.pop(key, None)
-            self._events.append(("evicted", action.tier, key))
+            self._events.append(change_of(action))
 
     def _execute_promotion(self, key: int) -> None:
         try:
@@ -242,7 +243,7 @@ class NodePool:
         self.slab.write(slot, payload)
         self.slots[key] = slot
         self.ssd.delete(key)
-        self._events.append(("promoted", DRAM, key))
+        self._events.append(change_of(Promoted(key)))
 
     def _alloc_slot(self) -> int:
         slot = self.slab.alloc()
@@ -254,15 +255,12 @@ class NodePool:
         """Group this operation's changes into numbered events (one per run of kind and tier);
         `corrupt` ones (audit only, not numbered) name the request whose read found them."""
         out: list[PoolEvent] = []
-        for kind, tier, key in self._events:
-            if out and out[-1].kind == kind and out[-1].data.tier == tier:
-                out[-1].data.keys.append(key)
-                continue
+        for kind, tier, keys in runs(self._events):
             if kind == "corrupt":
-                out.append(PoolEvent(kind, KvEventData(self.node, self.epoch, 0, [key], tier, reader)))
+                out.append(PoolEvent(kind, KvEventData(self.node, self.epoch, 0, keys, tier, reader)))
                 continue
             self.seq += 1
-            out.append(PoolEvent(kind, KvEventData(self.node, self.epoch, self.seq, [key], tier)))
+            out.append(PoolEvent(kind, KvEventData(self.node, self.epoch, self.seq, keys, tier)))
         self._events.clear()
         return out
 

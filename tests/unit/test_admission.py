@@ -8,7 +8,7 @@ within the SLO while it already runs at most 8 requests. Every request here stay
 import pytest
 
 from common.decide.perf import DecodeModel, PrefillModel, Profile
-from common.decide.admission import AdmissionSettings, DecodeLoad, DecodeLoadSnapshot, admit, decode_admits
+from common.decide.admission import AdmissionSettings, DecodeLoad, DecodeLoadSnapshot, admit, has_room, kv_reservation, late_verdict
 from common.decide.policy import DecodeCandidate
 
 PERF = Profile(PrefillModel((0.0, 0.001, 0.0, 0.0)), DecodeModel((0.01, 0.01, 0.0)))
@@ -123,10 +123,19 @@ def test_no_decode_instance_rejects():
     assert not v.admit and v.retry_after_s == 1.0
 
 
-def test_decode_admits_late_check():
-    assert decode_admits(DecodeCandidate("d0", "n", 8, 800), 100, PERF, 0.1)
-    assert not decode_admits(DecodeCandidate("d0", "n", 9, 900), 100, PERF, 0.1)
-    assert not decode_admits(DecodeCandidate("d0", "n", 0, 0, kv_free_tokens=50), 100, PERF, 0.1)
+def test_the_late_check_on_kv_arrival():
+    assert late_verdict(DecodeCandidate("d0", "n", 8, 800), 100, 132, None, PERF, 0.1) == ""
+    assert late_verdict(DecodeCandidate("d0", "n", 9, 900), 100, 132, None, PERF, 0.1) == "tbt"
+    # no room now is not a rejection (it waits for room); more than the whole budget is
+    assert late_verdict(DecodeCandidate("d0", "n", 0, 0, kv_free_tokens=50), 100, 132, 200, PERF, 0.1) == ""
+    assert late_verdict(DecodeCandidate("d0", "n", 0, 0, kv_free_tokens=50), 100, 232, 200, PERF, 0.1) == "kv"
+
+
+def test_a_reservation_counts_the_steps_still_to_run_and_room_counts_rows_and_tokens():
+    assert kv_reservation(100, 32, 1) == 131 and kv_reservation(100, 32, 40) == 100
+    assert kv_reservation(100, 32, 1, max_context=120) == 120
+    assert has_room(1, 2, 100, 100, 200) and not has_room(2, 2, 0, 1, 200) and not has_room(0, 2, 101, 100, 200)
+    assert has_room(5, None, 10**9, 10**9, None)
 
 
 @pytest.mark.parametrize("kwargs", [{"mode": "eager"}, {"tbt_slo_s": 0},

@@ -13,6 +13,7 @@ from common.engine import reference as single
 from common.decide.perf import DecodeModel, PrefillModel, Profile
 from schemas.route import SamplingParams
 from common.engine.batch import BatchEngine, BatchFull
+from common.decide.admission import late_verdict
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=64, seed=7)
@@ -122,8 +123,11 @@ def test_tbt_recheck_uses_predicted_step_time(model):
     for i in range(3):
         kv, first = make_start(model, make_prompt(4, i), GREEDY)
         batch.add(f"r{i}", kv, first, GREEDY)
-    assert batch.tbt_admits(10, perf, tbt_slo_s=0.05)  # batch 4: 0.05 s
-    assert not batch.tbt_admits(10, perf, tbt_slo_s=0.045)
+    state = batch.admission_state()
+    assert late_verdict(state, 10, 30, batch.kv_budget_tokens, perf, tbt_slo_s=0.05) == ""  # batch 4: 0.05 s
+    assert late_verdict(state, 10, 30, batch.kv_budget_tokens, perf, tbt_slo_s=0.045) == "tbt"
+    assert late_verdict(state, 10, 30, batch.kv_budget_tokens, perf, tbt_slo_s=0.045, check_tbt=False) == ""
+    assert late_verdict(state, 10, 10_001, batch.kv_budget_tokens, perf, tbt_slo_s=0.05) == "kv"  # never fits
 
 
 def test_step_on_empty_batch_returns_nothing(model):
@@ -180,3 +184,31 @@ def test_a_row_that_cannot_sample_fails_alone(model, monkeypatch):
     monkeypatch.setattr(batch, "_forward", real_forward)
     batch.remove("r1")
     assert set(batch.step().tokens) == {"r0", "r2"}
+
+
+def test_the_simulated_decode_instance_counts_room_as_the_live_engine_does(model):
+    """One sequence of joins and a departure through the live engine and the simulator's decode
+    instance: the same reservation per request, the same room left, the same yes/no on room."""
+    from tools.sim.decode import DecodeBatch
+    from tools.sim.instances import DecodeInstance, Nic
+    from tools.sim.request import SimRequest
+
+    budget = 120
+    live = BatchEngine(Llama.from_hf(model), max_batch=8, kv_budget_tokens=budget)
+    simulated = DecodeInstance("d0", Nic(1e9), DecodeBatch(lambda b, c, t: 0.01, 64, lambda *a: None), budget)
+    for i, (prompt_len, max_tokens) in enumerate([(20, 10), (30, 40), (8, 3), (40, 60), (10, 5)]):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        r = SimRequest(i, 0.0, prompt_len, max_tokens, [], max_tokens)
+        need = live.tokens_needed(prompt_len, params, num_generated=1)
+        assert simulated.needed(r) == need
+        assert simulated.has_room(r) == live.can_admit(need), (i, need, live.reserved_tokens)
+        if live.can_admit(need):
+            kv, first = make_start(model, make_prompt(prompt_len, i), params)
+            live.add(f"r{i}", kv, first, params)
+            simulated.batch.members.append(r)
+        assert simulated.kv_free() == live.admission_state().kv_free_tokens
+        if i == 2:  # the first one leaves
+            live.remove("r0")
+            simulated.batch.members.remove(next(m for m in simulated.batch.members if m.index == 0))
+            assert simulated.kv_free() == live.admission_state().kv_free_tokens
+    assert live.num_running == len(simulated.batch.members) == 3  # (40, 60) never found room

@@ -18,6 +18,7 @@ from common.decide.perf import (
     Profile,
     analytic_profile,
     transfer_seconds,
+    queue_ends,
 )
 
 TRUE_PREFILL = (0.005, 2e-4, 3e-8, 1e-6)  # fixed, per computed token, attention, per prefix token
@@ -158,3 +159,10 @@ def _subset_fit(rows: np.ndarray, mask: np.ndarray) -> np.ndarray:
     full = np.zeros(rows.shape[1])
     full[mask], *_ = np.linalg.lstsq(rows[:, mask], np.ones(len(rows)), rcond=None)
     return full
+
+
+def test_a_queue_ends_each_job_after_the_work_ahead_of_it():
+    assert queue_ends([1.0, 2.0, 3.0]) == [1.0, 3.0, 6.0]
+    assert queue_ends([1.0, 2.0, 3.0], running_for_s=0.25) == [0.75, 2.75, 5.75]  # the first has run a while
+    assert queue_ends([1.0, 2.0], running_for_s=5.0) == [0.0, 2.0]  # overdue: it ends now, not in the past
+    assert queue_ends([]) == []

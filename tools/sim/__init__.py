@@ -1,8 +1,10 @@
 """A discrete-event simulator of a moonbus cluster, driven by the live decision code.
 
-The conductor's `decide` and `admit`, the decode instance's `decode_admits`, the KV pool
-(`TieredPool` and its eviction policies) and the cache index (`PrefixIndex`) are imported, not
-copied: the simulation schedules, admits and evicts exactly as the live cluster would, and only
+The conductor's `decide` and `admit` and its load bookkeeping (`ClusterState`), the decode
+instance's late check and KV reservations (`late_verdict`, `kv_reservation`, `has_room`), the
+prefill instance's queue report (`queue_ends`), the KV pool (`TieredPool` and its eviction
+policies, and `change_of`/`runs` for its events) and the cache index (`PrefixIndex`) are
+imported, not copied: the simulation schedules, admits and evicts exactly as the live cluster would, and only
 time (prefill, decode steps, transfers) comes from a performance model.
 
     from tools.sim import SimConfig, simulate

@@ -11,7 +11,8 @@
                 the prefill's start, over both nodes' NICs: it lands at
                 max(prefill end + one layer's share, when the NIC booking completes).
     prefill end first token; the node's pool stores every block (pulled ones too: replication)
-    kv arrives  decode_admits (live code) -> late rejection, or join the batch (decode.py)
+    kv arrives  late_verdict (live code) -> late rejection, or wait for KV room (has_room, the
+                live code's reservations) and join the batch (decode.py), first come first served
     segment end members that produced their last token are done
 
 Coupled instances (coupled.py) prefill and decode on one GPU: a prefill pauses the batch.
@@ -31,7 +32,7 @@ from common.measures import FAILED, OK, REJECTED_ARRIVAL, REJECTED_LATE, Request
 from common.decide.perf import Profile
 from common.traces import TraceRow
 from common.decide.index import PrefixIndex
-from common.decide.admission import AdmissionSettings, DecodeLoadSnapshot, admit, decode_admits
+from common.decide.admission import AdmissionSettings, DecodeLoadSnapshot, admit, late_verdict
 from common.decide.policy import ClusterSnapshot, NoInstances, PolicySettings, RequestInfo, decide
 from tools.sim.config import SimConfig, build_profile
 from tools.sim.coupled import CoupledInstance
@@ -158,8 +159,21 @@ class Simulator:
         self.dirty.clear()
 
     def end_done(self, batch: DecodeBatch) -> None:
-        for r, t in batch.take_done():
+        done = batch.take_done()
+        for r, t in done:
             self.end(r, t)
+        if done and batch.owner.waiting:
+            self.admit_waiting(batch.owner, done[-1][1])
+
+    def admit_waiting(self, d: DecodeInstance, t: float) -> None:
+        """Requests whose KV arrived join as room frees, in arrival order (a live decode instance's
+        `admit_waiting`); members that finish on the way make room for the next."""
+        while d.waiting and d.has_room(d.waiting[0]):
+            r = d.waiting.popleft()
+            r.kv_arrival_s = t
+            d.batch.join(r, t)
+            for member, end in d.batch.take_done():
+                self.end(member, end)
 
     # --- the conductor ---------------------------------------------------------------------------------
 
@@ -193,8 +207,6 @@ class Simulator:
             r.ready_s = transfer(self.nics[decision.pull.source_node], p.nic, t, decision.pull.nbytes)
             self.pulls += 1
             self.pulled_blocks += decision.pull.num_blocks
-        p.predicted_free = max(t + decision.transfer_s, p.predicted_free) + decision.prefill_s
-        r.predicted_end_s = t + decision.ttft_s
         self.state.route(Routed(str(r.index), (p.instance_id,), r.decode.instance_id, "", r.input_tokens, t,
                                 decision.prefill_s + decision.transfer_s, decision.ttft_s,
                                 joins_decode=r.output_tokens > 1, max_tokens=r.max_tokens))
@@ -209,7 +221,7 @@ class Simulator:
         r = p.queue.popleft()
         p.current = r
         p.busy = True
-        start = max(p.claim_gpu(t), r.ready_s)
+        start = r.prefill_start_s = max(p.claim_gpu(t), r.ready_s)
         if isinstance(p, CoupledInstance):
             self.end_done(p.decode.batch)
         cfg, n = self.cfg, r.input_tokens
@@ -257,12 +269,13 @@ class Simulator:
     def on_kv_arrive(self, r: SimRequest, _unused, t: float) -> None:
         d: DecodeInstance = r.decode
         own = d.own_state(self.state.learned.factor(d.instance_id, "step"))
-        if self.cfg.admission != "none" and not decode_admits(own, r.input_tokens, self.perf, self.cfg.tbt_slo_s):
-            self.end(r, t, REJECTED_LATE, f"decode {d.instance_id}: tbt or kv room over budget on kv arrival")
+        why = late_verdict(own, r.input_tokens, d.needed(r), d.kv_tokens, self.perf, self.cfg.tbt_slo_s,
+                           check_tbt=self.cfg.admission != "none")
+        if why:
+            self.end(r, t, REJECTED_LATE, f"decode {d.instance_id}: {why} over budget on kv arrival")
             return
-        r.kv_arrival_s = t
-        d.batch.join(r, t)
-        self.end_done(d.batch)
+        d.waiting.append(r)
+        self.admit_waiting(d, t)
         d.changed()
 
     def on_segment_end(self, batch: DecodeBatch, version: int, t: float) -> None:
@@ -271,7 +284,8 @@ class Simulator:
         batch.segment_end(t)
         self.end_done(batch)
         batch.owner.changed()
-        batch.open(t)
+        if not batch.running:  # a request that was waiting for room may have opened it already
+            batch.open(t)
 
 
 def simulate(rows: list[TraceRow], cfg: SimConfig, profile: Profile | None = None) -> SimOutcome:

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 from collections import deque
 
-from common.decide.pool import Demoted, Evicted, NoRoom, Promoted, Stored, TieredPool
+from common.decide.admission import has_room, kv_reservation
+from common.decide.perf import queue_ends
+from common.decide.pool import TieredPool, change_of, runs
 from schemas.workers import Coming, DecodeReport, Joined, Measured, PrefillReport, WorkerInfo
 from common.decide.index import KvEvent, PrefixIndex
 from common.decide.policy import DecodeCandidate
 from tools.sim.decode import DecodeBatch
 from tools.sim.request import SimRequest
-
-# pool action type -> (KvEvent kind, tier); Evicted's tier comes from the action
-_EVENT_KIND = {Stored: "stored", Demoted: "demoted", Promoted: "promoted", Evicted: "evicted"}
-
 
 class Nic:
     """A node's network link, shared by what it sends and receives: FIFO, one transfer at a time.
@@ -49,9 +47,9 @@ def transfer(src: Nic, dst: Nic, t: float, nbytes: float) -> float:
 class PoolNode:
     """A node's KV pool, publishing its actions to the index with per-node sequence numbers."""
 
-    def __init__(self, node: str, dram_blocks: int, eviction: str, index: PrefixIndex) -> None:
+    def __init__(self, node: str, dram_blocks: int, eviction: str, index: PrefixIndex, ssd_blocks: int = 0) -> None:
         self.node = node
-        self.pool = TieredPool(dram_blocks, 0, eviction)
+        self.pool = TieredPool(dram_blocks, ssd_blocks, eviction)
         self.index = index
         self.seq = 0
 
@@ -61,20 +59,8 @@ class PoolNode:
     def store(self, keys: list[int]) -> None:
         """Put every key (held ones are touched) and tell the index, one event per run of a kind."""
         actions = self.pool.put((key, depth) for depth, key in enumerate(keys))
-        run_kind, run_tier, run_keys = None, "dram", []
-        for action in actions:
-            cls = type(action)
-            if cls is NoRoom:
-                continue
-            kind = _EVENT_KIND[cls]
-            tier = action.tier if cls is Evicted else ("ssd" if cls is Demoted else "dram")
-            if (kind, tier) != (run_kind, run_tier) and run_keys:
-                self._publish(run_kind, run_tier, run_keys)
-                run_keys = []
-            run_kind, run_tier = kind, tier
-            run_keys.append(action.key)
-        if run_keys:
-            self._publish(run_kind, run_tier, run_keys)
+        for kind, tier, run in runs(c for c in map(change_of, actions) if c is not None):
+            self._publish(kind, tier, run)
 
     def _publish(self, kind: str, tier: str, keys: list[int]) -> None:
         self.seq += 1
@@ -84,7 +70,7 @@ class PoolNode:
 
 
 class PrefillInstance:
-    """A FIFO prefill queue; `predicted_free` is when its booked work ends, as the conductor predicts."""
+    """A FIFO prefill queue, reporting what it holds the way a live prefill instance does."""
 
     def __init__(self, instance_id: str, pool: PoolNode, nic: Nic) -> None:
         self.instance_id = instance_id
@@ -94,7 +80,6 @@ class PrefillInstance:
         self.queue: deque[SimRequest] = deque()
         self.current: SimRequest | None = None  # being prefilled
         self.busy = False
-        self.predicted_free = 0.0
         self.busy_s = 0.0  # seconds spent prefilling, for utilisation
         self.prefills_done = 0
         self.measured = (0, 0.0, 0, 0)  # (seq, seconds, tokens, prefix tokens) of its latest prefill
@@ -103,11 +88,14 @@ class PrefillInstance:
         """Its report, as a live prefill instance sends it: the booked work ahead and, per request,
         the decode instance it goes to and when its prefill should end (the conductor's prediction)."""
         held = ([self.current] if self.current is not None else []) + list(self.queue)
-        coming = [Coming(str(r.index), r.decode.instance_id, r.predicted_end_s - t, r.input_tokens, r.max_tokens)
-                  for r in held if r.output_tokens > 1]
+        running_for = max(0.0, t - self.current.prefill_start_s) if self.current is not None else None
+        ends = queue_ends((r.decision.prefill_s + r.decision.transfer_s for r in held), running_for)
+        coming = [Coming(str(r.index), r.decode.instance_id, end, r.input_tokens, r.max_tokens)
+                  for r, end in zip(held, ends) if r.output_tokens > 1]
         seq, seconds, tokens, prefix = self.measured
         return WorkerInfo(self.instance_id, "prefill", self.node, prefill=PrefillReport(
-            max(0.0, self.predicted_free - t), 0, 0, [str(r.index) for r in held], coming,
+            ends[-1] if ends else 0.0, sum(r.input_tokens for r in self.queue),
+            self.current.input_tokens if self.current is not None else 0, [str(r.index) for r in held], coming,
             Measured(seq, seconds, tokens, prefix) if seq else None))
 
     def claim_gpu(self, t: float) -> float:
@@ -119,7 +107,8 @@ class PrefillInstance:
 
 
 class DecodeInstance:
-    """A decode batch (what is routed here but not arrived yet is the conductor's to count)."""
+    """A decode batch and the requests whose KV arrived, waiting for room (first come first served);
+    what is routed here but not arrived yet is the conductor's to count."""
 
     def __init__(self, instance_id: str, nic: Nic, batch: DecodeBatch, kv_tokens: int | None, node: str = "") -> None:
         self.instance_id = instance_id
@@ -127,18 +116,27 @@ class DecodeInstance:
         self.nic = nic
         self.batch = batch
         self.kv_tokens = kv_tokens
+        self.waiting: deque[SimRequest] = deque()
         self.on_change = None  # set by the simulator: the instance's report is due again
 
     def changed(self) -> None:
         if self.on_change is not None:
             self.on_change(self)
 
+    @staticmethod
+    def needed(r: SimRequest) -> int:
+        """Its reservation as a live decode instance counts it: the prompt's KV and every step it may
+        still run (the first token came from prefill)."""
+        return kv_reservation(r.input_tokens, r.max_tokens, 1)
+
+    def reserved(self) -> int:
+        return sum(self.needed(r) for r in self.batch.members)
+
+    def has_room(self, r: SimRequest) -> bool:
+        return has_room(len(self.batch.members), None, self.reserved(), self.needed(r), self.kv_tokens)
+
     def kv_free(self) -> int | None:
-        """Room left, counted as a live decode instance counts it: each member reserves its prompt and
-        every token it may generate (common/engine/batch.py)."""
-        if self.kv_tokens is None:
-            return None
-        return self.kv_tokens - sum(min(r.input_tokens + r.max_tokens, self.kv_tokens) for r in self.batch.members)
+        return None if self.kv_tokens is None else self.kv_tokens - self.reserved()
 
     def own_state(self, step_factor: float = 1.0) -> DecodeCandidate:
         """What the decode instance itself checks when a KV arrives: its running batch only, at the
@@ -147,10 +145,14 @@ class DecodeInstance:
         return DecodeCandidate(self.instance_id, self.node, len(b.members), b.context, self.kv_free(), step_factor)
 
     def info(self, t: float) -> WorkerInfo:
-        """Its report, as a live decode instance sends it: the batch, each member since its join."""
+        """Its report, as a live decode instance sends it: the batch, each member since its join,
+        then those waiting for room."""
         b = self.batch
         joined = [Joined(str(r.index), t - r.kv_arrival_s, r.input_tokens, 1 + b.steps - r.join_steps, r.max_tokens)
                   for r in b.members]
+        joined += [Joined(str(r.index), 0.0, r.input_tokens, 1, r.max_tokens) for r in self.waiting]
         measured = Measured(b.steps, b.s, b.context, batch=len(b.members)) if b.steps and b.members else None
+        reserved = self.reserved()
         return WorkerInfo(self.instance_id, "decode", self.node, decode=DecodeReport(
-            len(b.members), b.context, 0, self.kv_free(), 0.0, joined, measured))
+            len(b.members), b.context, reserved, None if self.kv_tokens is None else self.kv_tokens - reserved,
+            0.0, joined, measured))

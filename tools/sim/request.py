@@ -9,7 +9,7 @@ class SimRequest:
     """Mutable per-request state; slots keep 12k of them small and fast."""
 
     __slots__ = ("index", "arrival_s", "input_tokens", "output_tokens", "keys", "status", "error",
-                 "prefill", "decode", "decision", "ready_s", "predicted_end_s", "cached_tokens",
+                 "prefill", "decode", "decision", "ready_s", "prefill_start_s", "cached_tokens",
                  "first_token_s", "end_s", "join_log", "join_steps", "target_steps", "chunks_left",
                  "runs", "kv_arrival_s", "max_tokens")
 
@@ -27,7 +27,7 @@ class SimRequest:
         self.decode = None  # the DecodeBatch owner chosen
         self.decision = None  # policy Decision
         self.ready_s = arrival_s  # when its pulled prefix is in place
-        self.predicted_end_s = 0.0  # predicted prefill end (admission's prefill_finishes)
+        self.prefill_start_s = 0.0  # when its prefill started (or will: a pull may still be landing)
         self.cached_tokens = 0
         self.first_token_s: float | None = None
         self.end_s: float | None = None
