@@ -26,15 +26,15 @@ Pure: the caller passes the clock; no I/O.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Collection
 
 from schemas.workers import DecodeReport, Layout, PrefillReport, WorkerInfo
 from common.decide.admission import DecodeLoad
-from common.decide.learn import Learned
+from common.decide.learn import Learned, Threshold
 from common.decide.outputs import OutputLengths
 from common.decide.perf import Profile
-from common.decide.policy import DecodeCandidate, PrefillCandidate
+from common.decide.policy import DecodeCandidate, PolicySettings, PrefillCandidate
 
 
 GAPS_KEPT = 64  # an instance's recent gaps between signs of life
@@ -98,12 +98,13 @@ class Refusal:
 
 class ClusterState:
     def __init__(self, timeout_s: float, lease_s: float, layout: Layout | None = None,
-                 perf: Profile | None = None) -> None:
+                 perf: Profile | None = None, balancing_threshold: float = 1.25) -> None:
         self.timeout_s = timeout_s
         self.lease_s = lease_s
         self.layout = layout  # the cluster's invariants; None = not checked
         self.perf = perf  # the profile the measurements are judged against; None = nothing learned
         self.learned = Learned()
+        self.threshold = Threshold(balancing_threshold)  # the policy's, learned from pulls' TTFT against recomputes'
         self.outputs = OutputLengths()  # lengths of completed requests: how long each decoding one will stay
         self._measured: dict[str, int] = {}  # instance_id -> seq of the last measurement learned from
         self.instances: dict[str, Instance] = {}  # instance_id -> Instance
@@ -233,9 +234,18 @@ class ClusterState:
         self.routed[request.request_id] = request
         self.changed()
 
-    def prefilled(self, request_id: str, attempt: int) -> None:
+    def policy_settings(self, settings: PolicySettings) -> PolicySettings:
+        """`settings` with the balancing threshold learned so far (the same object until it moves)."""
+        if settings.kvcache_balancing_threshold == self.threshold.value:
+            return settings
+        return replace(settings, kvcache_balancing_threshold=self.threshold.value)
+
+    def prefilled(self, request_id: str, attempt: int, now: float | None = None) -> None:
+        """Its prefill ended (at `now`: an outcome the balancing threshold learns from)."""
         request = self.routed.get(request_id)
         if request is not None and request.attempt == attempt:
+            if now is not None and not request.prefilled and request.attempt == 0:
+                self.threshold.observe(bool(request.pull_source), request.ttft_s, now - request.routed_at)
             request.prefilled = True
             request.pull_bytes = 0
             self.changed()

@@ -24,6 +24,10 @@ profile.decode.step_seconds(batch, context)). The same code runs in the simulato
 told that the real speed differs from the profile (tools/sim: --speed-factor, --drift) and must
 converge to it.
 
+The kvcache-centric policy's balancing threshold learns too (`Threshold`, the paper's future
+work): from how late routes that pull a prefix run against their predicted TTFT, compared with
+routes that recompute.
+
 Pure: outcomes in, factors out; no clock, no I/O.
 """
 
@@ -88,3 +92,38 @@ class Learned:
         for (instance, kind), f in self._factors.items():
             out.setdefault(instance, {})[kind] = round(f.value, 4)
         return out
+
+
+MAX_THRESHOLD = 4.0  # beyond this a pull would have to save three quarters of a prefill: never worth it
+
+
+@dataclass
+class Threshold:
+    """The kvcache-centric policy's balancing threshold, tuned online from observed TTFT.
+
+    A prefill candidate is priced with a pull when the best remote prefix is longer than its local
+    one times the threshold (common/decide/policy.py). The configured value is right when a pull's
+    predicted cost is as right as a recompute's. Each routed request's prefill end is an outcome:
+    actual TTFT / predicted TTFT, filed under "pulled" or "recomputed" (WINDOW each, clamped as the
+    factors are). When pulls run later against their prediction than recomputes do, pulling costs
+    more than it is priced, so the threshold rises by that ratio; when they run earlier, it falls:
+
+        value = clamp(base * median(pulled) / median(recomputed), 1, MAX_THRESHOLD)
+
+    The ratio of medians cancels what both kinds share (a queue predicted short, a slow machine).
+    Until each kind has MIN_SAMPLES outcomes, the configured base stands.
+    """
+
+    base: float
+    pulled: Factor = field(default_factory=Factor)
+    recomputed: Factor = field(default_factory=Factor)
+    value: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.value = self.base
+
+    def observe(self, pulled: bool, predicted_s: float, actual_s: float) -> None:
+        (self.pulled if pulled else self.recomputed).observe(predicted_s, actual_s)
+        if len(self.pulled.ratios) >= MIN_SAMPLES and len(self.recomputed.ratios) >= MIN_SAMPLES:
+            ratio = self.pulled.value / self.recomputed.value
+            self.value = round(min(max(self.base * ratio, 1.0), MAX_THRESHOLD), 4)

@@ -70,6 +70,8 @@ class ConductorMetrics:
         self.learned = Gauge("moonbus_conductor_learned_factor", "what an instance really takes against the profile's "
                              "prediction (prefill: a prompt; step: a decode iteration), learned from its measured work",
                              ["instance", "kind"], registry=r)
+        self.threshold = Gauge("moonbus_conductor_balancing_threshold", "the kvcache-centric policy's balancing "
+                               "threshold as learned from pulls' TTFT against recomputes'", registry=r)
 
 
 class ConductorService:
@@ -79,7 +81,7 @@ class ConductorService:
         self.perf = perf
         self.events = bus.EventPublisher(nc, "conductor", cfg.instance_id,
                                           secret=security.read_secret(cfg.cluster_secret_file))
-        self.state = ClusterState(cfg.heartbeat_timeout_s, cfg.lease_s, layout, perf)
+        self.state = ClusterState(cfg.heartbeat_timeout_s, cfg.lease_s, layout, perf, cfg.kvcache_balancing_threshold)
         self.metrics = ConductorMetrics()
         self.refused: set[str] = set()  # instance ids told so, not to repeat it every heartbeat
         self.settings = policy.PolicySettings(cfg.policy, cfg.kvcache_balancing_threshold, cfg.link_bytes_s,
@@ -96,7 +98,7 @@ class ConductorService:
         progress = Progress.from_bytes(msg.data)
         await self.heard(progress.info)
         if progress.kind == "prefilled":
-            self.state.prefilled(progress.request_id, progress.attempt)
+            self.state.prefilled(progress.request_id, progress.attempt, time.monotonic())
         elif progress.kind in ("finished", "failed"):  # it left the cluster (from decode, or ended at prefill)
             self.state.end(progress.request_id, up_to_attempt=progress.attempt)
             if progress.kind == "finished" and progress.generated:
@@ -184,6 +186,7 @@ class ConductorService:
             self.metrics.decisions.labels("malformed").inc()
             return RouteReply(False, 400, too_big)
         info = policy.RequestInfo(rid, len(ids), len(keys), len(ids) + request.sampling.max_tokens)
+        self.settings = self.state.policy_settings(self.settings)
         decision = policy.decide(info, snapshot, self.settings, self.perf)
         if isinstance(decision, policy.NoInstances):
             retry = admission.kv_retry_after(len(ids), snapshot.decode, [self.state.decode_load(d.instance_id, now)
@@ -212,6 +215,7 @@ class ConductorService:
             verdict=verdict.reason, predicted_tbt_s=verdict.tbt_s, retry_after_s=verdict.retry_after_s,
             policy_version=POLICY_VERSION, prompt_blocks=len(keys), attempt=request.attempt,
             resumed_tokens=request.num_generated, tenant=request.tenant,
+            balancing_threshold=self.settings.kvcache_balancing_threshold,
         )
         if not verdict.admit:
             return RouteReply(False, 429, f"rejected at arrival: {verdict.reason}", retry_after_s=verdict.retry_after_s)
@@ -293,6 +297,7 @@ class ConductorService:
     def update_gauges(self) -> None:
         now, m = time.monotonic(), self.metrics
         m.in_flight.set(len(self.state.routed))
+        m.threshold.set(self.state.threshold.value)
         roles: dict[str, int] = {}
         for known in self.state.instances.values():
             info = known.info

@@ -93,6 +93,7 @@ async def test_hot_prefix_ends_up_on_both_prefill_nodes(two_prefills, tiny):
     pulls = [routes[r["id"]] for r in pulls_of(routes, burst + later)]
     assert pulls, "no request pulled the hot prefix to the idle prefill node"
     assert all(p["pull"]["num_blocks"] >= shared_blocks - 1 for p in pulls)
+    assert all(1.0 <= route["balancing_threshold"] <= 4.0 for route in routes.values())  # the one in use, learned
     keys = block_keys(tokenizer(shared)["input_ids"], BLOCK)[: shared_blocks - 1]
     assert await _holds(cluster, "node-p0", keys) and await _holds(cluster, "node-p1", keys)
     cached_on = {routes[r["id"]]["prefill_id"] for r in later if r["cached"] >= (shared_blocks - 1) * BLOCK}

@@ -4,7 +4,9 @@ outliers, never makes more work cheaper; the conductor's state and the simulator
 import pytest
 
 from common.decide import learn
-from common.decide.cluster_state import ClusterState
+from common.decide.cluster_state import ClusterState, Routed
+from common.decide.learn import MAX_THRESHOLD, MIN_SAMPLES, WINDOW, Threshold
+from common.decide.policy import PolicySettings
 from common.decide.perf import DecodeModel, PrefillModel, Profile
 from schemas.workers import DecodeReport, Measured, PrefillReport, WorkerInfo
 from tests.unit.test_sim import make_config, make_rows
@@ -88,3 +90,33 @@ def test_a_new_instance_starts_from_its_peers_not_from_the_profile():
             learned.observe(instance, "step", 1.0, ratio)
     assert learned.factor("decode-9", "step") == pytest.approx(0.6)
     assert learned.factor("decode-9", "prefill") == 1.0  # another kind is not a peer
+
+
+def test_the_balancing_threshold_follows_how_late_pulls_run_against_recomputes():
+    t = Threshold(1.25)
+    for _ in range(MIN_SAMPLES - 1):
+        t.observe(True, 1.0, 2.0)
+        t.observe(False, 1.0, 1.0)
+    assert t.value == 1.25  # too few outcomes of each kind: the configured value stands
+    t.observe(True, 1.0, 2.0)
+    t.observe(False, 1.0, 1.0)
+    assert t.value == 2.5  # pulls take twice their prediction, recomputes theirs: pulling must gain twice as much
+    for _ in range(WINDOW):
+        t.observe(True, 1.0, 0.5)
+    assert t.value == 1.0  # pulls run early: the threshold falls, never below 1 (an equal prefix is never pulled)
+    for _ in range(WINDOW):
+        t.observe(True, 1.0, 50.0)
+    assert t.value == MAX_THRESHOLD
+
+
+def test_the_conductor_learns_the_threshold_from_prefill_ends_and_hands_it_to_the_policy():
+    state = ClusterState(timeout_s=3.0, lease_s=100.0, balancing_threshold=1.25)
+    settings = PolicySettings("kvcache-centric", 1.25)
+    for i in range(MIN_SAMPLES):
+        state.route(Routed(f"p{i}", ("p0",), "d0", "", 100, 0.0, 1.0, 1.0, pull_source="n2", pull_bytes=10))
+        state.route(Routed(f"r{i}", ("p0",), "d0", "", 100, 0.0, 1.0, 1.0))
+        state.prefilled(f"p{i}", 0, now=1.5)
+        state.prefilled(f"r{i}", 0, now=1.0)
+        state.prefilled(f"r{i}", 0, now=9.0)  # a duplicate report teaches nothing
+    assert state.threshold.value == 1.875
+    assert state.policy_settings(settings).kvcache_balancing_threshold == 1.875

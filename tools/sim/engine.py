@@ -106,7 +106,8 @@ class Simulator:
         self.decode_by_id = {d.instance_id: d for d in self.decodes}
         self.handlers = (self.on_prefill_done, self.on_kv_arrive, self.on_segment_end)
         # the live conductor's bookkeeping; reports are taken, like heartbeats, before each decision
-        self.state = ClusterState(float("inf"), float("inf"), perf=profile)
+        self.state = ClusterState(float("inf"), float("inf"), perf=profile,
+                                  balancing_threshold=cfg.kvcache_balancing_threshold)
         self.dirty: set = set(self.prefills) | set(self.decodes)  # instances whose report is due
         for d in self.decodes:
             d.on_change = self.dirty.add
@@ -186,6 +187,7 @@ class Simulator:
         state = self.state
         snapshot = ClusterSnapshot(t, state.prefill_candidates(t), state.decode_candidates(t), holders, queued,
                                    self.rng.random())
+        self.policy = state.policy_settings(self.policy)  # with the balancing threshold learned so far
         decision = decide(RequestInfo(str(r.index), r.input_tokens, len(r.keys), r.input_tokens + r.max_tokens),
                           snapshot, self.policy, self.perf)
         if isinstance(decision, NoInstances):
@@ -249,7 +251,7 @@ class Simulator:
         r.first_token_s = t
         p.busy = False
         p.current = None
-        self.state.prefilled(str(r.index), 0)
+        self.state.prefilled(str(r.index), 0, t)
         self.dirty.add(p)
         coupled = isinstance(p, CoupledInstance)
         if coupled:
@@ -309,5 +311,7 @@ def simulate(rows: list[TraceRow], cfg: SimConfig, profile: Profile | None = Non
         "index_keys": len(sim.index),
         "prefill_mean_s": sum(p.busy_s for p in sim.prefills) / max(1, sum(p.prefills_done for p in sim.prefills)),
         "learned": sim.state.learned.snapshot(),  # instance -> kind -> factor (what the conductor learned)
+        "balancing_threshold": sim.state.threshold.value,  # as learned from pulls' TTFT against recomputes'
+
     }
     return SimOutcome(results, summarize(results, cfg.ttft_slo_s, cfg.tbt_slo_s), stats)
