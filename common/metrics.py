@@ -16,6 +16,7 @@ log = logging.getLogger(__name__)
 
 # latency buckets, seconds: from a fast route (100 us) to a slow prefill (a minute)
 FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+RATIO_BUCKETS = (0.5, 0.8, 0.9, 1.0, 1.1, 1.2, 1.5, 2.0, 3.0, 5.0)  # actual / predicted: 1 is exact
 SLOW_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 

@@ -74,6 +74,9 @@ class DecodeMetrics:
             lambda: service.engine.reserved_tokens)
         self.step_s = Histogram("moonbus_decode_step_seconds", "one iteration of the whole batch",
                                 buckets=metrics.FAST_BUCKETS + (2.5, 5.0), registry=r)
+        self.step_over_predicted = Histogram("moonbus_decode_step_over_predicted", "an iteration (tokens out included) / "
+                                             "the instance's prediction of it, the profile at its learned speed "
+                                             "(1 = exact)", buckets=metrics.RATIO_BUCKETS, registry=r)
         self.tokens = Counter("moonbus_decode_tokens", "tokens generated", registry=r)
         self.requests = Counter("moonbus_decode_requests", "requests by how they left (finished, failed)",
                                 ["outcome"], registry=r)
@@ -247,7 +250,10 @@ class DecodeService:
         if step is not None:  # the whole iteration, tokens out included: what a client waits between tokens
             self.measured = Measured((self.measured.seq if self.measured else 0) + 1,
                                      round(time.perf_counter() - started, 6), step.context_tokens, batch=step.batch)
-            self.speed.observe(self.perf.decode.step_seconds(step.batch, step.context_tokens), self.measured.seconds)
+            predicted = self.perf.decode.step_seconds(step.batch, step.context_tokens)
+            if predicted > 0:  # against what this instance predicts: the profile at its learned speed
+                self.metrics.step_over_predicted.observe(self.measured.seconds / (predicted * self.speed.value))
+            self.speed.observe(predicted, self.measured.seconds)
 
     def remember(self, seq: Running, finish: str, keep: int = 1000) -> None:
         self.recent[seq.request_id] = (seq.task, seq.generated, finish)

@@ -59,6 +59,9 @@ class PrefillMetrics:
                               ["source"], registry=r)
         self.seconds = Histogram("moonbus_prefill_seconds", "a request's prefill, pull and prefix load included",
                                  buckets=metrics.SLOW_BUCKETS, registry=r)
+        self.over_predicted = Histogram("moonbus_prefill_work_over_predicted", "a request's prefill work (pull and "
+                                        "prefix load included) / the conductor's prediction of it (1 = exact)",
+                                        buckets=metrics.RATIO_BUCKETS, registry=r)
         self.requests = Counter("moonbus_prefill_requests", "requests by how they left (prefilled, finished, failed)",
                                 ["outcome"], registry=r)
 
@@ -194,6 +197,8 @@ class PrefillService:
         prefill_s = time.perf_counter() - started
         self.measured = Measured((self.measured.seq if self.measured else 0) + 1, round(prefill_s, 6), len(ids), cached)
         self.metrics.seconds.observe(prefill_s)
+        if task.predicted_s > 0:
+            self.metrics.over_predicted.observe(prefill_s / task.predicted_s)
         self.metrics.tokens.labels("cached").inc(cached)
         self.metrics.tokens.labels("computed").inc(len(ids) - cached)
         finish = self.finish_reason(first, task)

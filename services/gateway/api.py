@@ -10,6 +10,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
+from common import metrics
 from schemas.events import Event
 from services.gateway import openapi, protocol, responses
 from services.gateway.core import Gateway, Generation
@@ -28,7 +29,7 @@ class Metrics:
                               buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60), registry=self.registry)
         self.ttft_over_predicted = Histogram(
             "moonbus_gateway_ttft_over_predicted", "actual TTFT / the conductor's prediction at routing (1 = exact; "
-            "the gateway's own time before routing included)", buckets=(0.5, 0.8, 0.9, 1.0, 1.1, 1.2, 1.5, 2, 3, 5),
+            "the gateway's own time before routing included)", buckets=metrics.RATIO_BUCKETS,
             registry=self.registry)
         self.tokens = Counter("moonbus_gateway_completion_tokens", "completion tokens sent", registry=self.registry)
         self.prompt_tokens = Counter("moonbus_prompt_tokens", "prompt tokens of this gateway's requests, by how "
@@ -199,6 +200,7 @@ class Api:
             self.metrics.ttft.observe(gen.ttft_s)
             if gen.predicted_ttft_s > 0 and gen.attempt == 0:  # the conductor's error (queue and prefill at routing)
                 self.metrics.ttft_over_predicted.observe(gen.ttft_s / gen.predicted_ttft_s)
+                self.dashboard.record_ttft(gen.ttft_s, gen.predicted_ttft_s)
 
     async def models(self, request: web.Request) -> web.Response:
         self.gateway.authenticate(request.headers.get("Authorization"))

@@ -6,7 +6,9 @@ What the state holds and where each part comes from:
 - nodes: each node's KV pool (messenger_control(node, "status")), for every node that runs a messenger;
 - decisions: the last `RecentDecisions.capacity` `routed` audit events of the whole cluster (every
   gateway's requests), each with its candidates' predicted costs;
-- outcomes: this gateway's own requests, counted per second over the last `OutcomeSeries.window_s`.
+- outcomes: this gateway's own requests, counted per second over the last `OutcomeSeries.window_s`;
+- ttft_error: for this gateway's completed requests, actual TTFT over the conductor's prediction,
+  the median per second over the same window (`RatioSeries`): prediction error over time.
 
 What must stay true: the handlers never block on a silent cluster. Each NATS request has a
 timeout of `QUERY_TIMEOUT_S` and all of them run concurrently, so a state answers within about
@@ -21,6 +23,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from statistics import median
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -118,6 +121,32 @@ class OutcomeSeries:
         return {"start": first, "window_s": self.window_s, "points": points, "totals": dict(self.totals)}
 
 
+class RatioSeries:
+    """Ratios (actual / predicted) per whole second for the last `window_s` seconds; `series(now)`
+    has `window_s` points, oldest first, each the median of its second's ratios (None: none)."""
+
+    def __init__(self, window_s: int = 300) -> None:
+        if window_s < 1:
+            raise ValueError(f"window {window_s} s must be >= 1")
+        self.window_s = window_s
+        self._seconds: dict[int, list[float]] = {}
+
+    def record(self, ratio: float, now: float) -> None:
+        second = int(now)
+        for old in [sec for sec in self._seconds if sec <= second - self.window_s]:
+            del self._seconds[old]
+        self._seconds.setdefault(second, []).append(ratio)
+
+    def series(self, now: float) -> dict[str, Any]:
+        last = int(now)
+        first = last - self.window_s + 1
+        points: list[float | None] = [None] * self.window_s
+        for sec, ratios in self._seconds.items():
+            if first <= sec <= last:
+                points[sec - first] = round(median(ratios), 4)
+        return {"start": first, "window_s": self.window_s, "points": points}
+
+
 # --- the cluster's state ---------------------------------------------------------------------
 
 async def ask(nc, subject: str, body: bytes, decode: Callable[[bytes], Any]) -> tuple[Any, str]:
@@ -194,6 +223,7 @@ class Dashboard:
         self.gateway = gateway
         self.decisions = RecentDecisions(decisions)
         self.outcomes = OutcomeSeries(window_s)
+        self.ttft_error = RatioSeries(window_s)
         self.cache = StateCache(lambda: cluster_view(self.gateway.nc))
         self._page: bytes | None = None  # the HTML, read once
 
@@ -203,6 +233,9 @@ class Dashboard:
 
     def record(self, outcome: str) -> None:
         self.outcomes.record(outcome, time.time())
+
+    def record_ttft(self, actual_s: float, predicted_s: float) -> None:
+        self.ttft_error.record(actual_s / predicted_s, time.time())
 
     async def on_routed(self, msg) -> None:
         """Subscribed to every `routed` event (common.bus.subscribe logs and drops a bad one)."""
@@ -223,6 +256,6 @@ class Dashboard:
         if not (self.gateway.keys.open or tenant.operator):  # a tenant sees its own requests' decisions only
             decisions = [d for d in decisions if d.get("tenant") == tenant.name]
         body = {"now": now, "gateway": self.gateway.cfg.instance_id, "model": self.gateway.served_model, **view,
-                "decisions": decisions, "outcomes": self.outcomes.series(now)}
+                "decisions": decisions, "outcomes": self.outcomes.series(now), "ttft_error": self.ttft_error.series(now)}
         return web.Response(body=orjson.dumps(body), content_type="application/json",
                             headers={"Cache-Control": "no-store"})

@@ -141,6 +141,9 @@ async def test_the_page_lists_the_cluster_and_follows_its_requests(cluster, page
     # the page catches up by itself: the completed count, then each request's decision
     await page.wait_for(f"Number(document.getElementById('count-completed').textContent) >= {completed_before + 2}")
     assert float(await page.text("#goodput-rate")) > 0
+    # the completed requests' TTFT against its prediction, as points over time
+    await page.wait_for("document.querySelectorAll('#ttft-error circle').length >= 1")
+    assert float(await page.js("document.querySelector('#ttft-error circle title').textContent")) > 0
     for rid in request_ids:
         decision = f'#decisions details[data-request-id="{rid}"]'
         await page.wait_for(f"document.querySelector('{decision}')")
@@ -165,6 +168,7 @@ async def test_the_page_lists_the_cluster_and_follows_its_requests(cluster, page
     assert [n["node"] for n in state["nodes"]] == ["node-d0", "node-p0"]
     assert {d["request_id"] for d in state["decisions"]} >= set(request_ids)
     assert len(state["outcomes"]["points"]["completed"]) == 300
+    assert len(state["ttft_error"]["points"]) == 300 and any(r is not None and r > 0 for r in state["ttft_error"]["points"])
     assert state["outcomes"]["totals"]["completed"] >= completed_before + 2
 
 

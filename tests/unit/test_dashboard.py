@@ -10,7 +10,7 @@ import pytest
 from schemas.events import Event
 from schemas.pool import PoolStatus
 from schemas.workers import StatusReply, WorkerInfo
-from services.gateway.dashboard import OutcomeSeries, RecentDecisions, StateCache, instances_view, pool_view
+from services.gateway.dashboard import OutcomeSeries, RatioSeries, RecentDecisions, StateCache, instances_view, pool_view
 
 
 def make_routed(rid: str, ts: float = 100.0, **data) -> Event:
@@ -188,3 +188,13 @@ async def test_a_poller_that_goes_away_does_not_cancel_the_gathering():
     second = asyncio.ensure_future(cache.get())
     release.set()
     assert await second == {"ok": True}
+
+
+def test_ratio_series_is_the_median_per_second_over_the_window():
+    series = RatioSeries(window_s=3)
+    for ratio in (1.0, 3.0, 1.2):
+        series.record(ratio, now=100.2)
+    series.record(0.5, now=102.9)
+    assert series.series(now=102.0) == {"start": 100, "window_s": 3, "points": [1.2, None, 0.5]}
+    series.record(2.0, now=104.0)  # 100 leaves the window
+    assert series.series(now=104.0)["points"] == [0.5, None, 2.0]
