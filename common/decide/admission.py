@@ -32,13 +32,13 @@ The module is pure: no I/O, no clock; the snapshot carries `now`.
 from __future__ import annotations
 
 from bisect import bisect_right
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import accumulate
 from operator import itemgetter
 from typing import Sequence
 
 from common.decide.perf import Profile
-from common.decide.policy import DecodeCandidate
+from common.decide.policy import Decision, DecodeCandidate
 
 MODES = ("none", "baseline", "early", "predictive")
 
@@ -128,8 +128,11 @@ class Verdict:
     decode_id: str = ""  # the best decode instance at the evaluated moment ("" when not evaluated)
 
 
-def admit(ttft_s: float, context_tokens: int, load: DecodeLoadSnapshot, settings: AdmissionSettings, perf: Profile) -> Verdict:
-    """Judge a request whose prefill is predicted to end `ttft_s` from now (the policy's p*), at arrival."""
+def admit(ttft_s: float, context_tokens: int, load: DecodeLoadSnapshot, settings: AdmissionSettings, perf: Profile,
+          chosen: str = "") -> Verdict:
+    """Judge a request whose prefill is predicted to end `ttft_s` from now (the policy's p*), at arrival.
+    `chosen`: the policy's decode instance; when it meets the TBT SLO at the evaluated moment, the
+    verdict names it, else the instance with the lowest TBT then."""
     mode = settings.mode
     if mode == "none":
         return Verdict(True, "admission off", ttft_s=ttft_s)
@@ -149,6 +152,9 @@ def admit(ttft_s: float, context_tokens: int, load: DecodeLoadSnapshot, settings
         batch, context = d.at(at, predictive)
         judged.append((step(batch + 1, context + context_tokens) * d.step_factor, d.decode_id, batch, context, d))
     best_tbt, best_id = min(judged, key=_by_tbt_then_id)[:2]
+    mine = next((j for j in judged if j[1] == chosen), None)
+    if mine is not None and mine[0] <= settings.tbt_slo_s:
+        best_tbt, best_id = mine[:2]
     when = f"at prefill end (+{ttft_s:.3f}s)" if predictive else "now"
     if best_tbt <= settings.tbt_slo_s:
         return Verdict(True, f"tbt {best_tbt:.4f}s on {best_id} {when} within slo", ttft_s=ttft_s, tbt_s=best_tbt, decode_id=best_id)
@@ -158,6 +164,26 @@ def admit(ttft_s: float, context_tokens: int, load: DecodeLoadSnapshot, settings
 
 
 _by_tbt_then_id = itemgetter(0, 1)
+
+
+def judge(decision: Decision, context_tokens: int, load: DecodeLoadSnapshot, settings: AdmissionSettings,
+          perf: Profile, colocate: bool = False) -> tuple[Verdict, Decision]:
+    """Admission of the policy's decision, and where the request goes if admitted: the policy's decode
+    instance when it meets the TBT SLO at the moment judged (the prefill's end, predictively), else
+    the one with the lowest TBT then. Only instances with KV room for the request are judged (and,
+    colocated, only those on p*'s node). The policy ranks decode instances by the load they hold
+    and will hold; admission looks at the load when this request joins, so without this a request
+    admitted for one instance was sent to another, and rejected there when its KV arrived."""
+    eligible = {c.instance_id for c in decision.decode_costs
+                if c.fits and (not colocate or c.node == decision.prefill_node)}
+    judged = DecodeLoadSnapshot(load.now, tuple(d for d in load.decode if d.decode_id in eligible))
+    verdict = admit(decision.ttft_s, context_tokens, judged, settings, perf, chosen=decision.decode_id)
+    if verdict.admit and verdict.decode_id and verdict.decode_id != decision.decode_id:
+        cost = next(c for c in decision.decode_costs if c.instance_id == verdict.decode_id)
+        decision = replace(decision, decode_id=cost.instance_id, decode_node=cost.node, tbt_s=cost.tbt_s,
+                           reason=f"{decision.reason}; decode {cost.instance_id}: within the TBT SLO when the "
+                                  f"prefill ends ({verdict.tbt_s:.4f}s)")
+    return verdict, decision
 
 
 def kv_reservation(kv_len: int, max_tokens: int, num_generated: int, max_context: int | None = None) -> int:

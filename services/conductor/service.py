@@ -205,7 +205,8 @@ class ConductorService:
             return RouteReply(False, 503, f"{decision.reason} is available", retry_after_s=retry)
         loads = admission.DecodeLoadSnapshot(now, tuple(self.state.decode_load(d.instance_id, now)
                                                         for d in snapshot.decode))
-        verdict = admission.admit(decision.ttft_s, len(ids), loads, self.cfg.admission, self.perf)
+        verdict, decision = admission.judge(decision, len(ids), loads, self.cfg.admission, self.perf,
+                                            self.settings.colocate)
         self.metrics.decide_s.observe(time.perf_counter() - decide_started)
         self.metrics.decisions.labels("admitted" if verdict.admit else "rejected").inc()
         terms = decision.to_event()

@@ -8,8 +8,9 @@ within the SLO while it already runs at most 8 requests. Every request here stay
 import pytest
 
 from common.decide.perf import DecodeModel, PrefillModel, Profile
+from common.decide import admission
 from common.decide.admission import AdmissionSettings, DecodeLoad, DecodeLoadSnapshot, admit, has_room, kv_reservation, late_verdict
-from common.decide.policy import DecodeCandidate
+from common.decide.policy import Decision, DecodeCandidate, DecodeCost
 
 PERF = Profile(PrefillModel((0.0, 0.001, 0.0, 0.0)), DecodeModel((0.01, 0.01, 0.0)))
 NOW = 100.0
@@ -94,6 +95,27 @@ def test_predictive_picks_the_instance_that_will_be_lightest():
     assert not v.admit and v.decode_id == "d0" and v.tbt_s == pytest.approx(0.11)
     # d0's 9 and d1's 3 leave at 104, 2 s after the prefill ends
     assert v.retry_after_s == pytest.approx(2.0)
+
+
+def decision_for(decode_id: str, fits=("d0", "d1", "d2")) -> Decision:
+    costs = tuple(DecodeCost(d, f"n-{d}", 0, 0, 0.02, d in fits) for d in ("d0", "d1", "d2"))
+    return Decision("r", "kvcache-centric", "p0", "n-p0", decode_id, f"n-{decode_id}", 0, None, 2.0, 0.0, 2.0, 0.0,
+                    0.02, 0, None, "policy's pick", (), costs)
+
+
+def test_the_request_goes_where_admission_found_room_when_its_prefill_ends():
+    # d0 (the policy's pick) fills up with prefills landing before 102; d1 will have drained; d2 is busy
+    load = make_load(make_instance("d0", decoding={99.0: 2}, in_prefill={101.0: 10}),
+                     make_instance("d1", decoding={96.0: 10}), make_instance("d2", decoding={99.0: 8}))
+    verdict, decision = admission.judge(decision_for("d0"), 100, load, make_settings("predictive"), PERF)
+    assert verdict.admit and decision.decode_id == verdict.decode_id == "d1" and decision.decode_node == "n-d1"
+    assert "within the TBT SLO when the prefill ends" in decision.reason
+    # the policy's pick stays when it is within the SLO at that moment, though another is lighter
+    verdict, decision = admission.judge(decision_for("d2"), 100, load, make_settings("predictive"), PERF)
+    assert verdict.admit and decision.decode_id == "d2" and decision.reason == "policy's pick"
+    # an instance without KV room for the request is never the one
+    verdict, decision = admission.judge(decision_for("d0", fits=("d0", "d2")), 100, load, make_settings("predictive"), PERF)
+    assert verdict.admit and decision.decode_id == "d2"
 
 
 def test_load_at_counts_arrivals_and_departures():

@@ -32,7 +32,7 @@ from common.measures import FAILED, OK, REJECTED_ARRIVAL, REJECTED_LATE, Request
 from common.decide.perf import Profile
 from common.traces import TraceRow
 from common.decide.index import PrefixIndex
-from common.decide.admission import AdmissionSettings, DecodeLoadSnapshot, admit, late_verdict
+from common.decide.admission import AdmissionSettings, DecodeLoadSnapshot, judge, late_verdict
 from common.decide.policy import ClusterSnapshot, NoInstances, PolicySettings, RequestInfo, decide
 from tools.sim.config import SimConfig, build_profile
 from tools.sim.coupled import CoupledInstance
@@ -195,7 +195,7 @@ class Simulator:
             return
         if self.cfg.admission != "none":
             load = DecodeLoadSnapshot(t, tuple(state.decode_load(d.instance_id, t) for d in snapshot.decode))
-            verdict = admit(decision.ttft_s, r.input_tokens, load, self.admission, self.perf)
+            verdict, decision = judge(decision, r.input_tokens, load, self.admission, self.perf, self.policy.colocate)
             if not verdict.admit:
                 self.end(r, t, REJECTED_ARRIVAL, verdict.reason)
                 return
