@@ -123,15 +123,18 @@ class PoolClient:
             parts.append(slab.tensor(ref.slot, self.layout).clone())
         return parts, []
 
-    async def store(self, request_id: str, token_ids: list[int], kv: torch.Tensor, seed: int = 0) -> int:
-        """Store the full blocks of `token_ids` (whose KV is `kv`) that the node lacks; returns how many.
+    async def store(self, request_id: str, token_ids: list[int], kv: torch.Tensor, seed: int = 0,
+                    first_block: int = 0) -> int:
+        """Store the full blocks of `token_ids` from `first_block` on that the node lacks; `kv` holds
+        those blocks' KV (from token first_block * block_tokens on). Returns how many were stored.
         `seed`: the request's key seed (its cache namespace; 0 = the common one)."""
-        keys = kvblocks.block_keys(token_ids, self.layout.block_tokens, seed or kvblocks.DEFAULT_SEED)
+        keys = kvblocks.block_keys(token_ids, self.layout.block_tokens, seed or kvblocks.DEFAULT_SEED)[first_block:]
         stored = 0
         # NOTE: reserved blocks stay pinned until written, so a prompt longer than the DRAM tier is
         # stored in rounds: each round's blocks, once committed, may be demoted by the next round.
         for _ in range(len(keys)):
-            reply: ReserveReply = await self.call("reserve", ReserveRequest(request_id, keys, 0, self.holder), ReserveReply)
+            reply: ReserveReply = await self.call("reserve", ReserveRequest(request_id, keys, first_block, self.holder),
+                                                  ReserveReply)
             try:
                 if not reply.slots:
                     return stored

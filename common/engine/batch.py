@@ -174,6 +174,16 @@ class BatchEngine:
         row = self.index[request_id]
         return self.kv[:, :, row, :, : int(self.kv_lens[row])].clone()
 
+    def kv_span(self, request_id: str, start: int, end: int) -> torch.Tensor:
+        """A copy of tokens [start, end) of the request's KV, [L, 2, H, end - start, D]."""
+        row = self.index[request_id]
+        if not 0 <= start <= end <= int(self.kv_lens[row]):
+            raise ValueError(f"request {request_id}: span [{start}, {end}) outside its {int(self.kv_lens[row])} tokens")
+        return self.kv[:, :, row, :, start:end].clone()
+
+    def kv_len(self, request_id: str) -> int:
+        return int(self.kv_lens[self.index[request_id]])
+
     def num_generated(self, request_id: str) -> int:
         return self.rows[self.index[request_id]].num_generated
 

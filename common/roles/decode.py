@@ -48,11 +48,16 @@ from common.roles.decode_config import DecodeConfig
 log = logging.getLogger(__name__)
 
 
+STORE_MAX_BLOCKS = 16  # blocks of one request copied out between two steps, at most (a long prompt takes several)
+
+
 @dataclass
 class Running:
     task: DecodeTask
     generated: list[int]  # this attempt's tokens so far (the first came from prefill)
     started: float = field(default_factory=time.perf_counter)
+    stored_blocks: int = 0  # its leading blocks handed to the node's pool so far
+    storing: bool = False  # a store of its blocks is under way
 
     @property
     def request_id(self) -> str:
@@ -78,6 +83,11 @@ class DecodeMetrics:
                                              "the instance's prediction of it, the profile at its learned speed "
                                              "(1 = exact)", buckets=metrics.RATIO_BUCKETS, registry=r)
         self.tokens = Counter("moonbus_decode_tokens", "tokens generated", registry=r)
+        self.store_copy_s = Histogram("moonbus_decode_store_copy_seconds", "copying a running request's new full "
+                                      "blocks out of the batch between steps, to store them in the pool",
+                                      buckets=metrics.FAST_BUCKETS, registry=r)
+        self.blocks_stored = Counter("moonbus_decode_blocks_stored_running", "blocks of running requests stored in "
+                                     "the node's pool as they filled (a resumed request reloads them)", registry=r)
         self.requests = Counter("moonbus_decode_requests", "requests by how they left (finished, failed)",
                                 ["outcome"], registry=r)
 
@@ -246,6 +256,7 @@ class DecodeService:
             await worker.reply(self.nc, seq.task.reply_subject,
                                TokenChunk(rid, seq.index_of_last(), [token], finish_reason=finish,
                                           source=self.cfg.instance_id, attempt=seq.task.attempt))
+        self.store_progress()
         step = self.engine.last_step
         if step is not None:  # the whole iteration, tokens out included: what a client waits between tokens
             self.measured = Measured((self.measured.seq if self.measured else 0) + 1,
@@ -333,6 +344,40 @@ class DecodeService:
             rid, task.attempt, task.num_generated + 1, why, 429, self.cfg.instance_id, False, retry_after_s=1.0,
             stage="decode", wasted_prefill_tokens=wasted, wasted_prefill_s=task.prefill_s))
         await self.progress("failed", task)
+
+    def store_progress(self) -> None:
+        """Hand each running request's new full blocks to the node's pool, `store_every_blocks` at a
+        time, so that if this instance is lost the request resumes elsewhere by loading (or pulling)
+        its prompt and what it generated instead of recomputing it. Only the copy out of the batch's
+        buffer runs here, between steps (the buffer's rows move as requests leave); the store runs
+        beside the next steps."""
+        every, bt = self.cfg.store_every_blocks, self.cfg.block_tokens
+        if every <= 0:
+            return
+        for rid, seq in self.running.items():
+            if seq.storing or rid not in self.engine.index:
+                continue
+            full = self.engine.kv_len(rid) // bt
+            if full - seq.stored_blocks < every:
+                continue
+            full = min(full, seq.stored_blocks + STORE_MAX_BLOCKS)  # a long prompt's blocks over several steps
+            started = time.perf_counter()
+            kv = self.engine.kv_span(rid, seq.stored_blocks * bt, full * bt)
+            self.metrics.store_copy_s.observe(time.perf_counter() - started)
+            # the KV covers every token but the last one sampled (it was never fed back)
+            tokens = (seq.task.prompt_token_ids + seq.generated[:-1])[: full * bt]
+            seq.storing = True
+            self.tasks.spawn(self.store_blocks(seq, tokens, kv, full), f"store-progress-{rid}", essential=False)
+
+    async def store_blocks(self, seq: Running, tokens: list[int], kv: torch.Tensor, full: int) -> None:
+        try:
+            stored = await self.pool.store(seq.request_id, tokens, kv, seq.task.key_seed, first_block=seq.stored_blocks)
+            self.metrics.blocks_stored.inc(stored)
+            seq.stored_blocks = full
+        except PoolUnavailable as exc:
+            log.warning("request %s: running KV not stored: %s", seq.request_id, exc)
+        finally:
+            seq.storing = False
 
     async def store_kv(self, seq: Running, kv: torch.Tensor) -> None:
         """Keep the prompt's and the completion's KV in the node's pool, so the next turn hits."""

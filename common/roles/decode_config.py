@@ -29,6 +29,7 @@ class DecodeConfig:
     heartbeat_interval_s: float
     drain_grace_s: float  # after SIGTERM: time to finish the work held before handing the rest back
     orphan_kv_s: float  # a KV file landed for us this long ago whose task never came is removed
+    store_every_blocks: int  # a running request's new full blocks go to the node's pool this many at a time (0: at its end only)
     max_batch: int
     kv_budget_tokens: int  # KV tokens the batch may reserve (prompt + tokens still to generate)
     tbt_slo_s: float  # a request whose KV arrives when the batch could not meet this is rejected (late)
@@ -42,6 +43,8 @@ class DecodeConfig:
             raise ValueError("threads must be >= 0 (0 = torch default)")
         if self.orphan_kv_s <= 0:
             raise ValueError("orphan KV age must be > 0")
+        if self.store_every_blocks < 0:
+            raise ValueError("store every blocks must be >= 0 (0 = store a request's KV at its end only)")
         if self.drain_grace_s < 0:
             raise ValueError("drain grace must be >= 0")
         if self.heartbeat_interval_s <= 0:
@@ -63,6 +66,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                 help="seconds between heartbeats, each with this instance's load report")
     common.flag(parser, "--orphan-kv", "MOONBUS_ORPHAN_KV", 30.0, float, dest="orphan_kv_s",
                 help="seconds after which a KV file landed for this instance, whose task never came, is removed")
+    common.flag(parser, "--store-every-blocks", "MOONBUS_STORE_EVERY_BLOCKS", 4, int, dest="store_every_blocks",
+                help="store a running request's KV in the node's pool each time this many new blocks are full, so "
+                     "a request resumed after this instance is lost reloads them (0 = at its end only)")
     common.flag(parser, "--drain-grace", "MOONBUS_DRAIN_GRACE", 30.0, float, dest="drain_grace_s",
                 help="seconds to finish held work after SIGTERM; what is left is resumed elsewhere")
     common.flag(parser, "--max-batch", "MOONBUS_MAX_BATCH", 64, int, help="most requests decoding at once")

@@ -37,6 +37,7 @@ def pair(tmp_path_factory, tiny_profile):
     cluster.stop()
 
 
+BLOCK = 16  # the cluster's block_tokens
 LONG = 1200  # tokens: still decoding when its instance is told to stop, after 5 of them
 
 
@@ -107,23 +108,24 @@ async def wait_healthy(cluster, prefill: int, decode: int) -> None:
 
 async def test_a_killed_decode_instance_hands_its_stream_to_the_other(pair):
     cluster = pair
-    status, undisturbed, _ = await post(f"{cluster.spec.url}/v1/completions", body(160))
+    # each run in a cache namespace of its own: what the undisturbed run stored cannot help the other
+    status, undisturbed, _ = await post(f"{cluster.spec.url}/v1/completions", body(400) | {"cache_salt": "undisturbed"})
     assert status == 200, undisturbed
     killed = {}
 
     async def kill_its_decode(request_id, events):
-        if not killed and len(tokens_of(events)) >= 20:
+        if not killed and len(tokens_of(events)) >= 100:  # a few generated blocks stored by then
             decode_id = (await routed(cluster, request_id, 0))["decode_id"]
             kill(cluster, decode_id)
             killed.update(name=decode_id, at=time.monotonic(), tokens=len(tokens_of(events)))
 
-    request_id, events = await stream(cluster, body(160), kill_its_decode)
+    request_id, events = await stream(cluster, body(400) | {"cache_salt": "killed"}, kill_its_decode)
     assert killed, "the stream ended before its decode instance could be killed"
     assert events[-1] == {"done": True}
     assert not [e for e in events if "error" in e], events[-3:]
     # one stream, no token lost or repeated: the same greedy tokens as the undisturbed run
     assert tokens_of(events) == undisturbed["choices"][0]["token_ids"]
-    assert len(tokens_of(events)) == 160
+    assert len(tokens_of(events)) == 400
     path = await collect_request_events(cluster.spec.nats_url, request_id)
     kinds = [e["kind"] for e in path]
     assert [k for k in kinds if k in ("completed", "failed", "cancelled", "rejected")] == ["completed"]
@@ -131,6 +133,11 @@ async def test_a_killed_decode_instance_hands_its_stream_to_the_other(pair):
     assert migrated["data"]["attempt"] == 1 and migrated["data"]["resumed_tokens"] >= killed["tokens"]
     second = await routed(cluster, request_id, 1)
     assert second["decode_id"] != killed["name"]
+    # resumed, not recomputed: the lost instance stored the blocks it generated as it went, and the
+    # new prefill reused them (its cached tokens reach past the prompt's blocks)
+    prompt_tokens = undisturbed["usage"]["prompt_tokens"]
+    [resumed] = [e for e in path if e["kind"] == "prefilled" and e["data"]["attempt"] == 1]
+    assert prompt_tokens // BLOCK * BLOCK < resumed["data"]["cached_tokens"] <= prompt_tokens + migrated["data"]["resumed_tokens"]
     cluster.restart(killed["name"])  # as the supervisor would
     await wait_healthy(cluster, 2, 2)
 

@@ -212,3 +212,17 @@ def test_the_simulated_decode_instance_counts_room_as_the_live_engine_does(model
             simulated.batch.members.remove(next(m for m in simulated.batch.members if m.index == 0))
             assert simulated.kv_free() == live.admission_state().kv_free_tokens
     assert live.num_running == len(simulated.batch.members) == 3  # (40, 60) never found room
+
+
+def test_a_span_of_a_rows_kv_is_a_copy_of_those_tokens(model):
+    batch = BatchEngine(Llama.from_hf(model), max_batch=2, kv_budget_tokens=1000)
+    kv, first = make_start(model, make_prompt(40, 0), GREEDY)
+    batch.add("a", kv, first, GREEDY)
+    batch.step()
+    assert batch.kv_len("a") == 41
+    span = batch.kv_span("a", 16, 32)
+    assert torch.equal(span, batch.kv_of("a")[:, :, :, 16:32])
+    span.zero_()  # a copy: the batch's own KV is untouched
+    assert not torch.equal(span, batch.kv_of("a")[:, :, :, 16:32])
+    with pytest.raises(ValueError):
+        batch.kv_span("a", 32, 48)
