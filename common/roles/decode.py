@@ -83,6 +83,9 @@ class DecodeMetrics:
                                              "the instance's prediction of it, the profile at its learned speed "
                                              "(1 = exact)", buckets=metrics.RATIO_BUCKETS, registry=r)
         self.tokens = Counter("moonbus_decode_tokens", "tokens generated", registry=r)
+        self.room_wait_s = Histogram("moonbus_decode_room_wait_seconds", "from a request's KV arriving to its join of "
+                                     "the batch (waiting for KV room or a free row)", buckets=metrics.SLOW_BUCKETS,
+                                     registry=r)
         self.store_copy_s = Histogram("moonbus_decode_store_copy_seconds", "copying a running request's new full "
                                       "blocks out of the batch between steps, to store them in the pool",
                                       buckets=metrics.FAST_BUCKETS, registry=r)
@@ -205,6 +208,7 @@ class DecodeService:
         self.engine.add(rid, kv, task.first_token, task.sampling, task.num_generated + 1)
         self.running[rid] = Running(task, [task.first_token])
         waited = self.arrived_at.waited(rid, task.attempt, time.monotonic())
+        self.metrics.room_wait_s.observe(waited)
         await self.events.request("decode_joined", rid, waited_s=round(waited, 6), batch=self.engine.num_running,
                                   attempt=task.attempt)
 

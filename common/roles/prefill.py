@@ -59,6 +59,8 @@ class PrefillMetrics:
                               ["source"], registry=r)
         self.seconds = Histogram("moonbus_prefill_seconds", "a request's prefill, pull and prefix load included",
                                  buckets=metrics.SLOW_BUCKETS, registry=r)
+        self.queue_wait_s = Histogram("moonbus_prefill_queue_wait_seconds", "a task's wait in this instance's queue",
+                                      buckets=metrics.SLOW_BUCKETS, registry=r)
         self.over_predicted = Histogram("moonbus_prefill_work_over_predicted", "a request's prefill work (pull and "
                                         "prefix load included) / the conductor's prediction of it (1 = exact)",
                                         buckets=metrics.RATIO_BUCKETS, registry=r)
@@ -128,6 +130,7 @@ class PrefillService:
             self.current = task
             self.current_started = time.monotonic()
             self.queued_s = self.arrived_at.waited(task.request_id, task.attempt, self.current_started)
+            self.metrics.queue_wait_s.observe(self.queued_s)
             outcome = "failed"
             try:
                 if task.pipeline is not None:

@@ -170,9 +170,9 @@ async def test_every_service_exports_its_metrics(replicated):
         "cache_index": ["moonbus_cache_index_blocks", "moonbus_cache_index_kv_events_total"],
         "messenger": ["moonbus_messenger_pool_capacity_blocks", "moonbus_messenger_pool_events_total"],
         "prefill": ["moonbus_prefill_requests_total", "moonbus_prefill_prompt_tokens_total",
-                    "moonbus_prefill_work_over_predicted_count"],
+                    "moonbus_prefill_work_over_predicted_count", "moonbus_prefill_queue_wait_seconds_count"],
         "decode": ["moonbus_decode_tokens_total", "moonbus_decode_step_seconds_count",
-                   "moonbus_decode_step_over_predicted_count"],
+                   "moonbus_decode_step_over_predicted_count", "moonbus_decode_room_wait_seconds_count"],
     }
     totals: dict[tuple[str, str], float] = {}
     async with aiohttp.ClientSession() as session:

@@ -96,3 +96,13 @@ def test_the_ttft_prediction_is_judged_on_first_attempts_per_prefill_instance():
     assert goodput.ttft_prediction([])["median"] is None
     stored = [Stored(i + 1, "moonbus.events.request.x.r", orjson.dumps(e)) for i, e in enumerate(events)]
     assert goodput.ttft_prediction(goodput.events_of(stored)) == got
+
+
+def test_disturbances_count_lost_instances_migrations_and_later_attempts():
+    events = [{"kind": "routed", "request_id": "a", "data": {"attempt": 0}},
+              {"kind": "lost", "request_id": "", "data": {}},
+              {"kind": "migrated", "request_id": "a", "data": {"attempt": 1}},
+              {"kind": "routed", "request_id": "a", "data": {"attempt": 1}},
+              {"kind": "routed", "request_id": "b", "data": {}}]
+    assert goodput.disturbances(events) == {"lost": 1, "migrated": 1, "redispatched": 1}
+    assert goodput.disturbances([]) == {"lost": 0, "migrated": 0, "redispatched": 0}

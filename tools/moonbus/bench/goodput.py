@@ -92,9 +92,18 @@ def measure(server: MoonbusServer, plan, args: argparse.Namespace, cores: int) -
         server.stop()
     summary = summarize(raw["trace"], args.ttft_slo, args.tbt_slo)
     row = vllm_report.serve_row(summary, raw["trace"], raw["cpu_s"], raw["wall_s"], cores)
+    events = events_of(stored)
     return {"start_s": time.perf_counter() - started, "serve": row, "rejections": summary["rejections"],
             "tbt_p90_s": summary["tbt_p90_s"], "goodput_per_min": summary["goodput_per_min"],
-            "ttft_prediction": ttft_prediction(events_of(stored))}
+            "ttft_prediction": ttft_prediction(events), "disturbances": disturbances(events)}
+
+
+def disturbances(events: list[dict]) -> dict:
+    """What should not happen to a cluster whose processes all live: instances declared lost, and
+    requests migrated or re-dispatched (their work done twice)."""
+    kinds = [e["kind"] for e in events]
+    return {"lost": kinds.count("lost"), "migrated": kinds.count("migrated"),
+            "redispatched": sum(1 for e in events if e["kind"] == "routed" and e["data"].get("attempt"))}
 
 
 def events_of(stored: list[Stored]) -> list[dict]:
@@ -149,6 +158,11 @@ def format_report(result: dict) -> str:
             per = ", ".join(f"{i} {m:.2f}" for i, m in t["per_instance"].items())
             lines.append(f"  {mode} TTFT actual / predicted: median {t['median']:.2f} ({per}), "
                          f"{t['within_20pct']:.0%} within 20%, {t['requests']} first attempts")
+    for mode, r in result["modes"].items():
+        if r.get("disturbances"):
+            d = r["disturbances"]
+            lines.append(f"  {mode}: {d['lost']} instances declared lost, {d['migrated']} migrations, "
+                         f"{d['redispatched']} routes of a later attempt")
     for mode, r in result["modes"].items():
         if r.get("rejections"):
             lines.append(f"  {mode} rejections: " + ", ".join(f"{k} {v}" for k, v in r["rejections"].items()))
