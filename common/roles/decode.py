@@ -57,7 +57,7 @@ class Running:
     generated: list[int]  # this attempt's tokens so far (the first came from prefill)
     started: float = field(default_factory=time.perf_counter)
     stored_blocks: int = 0  # its leading blocks handed to the node's pool so far
-    storing: bool = False  # a store of its blocks is under way
+    storing: asyncio.Task | None = None  # a store of its blocks under way
 
     @property
     def request_id(self) -> str:
@@ -359,7 +359,7 @@ class DecodeService:
         if every <= 0:
             return
         for rid, seq in self.running.items():
-            if seq.storing or rid not in self.engine.index:
+            if (seq.storing is not None and not seq.storing.done()) or rid not in self.engine.index:
                 continue
             full = self.engine.kv_len(rid) // bt
             if full - seq.stored_blocks < every:
@@ -370,8 +370,8 @@ class DecodeService:
             self.metrics.store_copy_s.observe(time.perf_counter() - started)
             # the KV covers every token but the last one sampled (it was never fed back)
             tokens = (seq.task.prompt_token_ids + seq.generated[:-1])[: full * bt]
-            seq.storing = True
-            self.tasks.spawn(self.store_blocks(seq, tokens, kv, full), f"store-progress-{rid}", essential=False)
+            seq.storing = self.tasks.spawn(self.store_blocks(seq, tokens, kv, full), f"store-progress-{rid}",
+                                           essential=False)
 
     async def store_blocks(self, seq: Running, tokens: list[int], kv: torch.Tensor, full: int) -> None:
         try:
@@ -380,13 +380,13 @@ class DecodeService:
             seq.stored_blocks = full
         except PoolUnavailable as exc:
             log.warning("request %s: running KV not stored: %s", seq.request_id, exc)
-        finally:
-            seq.storing = False
 
     async def store_kv(self, seq: Running, kv: torch.Tensor) -> None:
         """Keep the prompt's and the completion's KV in the node's pool, so the next turn hits."""
         # the KV covers every token but the last one sampled (it was never fed back)
         tokens = seq.task.prompt_token_ids + seq.generated[:-1]
+        if seq.storing is not None:  # one store of a request at a time: they share its hold at the messenger
+            await asyncio.wait([seq.storing])
         try:
             await self.pool.store(seq.request_id, tokens, kv, seq.task.key_seed)
         except PoolUnavailable as exc:
