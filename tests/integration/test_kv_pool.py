@@ -135,9 +135,14 @@ async def test_prefix_held_only_on_another_nodes_ssd_is_pulled_from_there(two_no
     await run_prefill_task(cluster, dict(request_id="filler", prompt_token_ids=filler,
                                          sampling=SamplingParams(temperature=0, max_tokens=1),
                                          decode_id="decode-0", decode_node="node-d0"), prefill_id=prefill_on(routed_to))
-    await wait_until(lambda: _holds(cluster, routed_to, keys), what="the prompt's blocks in the index")
+    # the filler's blocks are stored after its first token is sent: wait for its demotions to reach the index
+
+    async def demoted() -> bool:
+        return (await index_entries(cluster, routed_to)).get(keys[0]) == "ssd"
+
+    await wait_until(demoted, what="the prompt's oldest block demoted to the SSD tier, in the index")
     held = await index_entries(cluster, routed_to)
-    assert held[keys[0]] == "ssd" and held[keys[-1]] == "dram"
+    assert all(k in held for k in keys) and held[keys[-1]] == "dram"
     other_held = await index_entries(cluster, other)
     assert not any(k in other_held for k in keys)
     chunks = await run_prefill_task(cluster, dict(

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import socket
 import struct
 import threading
@@ -121,13 +122,24 @@ async def test_an_oversized_body_is_413_and_a_tenant_over_its_limit_gets_429(gua
     huge = json.dumps(completion("x" * (5 << 20))).encode()
     status, body, _ = await call(cluster, huge, issued["acme"])
     assert status == 413 and "larger than" in body["error"]["message"]
-    slow = completion("slow " * 20, max_tokens=400, ignore_eos=True)
-    first = asyncio.ensure_future(call(cluster, slow, issued["tiny"]))
-    await asyncio.sleep(0.5)
-    status, body, headers = await call(cluster, completion("second"), issued["tiny"])
+    # the first request is in flight for sure: its first chunk came, and its decode instance is
+    # frozen until the second has its answer (no timer to race)
+    decode = cluster.procs["decode-0"].popen
+    async with aiohttp.ClientSession() as session:
+        async with session.post(cluster.spec.url + "/v1/completions",
+                                json=completion("slow " * 20, max_tokens=64, ignore_eos=True, stream=True),
+                                headers={"Authorization": f"Bearer {issued['tiny']}"}) as first:
+            assert first.status == 200
+            await first.content.readline()  # its first event: admitted, prefilled
+            decode.send_signal(signal.SIGSTOP)
+            try:
+                status, body, headers = await call(cluster, completion("second"), issued["tiny"])
+            finally:
+                decode.send_signal(signal.SIGCONT)
+            rest = (await first.read()).decode()
     assert status == 429 and "1 requests in flight" in body["error"]["message"]
     assert int(headers["Retry-After"]) >= 1
-    assert (await first)[0] == 200
+    assert rest.rstrip().endswith("data: [DONE]")
 
 
 async def test_the_bus_refuses_strangers_and_keeps_each_role_to_its_subjects(guarded):
