@@ -3,8 +3,11 @@ services wrote it, then names a forged, a dropped and an edited event (publisher
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import json
+import select
+import signal
 import subprocess
 import sys
 import time
@@ -128,3 +131,26 @@ async def test_audit_verify_names_forged_dropped_and_edited_events(audited):
     assert not any(f"#{dropped.stream_seq} " in line for line in lines)  # it is gone
     untouched = moonbus_audit(cluster, "request", others[1])
     assert untouched.returncode == 0, untouched.stdout
+
+
+async def test_tap_follows_the_stream_and_a_signal_ends_it_at_once(audited):
+    """`moonbus tap` prints events as they come; Ctrl-C (or SIGTERM) stops it while it waits for
+    the next one (it used to wait for the next event, up to an hour, first)."""
+    cluster = audited
+    tap = subprocess.Popen([sys.executable, "-m", "tools.moonbus.cli", "tap", "--kind", "completed", "--json",
+                            "--home", str(cluster.spec.home)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        line, sent = "", set()
+        for attempt in range(60):  # until the tap is subscribed, each completion is one more chance
+            sent.add(await complete(cluster, f"tap me {attempt}"))
+            ready = await asyncio.to_thread(select.select, [tap.stdout], [], [], 1.0)
+            if ready[0]:
+                line = tap.stdout.readline()
+                break
+        event = json.loads(line)
+        assert event["kind"] == "completed" and event["request_id"] in sent
+        tap.send_signal(signal.SIGTERM)  # idle now: nothing else completes
+        assert tap.wait(30) == 0
+    finally:
+        if tap.poll() is None:
+            tap.kill()

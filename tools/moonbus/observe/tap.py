@@ -65,6 +65,9 @@ def format_event(event: Event) -> str:
     return f"{ts} {event.kind:<15} {who:<28}{rid} {data}"
 
 
+DRAIN_S = 2.0  # at exit, how long to wait for the connection to drain
+
+
 async def tap(args: argparse.Namespace) -> int:
     url, auth = (args.nats_url, None) if args.nats_url else default_access(args.home)
     nc = await bus.connect(url, "moonbus-tap", auth)
@@ -75,10 +78,17 @@ async def tap(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    stopped = asyncio.ensure_future(stop.wait())
     try:
-        while not stop.is_set():
+        while True:
+            # NOTE: a signal ends the wait for the next event at once (an idle tap waited up to an hour)
+            nxt = asyncio.ensure_future(sub.next_msg(timeout=args.timeout or 3600))
+            await asyncio.wait({nxt, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if stopped.done():
+                nxt.cancel()
+                break
             try:
-                msg = await sub.next_msg(timeout=args.timeout or 3600)
+                msg = nxt.result()
             except asyncio.TimeoutError:
                 if args.timeout:
                     break
@@ -92,9 +102,13 @@ async def tap(args: argparse.Namespace) -> int:
             if args.until_terminal and event.kind in TERMINAL_KINDS:
                 break
     finally:
+        stopped.cancel()
         with contextlib.suppress(Exception):
-            await sub.unsubscribe()
-        await nc.drain()
+            await asyncio.wait_for(sub.unsubscribe(), DRAIN_S)
+        try:  # a broker that went away would keep a drain reconnecting: give up after DRAIN_S
+            await asyncio.wait_for(nc.drain(), DRAIN_S)
+        except Exception:  # noqa: BLE001 - leaving anyway
+            await nc.close()
     return 0
 
 
