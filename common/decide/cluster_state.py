@@ -42,6 +42,7 @@ GAP_FACTOR = 4.0  # a silence this many times its longest recent gap (and past t
 UNKNOWN_OUTPUT_TOKENS = 256  # a request whose max_tokens is not reported (an older instance)
 DEFAULT_STEP_S = 0.05  # without a profile or a reported step time
 RECOVERY_S = 60.0  # how long after losing an instance its role counts as recovering (ClusterState.recovering)
+UNHELD_S = 30.0  # a request the instance that last held it has stopped reporting, for this long, has ended
 
 
 @dataclass
@@ -118,6 +119,11 @@ class ClusterState:
         # (a messenger that was never heard of, as in the simulator, marks nothing)
         self.lost_nodes: set[str] = set()
         self.lost: dict[str, tuple[str, float]] = {}  # lost instance -> (its role, when), until heard again
+        # who last reported holding each of our requests, and since when it no longer does: a request
+        # whose end message was lost (a broker restart drops what had no subscriber) ends this way,
+        # not at its lease
+        self._held: dict[str, set[str]] = {}  # instance_id -> our requests its latest report held
+        self._unheld: dict[str, tuple[str, float]] = {}  # request_id -> (instance that last held it, since)
 
     def changed(self) -> None:
         self._coming = None
@@ -149,10 +155,16 @@ class ClusterState:
         self._learn(info)
         if info.role == "messenger":
             self.lost_nodes.discard(info.node)
+        held = set()
         for rid in self._held_ids(info):
             request = self.routed.get(rid)
             if request is not None:
                 request.seen_by.add(info.instance_id)
+                held.add(rid)
+                self._unheld.pop(rid, None)
+        for rid in self._held.get(info.instance_id, set()) - held:
+            self._unheld.setdefault(rid, (info.instance_id, now))
+        self._held[info.instance_id] = held
         if known is None:
             return "joined"
         if known.info.incarnation and info.incarnation and known.info.incarnation != info.incarnation:
@@ -211,6 +223,7 @@ class ClusterState:
     def _forget(self, gone: list[WorkerInfo], now: float) -> list[WorkerInfo]:
         for info in gone:
             del self.instances[info.instance_id]
+            self._held.pop(info.instance_id, None)  # what it held is handed back (lost_with), not ended
             self.lost[info.instance_id] = (info.role, now)
             if info.role == "messenger":
                 self.lost_nodes.add(info.node)
@@ -232,6 +245,7 @@ class ClusterState:
     # --- what this conductor did, and what ended ------------------------------------------------------
     def route(self, request: Routed) -> None:
         self.routed[request.request_id] = request
+        self._unheld.pop(request.request_id, None)  # a new attempt: whoever held the last one does not matter
         self.changed()
 
     def policy_settings(self, settings: PolicySettings) -> PolicySettings:
@@ -266,6 +280,20 @@ class ClusterState:
             del self.routed[request.request_id]
         self.changed()
         return lost
+
+    def expire_unheld(self, now: float) -> list[Routed]:
+        """Our requests that the instance last holding them has not reported for UNHELD_S, and no
+        other has since: they ended and their end message was lost. Removed and returned."""
+        ended = []
+        for rid, (_, since) in list(self._unheld.items()):
+            if now - since >= UNHELD_S:
+                del self._unheld[rid]
+                request = self.routed.pop(rid, None)
+                if request is not None:
+                    ended.append(request)
+        if ended:
+            self.changed()
+        return ended
 
     def expire_leases(self, now: float) -> list[Routed]:
         old = [r for r in self.routed.values() if now - r.routed_at > self.lease_s]

@@ -42,7 +42,7 @@ from schemas.tokens import Cancel
 from schemas.workers import Alive, Exited, Layout, Progress, Refused, StatusReply, WorkerInfo
 from common.decide import admission, policy
 from services.conductor.config import ConductorConfig
-from common.decide.cluster_state import ClusterState, Refusal, Routed
+from common.decide.cluster_state import UNHELD_S, ClusterState, Refusal, Routed
 
 log = logging.getLogger(__name__)
 POLICY_VERSION = "moonbus-conductor/1"
@@ -327,6 +327,9 @@ class ConductorService:
             await self.events.instance("lost", info.instance_id, role=info.role, node=info.node, reason="silent")
             await self.fail_requests_of(info.instance_id, "stopped responding")
         self.update_gauges()
+        for request in self.state.expire_unheld(now):
+            log.warning("request %s: no instance has held it for %.0f s (its end message was lost); releasing its load",
+                        request.request_id, UNHELD_S)
         for request in self.state.expire_leases(now):
             log.warning("request %s: lease expired, releasing its load", request.request_id)
 

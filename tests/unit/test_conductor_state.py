@@ -224,3 +224,35 @@ def test_a_new_process_under_a_known_id_means_its_predecessor_died():
     assert state.heard(decode(incarnation="old"), now=0.0) == "joined"
     assert state.heard(decode(incarnation="old"), now=0.2) is None
     assert state.heard(decode(incarnation="new"), now=1.0) == "restarted"  # well before any timeout
+
+
+def test_a_request_no_instance_holds_any_more_ends_after_a_while():
+    """Its end message was lost (a broker restart): the instance that last held it stopped
+    reporting it, and no other took it, so it ended; its load goes, without waiting for the lease."""
+    from common.decide.cluster_state import UNHELD_S
+
+    state = cluster()
+    state.route(routed("a"))
+    state.route(routed("b"))
+    state.heard(prefill(held=["a", "b"]), now=1.0)
+    state.heard(prefill(held=["b"]), now=2.0)  # a's prefill is done ...
+    state.heard(decode(joined=[Joined("a", 0.1, 100)]), now=3.0)  # ... and it is decoding: held again
+    state.heard(prefill(held=[]), now=4.0)  # b's prefill is done and its message was lost
+    state.heard(decode(joined=[]), now=5.0)  # a finished and its message was lost
+    assert state.expire_unheld(now=4.0 + UNHELD_S - 0.1) == []
+    assert [r.request_id for r in state.expire_unheld(now=5.0 + UNHELD_S)] == ["b", "a"]
+    assert state.routed == {}
+
+
+def test_a_request_held_again_or_routed_again_is_not_taken_for_ended():
+    from common.decide.cluster_state import UNHELD_S
+
+    state = cluster()
+    state.route(routed("a"))
+    state.heard(prefill(held=["a"]), now=1.0)
+    state.heard(prefill(held=[]), now=2.0)
+    state.route(routed("a", attempt=1))  # dispatched again
+    assert state.expire_unheld(now=2.0 + UNHELD_S) == [] and "a" in state.routed
+    state.heard(decode(joined=[Joined("a", 0.1, 100)]), now=3.0)
+    state.heard(decode(joined=[Joined("a", 0.1, 100)]), now=3.0 + UNHELD_S)
+    assert state.expire_unheld(now=3.0 + 2 * UNHELD_S) == [] and "a" in state.routed
