@@ -123,7 +123,7 @@ class ClusterState:
         # whose end message was lost (a broker restart drops what had no subscriber) ends this way,
         # not at its lease
         self._held: dict[str, set[str]] = {}  # instance_id -> our requests its latest report held
-        self._unheld: dict[str, tuple[str, float]] = {}  # request_id -> (instance that last held it, since)
+        self._unheld: dict[str, float] = {}  # request_id -> since when its last holder stopped reporting it
 
     def changed(self) -> None:
         self._coming = None
@@ -163,7 +163,7 @@ class ClusterState:
                 held.add(rid)
                 self._unheld.pop(rid, None)
         for rid in self._held.get(info.instance_id, set()) - held:
-            self._unheld.setdefault(rid, (info.instance_id, now))
+            self._unheld.setdefault(rid, now)
         self._held[info.instance_id] = held
         if known is None:
             return "joined"
@@ -285,7 +285,7 @@ class ClusterState:
         """Our requests that the instance last holding them has not reported for UNHELD_S, and no
         other has since: they ended and their end message was lost. Removed and returned."""
         ended = []
-        for rid, (_, since) in list(self._unheld.items()):
+        for rid, since in list(self._unheld.items()):
             if now - since >= UNHELD_S:
                 del self._unheld[rid]
                 request = self.routed.pop(rid, None)

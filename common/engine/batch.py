@@ -171,8 +171,7 @@ class BatchEngine:
     @torch.inference_mode()
     def kv_of(self, request_id: str) -> torch.Tensor:
         """A copy of the request's KV so far, [L, 2, H, kv_len, D] (e.g. to store it in the pool)."""
-        row = self.index[request_id]
-        return self.kv[:, :, row, :, : int(self.kv_lens[row])].clone()
+        return self.kv_span(request_id, 0, self.kv_len(request_id))
 
     def kv_span(self, request_id: str, start: int, end: int) -> torch.Tensor:
         """A copy of tokens [start, end) of the request's KV, [L, 2, H, end - start, D]."""

@@ -63,6 +63,11 @@ class Running:
     def request_id(self) -> str:
         return self.task.request_id
 
+    @property
+    def kv_tokens(self) -> list[int]:
+        """The tokens whose KV it holds: all but the last one sampled (never fed back yet)."""
+        return self.task.prompt_token_ids + self.generated[:-1]
+
     def index_of_last(self) -> int:
         """Position of the newest token among the completion's tokens (earlier attempts included)."""
         return self.task.num_generated + len(self.generated) - 1
@@ -368,8 +373,7 @@ class DecodeService:
             started = time.perf_counter()
             kv = self.engine.kv_span(rid, seq.stored_blocks * bt, full * bt)
             self.metrics.store_copy_s.observe(time.perf_counter() - started)
-            # the KV covers every token but the last one sampled (it was never fed back)
-            tokens = (seq.task.prompt_token_ids + seq.generated[:-1])[: full * bt]
+            tokens = seq.kv_tokens[: full * bt]
             seq.storing = self.tasks.spawn(self.store_blocks(seq, tokens, kv, full), f"store-progress-{rid}",
                                            essential=False)
 
@@ -383,8 +387,7 @@ class DecodeService:
 
     async def store_kv(self, seq: Running, kv: torch.Tensor) -> None:
         """Keep the prompt's and the completion's KV in the node's pool, so the next turn hits."""
-        # the KV covers every token but the last one sampled (it was never fed back)
-        tokens = seq.task.prompt_token_ids + seq.generated[:-1]
+        tokens = seq.kv_tokens
         if seq.storing is not None:  # one store of a request at a time: they share its hold at the messenger
             await asyncio.wait([seq.storing])
         try:

@@ -133,8 +133,9 @@ class RatioSeries:
 
     def record(self, ratio: float, now: float) -> None:
         second = int(now)
-        for old in [sec for sec in self._seconds if sec <= second - self.window_s]:
-            del self._seconds[old]
+        if second not in self._seconds:  # a new second: what left the window goes
+            for old in [sec for sec in self._seconds if sec <= second - self.window_s]:
+                del self._seconds[old]
         self._seconds.setdefault(second, []).append(ratio)
 
     def series(self, now: float) -> dict[str, Any]:
