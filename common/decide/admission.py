@@ -167,13 +167,18 @@ _by_tbt_then_id = itemgetter(0, 1)
 
 
 def judge(decision: Decision, context_tokens: int, load: DecodeLoadSnapshot, settings: AdmissionSettings,
-          perf: Profile, colocate: bool = False) -> tuple[Verdict, Decision]:
+          perf: Profile, colocate: bool = False, resumed: bool = False) -> tuple[Verdict, Decision]:
     """Admission of the policy's decision, and where the request goes if admitted: the policy's decode
     instance when it meets the TBT SLO at the moment judged (the prefill's end, predictively), else
     the one with the lowest TBT then. Only instances with KV room for the request are judged (and,
     colocated, only those on p*'s node). The policy ranks decode instances by the load they hold
     and will hold; admission looks at the load when this request joins, so without this a request
-    admitted for one instance was sent to another, and rejected there when its KV arrived."""
+    admitted for one instance was sent to another, and rejected there when its KV arrived.
+    `resumed`: a later attempt of a request admitted at its arrival (its instance was lost); its
+    client already has a stream, so it is not judged again (it would be rejected for the very
+    delay the loss caused, and its stream would end in an error)."""
+    if resumed:
+        return Verdict(True, "resumed: admitted at its arrival", ttft_s=decision.ttft_s), decision
     eligible = {c.instance_id for c in decision.decode_costs
                 if c.fits and (not colocate or c.node == decision.prefill_node)}
     judged = DecodeLoadSnapshot(load.now, tuple(d for d in load.decode if d.decode_id in eligible))

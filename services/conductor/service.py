@@ -206,7 +206,7 @@ class ConductorService:
         loads = admission.DecodeLoadSnapshot(now, tuple(self.state.decode_load(d.instance_id, now)
                                                         for d in snapshot.decode))
         verdict, decision = admission.judge(decision, len(ids), loads, self.cfg.admission, self.perf,
-                                            self.settings.colocate)
+                                            self.settings.colocate, resumed=request.attempt > 0)
         self.metrics.decide_s.observe(time.perf_counter() - decide_started)
         self.metrics.decisions.labels("admitted" if verdict.admit else "rejected").inc()
         terms = decision.to_event()

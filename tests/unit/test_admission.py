@@ -203,3 +203,13 @@ def test_without_kv_room_retry_when_enough_requests_have_left():
     load = DecodeLoad("d0", (101.0, 103.0, 110.0), (100, 100, 100))
     assert kv_retry_after(150, [full], [load], NOW, make_settings("predictive")) == pytest.approx(3.0)
     assert kv_retry_after(9000, [full], [load], NOW, make_settings("predictive")) == 60.0  # never: the most
+
+
+def test_a_resumed_attempt_is_not_judged_again():
+    load = make_load(make_instance("d0", decoding={99.0: 20}))  # far over the TBT SLO
+    late = Decision("r", "kvcache-centric", "p0", "n-p0", "d0", "n-d0", 0, None, 99.0, 97.0, 2.0, 0.0, 0.02, 0, None,
+                    "policy's pick", (), (DecodeCost("d0", "n-d0", 20, 2000, 0.2, True),))
+    verdict, _ = admission.judge(late, 100, load, make_settings("predictive"), PERF)
+    assert not verdict.admit
+    verdict, decision = admission.judge(late, 100, load, make_settings("predictive"), PERF, resumed=True)
+    assert verdict.admit and decision == late
