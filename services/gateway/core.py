@@ -251,7 +251,12 @@ class Gateway:
                         gen.migrations, gen.redispatches, chunk.error)
             return False
         await self.cancel(gen)  # the abandoned attempt stops wherever it still runs
-        gen.avoid |= {i for i in (gen.prefill_id, gen.decode_id) if i}  # elsewhere first, if there is an elsewhere
+        # elsewhere first, if there is an elsewhere, away from the instance that failed: the decode instance
+        # after the first token or when it was lost, the prefill instance before, both when the KV could not
+        # travel between them. The other may well hold what the new attempt reuses (the prompt's prefix)
+        failed = {"transfer": (gen.prefill_id, gen.decode_id)}.get(
+            chunk.stage, (gen.decode_id,) if migrating else (gen.prefill_id,))
+        gen.avoid |= {i for i in failed if i}
         gen.attempt += 1
         if migrating:
             gen.migrations += 1

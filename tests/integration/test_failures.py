@@ -6,6 +6,11 @@ once after its first token (`--max-migrations 1`, default 3), so the limit is re
 twice. Decode instances drain for up to 120 s (`--drain-grace`), which a 60-token request of
 tiny-random finishes inside; the test of what outlives the grace restarts them with a grace of 0,
 which any request still running outlives.
+
+A second cluster (1 prefill + 2 decode, one row per decode instance) holds requests in every state
+a decode instance can hold them when it dies: its processes are frozen (SIGSTOP) to keep each
+request where it is, so its conductor takes nobody for dead by silence (the supervisor of `moonbus
+up` says who died, as it does in production) and its gateway does not probe quiet requests.
 """
 
 from __future__ import annotations
@@ -13,12 +18,17 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import threading
 import time
+import urllib.request
+from dataclasses import dataclass, field
 
 import aiohttp
 import pytest
 
+from schemas.events import TERMINAL_KINDS
 from tests.integration.conftest import collect_request_events, post, start_cluster
+from tools.moonbus.cluster.up import supervise
 
 pytestmark = pytest.mark.integration
 
@@ -72,28 +82,33 @@ def tokens_of(events: list[dict]) -> list[int]:
     return [t for e in events if e.get("choices") for t in e["choices"][0].get("token_ids", [])]
 
 
-async def routed(cluster, request_id: str, attempt: int) -> dict:
-    """The `routed` event of one attempt of a request."""
+def kill(cluster, name: str) -> None:
+    proc(cluster, name).send_signal(signal.SIGKILL)
+    proc(cluster, name).wait(10)
+
+
+async def event_of(cluster, request_id: str, kind: str, attempt: int = 0, timeout_s: float = BOUND_S) -> dict:
+    """The first `kind` event of one attempt of a request (waits for it)."""
     from nats.js.api import ConsumerConfig, DeliverPolicy
 
     from common import bus
     from schemas import subjects
 
-    nc = await bus.connect(cluster.spec.nats_url, "test-routed")
+    nc = await bus.connect(cluster.spec.nats_url, "test-event")
     try:
-        sub = await nc.jetstream().subscribe(subjects.request_event("routed", request_id), ordered_consumer=True,
+        sub = await nc.jetstream().subscribe(subjects.request_event(kind, request_id), ordered_consumer=True,
                                              config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
         while True:
-            event = json.loads((await sub.next_msg(timeout=BOUND_S)).data)
+            event = json.loads((await sub.next_msg(timeout=timeout_s)).data)
             if event["data"].get("attempt", 0) == attempt:
                 return event["data"]
     finally:
         await nc.drain()
 
 
-def kill(cluster, name: str) -> None:
-    proc(cluster, name).send_signal(signal.SIGKILL)
-    proc(cluster, name).wait(10)
+async def routed(cluster, request_id: str, attempt: int) -> dict:
+    """The `routed` event of one attempt of a request."""
+    return await event_of(cluster, request_id, "routed", attempt)
 
 
 async def wait_healthy(cluster, prefill: int, decode: int) -> None:
@@ -258,3 +273,146 @@ async def test_no_decode_instance_left_gives_503_with_retry_after(pair):
     assert int(headers["Retry-After"]) >= 1
     status, reply, _ = await post(f"{cluster.spec.url}/v1/completions", {"model": "tiny-random"})
     assert status == 400  # validation still answers
+
+
+# --- one decode instance holding requests in every state when it dies ---------------------------
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory, tiny_profile):
+    """1 prefill + 2 decode instances with one row each (a second request waits for the first),
+    admitting everything, with timers that outlive the test's freezes (see the module's docstring)."""
+    cluster = start_cluster(tmp_path_factory.mktemp("rehoming"), prefill=1, decode=2, profile=tiny_profile,
+                            admission="none",
+                            service_args={"conductor": ["--heartbeat-timeout", "600"],
+                                          "gateway": ["--probe-after", "600", "--stall-timeout", "600"],
+                                          "decode": ["--max-batch", "1"]})
+    yield cluster
+    cluster.stop()
+
+
+@dataclass
+class Stream:
+    """A streamed completion read in the background: its id as soon as it is routed, its events as they come."""
+    request_id: str = ""
+    events: list[dict] = field(default_factory=list)
+    task: asyncio.Task | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return tokens_of(self.events)
+
+    @property
+    def ended(self) -> bool:
+        return self.task.done()
+
+
+async def open_stream(cluster, payload: dict) -> Stream:
+    s, routed_ = Stream(), asyncio.get_running_loop().create_future()
+
+    async def read() -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=BOUND_S * 10)) as session:
+            async with session.post(f"{cluster.spec.url}/v1/completions", json=payload | {"stream": True}) as resp:
+                assert resp.status == 200, await resp.text()
+                s.request_id = resp.headers["X-Request-Id"]
+                routed_.set_result(None)
+                async for line in resp.content:
+                    if line.startswith(b"data: "):
+                        data = line[6:].strip()
+                        s.events.append({"done": True} if data == b"[DONE]" else json.loads(data))
+
+    s.task = asyncio.create_task(read())
+    await asyncio.wait({routed_, s.task}, return_when=asyncio.FIRST_COMPLETED)
+    if not routed_.done():
+        s.task.result()  # its failure
+    return s
+
+
+async def until(check, what: str) -> None:
+    deadline = time.monotonic() + BOUND_S
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        await asyncio.sleep(0.05)
+
+
+def gauge(cluster, name: str, metric: str) -> float:
+    with urllib.request.urlopen(cluster.procs[name].metrics, timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(metric + " "):
+                return float(line.split()[1])
+    raise AssertionError(f"{name} has no metric {metric}")
+
+
+STATES = ("decoding", "waiting for a row", "handed off, not taken", "queued at its prefill")
+
+
+async def test_a_killed_decode_instance_rehomes_every_request_it_held(rows):
+    cluster = rows
+    # decode-1 leaves cleanly: every request below goes to decode-0 (the one decode instance)
+    proc(cluster, "decode-1").send_signal(signal.SIGTERM)
+    assert proc(cluster, "decode-1").wait(BOUND_S) == 0
+    await until(lambda: cluster.health().get("instances", {}).get("decode") == 1, "decode-1 has left")
+
+    def request(state: str, salt: str) -> dict:
+        return {"model": "tiny-random", "prompt": f"{state}: {PROMPT}", "ignore_eos": True, "temperature": 0,
+                "return_token_ids": True, "cache_salt": salt,
+                # the decoding one outlasts the others' prefill and check-in by over a thousand steps
+                "max_tokens": 1500 if state == "decoding" else 40}
+
+    undisturbed, prompt_tokens = {}, {}
+    for state in STATES:  # each in a cache namespace of its own: nothing it stored helps the killed run
+        status, reply, _ = await post(f"{cluster.spec.url}/v1/completions", request(state, "undisturbed"))
+        assert status == 200, reply
+        undisturbed[state], prompt_tokens[state] = reply["choices"][0]["token_ids"], reply["usage"]["prompt_tokens"]
+
+    held: dict[str, Stream] = {}
+    decoding = held["decoding"] = await open_stream(cluster, request("decoding", "killed"))
+    await until(lambda: len(decoding.tokens) >= 100, "decoding has 100 tokens (a few generated blocks stored)")
+    waiting = held["waiting for a row"] = await open_stream(cluster, request("waiting for a row", "killed"))
+    await until(lambda: gauge(cluster, "decode-0", "moonbus_decode_waiting") == 1, "decode-0 holds one waiting")
+    proc(cluster, "decode-0").send_signal(signal.SIGSTOP)  # from here it takes nothing in and decodes nothing
+    assert not decoding.ended and len(waiting.tokens) == 1  # its prefill's first token only
+    handed = held["handed off, not taken"] = await open_stream(cluster, request("handed off, not taken", "killed"))
+    await event_of(cluster, handed.request_id, "kv_transferred")  # its KV is on decode-0's node, its task unread
+    proc(cluster, "prefill-0").send_signal(signal.SIGSTOP)
+    queued = held["queued at its prefill"] = await open_stream(cluster, request("queued at its prefill", "killed"))
+    assert (await routed(cluster, queued.request_id, 0))["decode_id"] == "decode-0"
+    for s in held.values():
+        assert (await routed(cluster, s.request_id, 0))["decode_id"] == "decode-0"
+
+    cluster.restart("decode-1")  # the capacity the requests will move to
+    await wait_healthy(cluster, 1, 2)
+    stopping = threading.Event()
+    supervisor = threading.Thread(target=supervise, args=(cluster, stopping.is_set), daemon=True)
+    supervisor.start()  # as in moonbus up: it tells the conductor the moment a worker's process exits
+    try:
+        at_kill = {state: len(s.tokens) for state, s in held.items()}
+        kill(cluster, "decode-0")
+        for s in held.values():  # every one is handed back and resumed, the queued one too
+            assert (await event_of(cluster, s.request_id, "migrated", attempt=1))["resumed_tokens"] == len(s.tokens)
+        proc(cluster, "prefill-0").send_signal(signal.SIGCONT)
+        await asyncio.wait_for(asyncio.gather(*(s.task for s in held.values())), BOUND_S * 5)
+    finally:
+        proc(cluster, "prefill-0").send_signal(signal.SIGCONT)
+        stopping.set()
+        supervisor.join(10)
+    # what each had when its decode instance died: the prefilled ones their first token (the prefill sends it)
+    assert at_kill["decoding"] >= 100 and at_kill["queued at its prefill"] == 0
+    assert at_kill["waiting for a row"] == at_kill["handed off, not taken"] == 1
+
+    for state, s in held.items():
+        assert not [e for e in s.events if "error" in e], (state, s.events[-3:])
+        assert s.events[-1] == {"done": True}
+        # one stream, no token lost or repeated: the greedy tokens of the undisturbed run
+        assert s.tokens == undisturbed[state], state
+        path = await collect_request_events(cluster.spec.nats_url, s.request_id)
+        assert [e["kind"] for e in path if e["kind"] in TERMINAL_KINDS] == ["completed"], state
+        assert (await routed(cluster, s.request_id, 1))["decode_id"] == "decode-1", state
+        resumed = await event_of(cluster, s.request_id, "prefilled", attempt=1)
+        full = prompt_tokens[state] // BLOCK * BLOCK
+        if state == "decoding":  # its prompt and the blocks it generated came from the pool
+            assert full < resumed["cached_tokens"] <= prompt_tokens[state] + at_kill[state], resumed
+        elif state != "queued at its prefill":  # prefilled once: its prompt's blocks came from the pool
+            assert resumed["cached_tokens"] >= (prompt_tokens[state] - 1) // BLOCK * BLOCK > 0, (state, resumed)
+    # the supervisor's thread restarted decode-0, which dies with that thread (its parent-death signal): again
+    cluster.restart("decode-0")
+    await wait_healthy(cluster, 1, 2)

@@ -87,7 +87,10 @@ def test_a_soak_above_capacity_with_every_kind_killed_in_turn_fails_and_leaks_no
     run = moonbus("soak", "--home", str(up.home), "--trace", conversation_trace(up.home), "--duration", "60", "--speed", "8",
                   "--tokens-per-block", "16", "--max-output", "16", "--vocab-size", "259", "--timeout", str(BOUND_S),
                   "--chaos", ",".join(CHAOS), "--every", "8", "--chaos-order", "cycle", "--seed", "1",
-                  "--drain-timeout", "90", "--out", str(out), "--no-progress", timeout=600)
+                  "--drain-timeout", "90", "--out", str(out), "--no-progress",
+                  # how many meet the SLOs at twice the capacity depends on how busy the machine is: not this test's
+                  # question (the soak's SLO verdict has unit tests; goodput is measured by `moonbus bench goodput`)
+                  "--min-attainment", "0", timeout=600)
     print(run.stdout[-6000:], run.stderr[-3000:])
     report = json.loads((out / "soak.json").read_text())
     assert run.returncode == 0, report["violations"]
@@ -101,6 +104,11 @@ def test_a_soak_above_capacity_with_every_kind_killed_in_turn_fails_and_leaks_no
     restarts = report["chaos"]["restarts_by_kind"]
     assert all(restarts.get(kind, 0) >= kills[kind] for kind in CHAOS), (kills, restarts)
     assert report["migrated"] >= 1  # a killed decode instance's requests were resumed, not failed
+    # each kill names what it handed back, and every one of those ended as a complete stream or an early answer
+    touched = report["chaos"]["touched"]
+    assert [(k["name"], k["at_s"]) for k in touched] == [(k["name"], k["at_s"]) for k in report["chaos"]["kills"]]
+    assert any(k["requests"] for k in touched if k["kind"] == "decode"), touched
+    assert all(r["ended"] in ("completed", "429", "503") for k in touched for r in k["requests"]), touched
     assert report["drain"]["probe"]["in_flight"] == 0
     # the supervisor said what it did, and every process is up again
     assert "restarted" in up.log()

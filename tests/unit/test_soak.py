@@ -133,6 +133,32 @@ def test_event_log_records_terminal_migrated_restarted_once_per_stream_sequence(
     assert log.migrated == {"b": 1} and log.restarted == {"prefill": 1}
 
 
+def test_each_kill_names_the_requests_it_handed_back_and_how_they_ended():
+    log, t0 = sv.EventLog(), 1000.0
+    kills = [sc.Kill(8.0, "decode", "decode-0", 11), sc.Kill(16.0, "messenger", "messenger-d1", 12)]
+    log.add(Event("migrated", t0 + 8.3, "gateway", "g", "a", {"attempt": 1, "reason": "instance decode-0 exited",
+                                                            "resumed_tokens": 40, "before_first_token": False}), 1)
+    log.add(Event("prefilled", t0 + 8.5, "prefill", "prefill-0", "a", {"attempt": 1, "cached_tokens": 96}), 2)
+    log.add(Event("migrated", t0 + 8.4, "gateway", "g", "b", {"attempt": 1, "reason": "instance decode-0 exited",
+                                                            "resumed_tokens": 0, "before_first_token": True}), 3)
+    # names no process: the latest kill before it; a request handed back before any kill is no kill's
+    log.add(Event("migrated", t0 + 17.0, "gateway", "g", "c", {"attempt": 1, "reason": "the KV transfer failed",
+                                                             "resumed_tokens": 0, "before_first_token": True}), 4)
+    log.add(Event("migrated", t0 + 2.0, "gateway", "g", "d", {"attempt": 1, "reason": "shutting down"}), 5)
+    results = [make_result(request_id=i) for i in "abcd"]
+    outcomes = [sv.Outcome(sv.COMPLETED), sv.Outcome(sv.COMPLETED), sv.Outcome(sv.REJECTED_429), sv.Outcome(sv.COMPLETED)]
+    first, second = sv.touched_by_kills(kills, t0, log, results, outcomes)
+    assert [(r["request_id"], r["how"], r["cached_tokens"], r["ended"]) for r in first["requests"]] == [
+        ("a", "resumed", 96, "completed"), ("b", "re-dispatched", None, "completed")]
+    assert [(r["request_id"], r["ended"]) for r in second["requests"]] == [("c", "429")]
+    report = make_report()
+    report["chaos"]["touched"] = [first, second]
+    text = soak_report.format_text(report)
+    assert ("kill at 8.0 s of decode-0 (decode): 2 requests handed back: 1 re-dispatched before their first token, "
+            "1 resumed after their first token (cached tokens of the new prefill: median 96, min 96, max 96); "
+            "they ended completed 2") in text
+
+
 def test_exactly_once_finds_ended_twice_and_never_ended():
     results = [make_result(request_id="a"), make_result(request_id="b"), make_result(request_id="c"),
                make_result(FAILED, 200, "TimeoutError: ", request_id="d"), make_result(FAILED, 0, "refused", request_id="")]

@@ -55,6 +55,8 @@ def format_text(report: dict) -> str:
         lines.append(f"chaos every {chaos['every_s']:g} s on {','.join(chaos['kinds'])}: kills {_by_kind(chaos['kills_by_kind'])}; "
                      f"restarts (state file) {_by_kind(chaos['restarts_by_kind'])}, "
                      f"(events) {_by_kind(chaos['restarted_events_by_kind'])}")
+    for kill in chaos.get("touched", []):
+        lines.append("  " + _kill_line(kill))
     lines.append("peak RSS: " + (", ".join(f"{k} {_mib(v)}" for k, v in sorted(report["rss_peak_by_kind"].items())) or "not sampled"))
     before, after = shm["before"] or {}, shm["after"] or {}
     probe = drain["probe"]
@@ -93,6 +95,24 @@ def format_text(report: dict) -> str:
         lines.append("PASS: every request completed or was rejected (429/503), each ended exactly once, nothing leaked, "
                      "and the completed ones met the SLOs")
     return "\n".join(lines)
+
+
+def _kill_line(kill: dict) -> str:
+    """What one kill did: the requests it handed back, how each went on and how it ended."""
+    head = f"kill at {kill['at_s']:.1f} s of {kill['name']} ({kill['kind']}): "
+    requests = kill["requests"]
+    if not requests:
+        return head + "no request handed back"
+    how = {h: [r for r in requests if r["how"] == h] for h in ("re-dispatched", "resumed")}
+    ended: dict[str, int] = {}
+    for r in requests:
+        ended[r["ended"]] = ended.get(r["ended"], 0) + 1
+    cached = sorted(r["cached_tokens"] for r in how["resumed"] if r["cached_tokens"] is not None)
+    resumed = f"{len(how['resumed'])} resumed after their first token"
+    if cached:
+        resumed += f" (cached tokens of the new prefill: median {cached[len(cached) // 2]}, min {cached[0]}, max {cached[-1]})"
+    return (head + f"{len(requests)} requests handed back: {len(how['re-dispatched'])} re-dispatched before their "
+            f"first token, {resumed}; they ended " + _by_kind(ended))
 
 
 def outcomes_per_second(requests: list[dict], seconds: int) -> dict[str, list[int]]:

@@ -78,6 +78,7 @@ class Soak:
         self.kills: list[sc.Kill] = []
         self.outcomes: dict[int, Outcome] = {}  # seq -> outcome, filled as requests end
         self.t0 = 0.0  # perf_counter at the first request: every time in the report is relative to it
+        self.t0_wall = 0.0  # the wall clock then (events carry wall-clock times)
         self.load_end_s = 0.0  # every request answered: the drain starts
         self.cpu: MachineCpu | None = None  # the machine's use while the load runs
         self.cpu_during_load: dict | None = None
@@ -138,7 +139,7 @@ class Soak:
                 subs = await self.subscribe(nc)
                 before = await self.look(nc)
                 restarts0 = self.state.restarts_by_kind()
-                self.t0 = time.perf_counter()
+                self.t0, self.t0_wall = time.perf_counter(), time.time()
                 sampler = asyncio.create_task(self.sample_every_second())
                 self.cpu = MachineCpu()
                 results = await self.send_all(session, model, arrivals)
@@ -333,6 +334,7 @@ class Soak:
                              "terminal_events": sum(len(v) for k, v in self.events.terminal.items() if k in ours)},
             "chaos": {"kinds": self.kinds, "every_s": self.args.every, "seed": self.args.seed,
                       "kills": [asdict(k) for k in self.kills], "kills_by_kind": kills_by_kind,
+                      "touched": sv.touched_by_kills(self.kills, self.t0_wall, self.events, results, outcomes),
                       "restarts_by_kind": restarts, "restarted_events_by_kind": dict(self.events.restarted)},
             "rss_peak_by_kind": peak,
             "shm": {"root": self.shm_root, "before": shm0.summary() if shm0 else None,

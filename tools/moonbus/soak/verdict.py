@@ -32,6 +32,7 @@ OUTCOMES = (COMPLETED, REJECTED_429, UNAVAILABLE_503, FAILED)
 DEV_SHM_LEAK_BYTES = 64 << 20  # /dev/shm growth (beyond the slabs') that counts as a leak
 MIGRATED_KIND = "migrated"
 RESTARTED_KIND = "restarted"
+PREFILLED_KIND = "prefilled"
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,12 +88,25 @@ def count_outcomes(outcomes: Iterable[Outcome]) -> dict[str, int]:
     return counts
 
 
+@dataclass(frozen=True, slots=True)
+class Resumption:
+    """One `migrated` event: a request handed back by the cluster and routed again."""
+
+    ts: float  # wall clock
+    attempt: int  # the new attempt's number
+    reason: str  # the error that handed it back ("instance decode-0 exited", ...)
+    resumed_tokens: int  # tokens the client already had
+    before_first_token: bool
+
+
 @dataclass
 class EventLog:
     """What the soak records from MOONBUS_EVENTS, fed one event at a time."""
 
     terminal: dict[str, list[str]] = field(default_factory=dict)  # request_id -> terminal kinds, in order
     migrated: dict[str, int] = field(default_factory=dict)  # request_id -> migrated events
+    resumptions: dict[str, list[Resumption]] = field(default_factory=dict)  # request_id -> its migrated events
+    cached: dict[tuple[str, int], int] = field(default_factory=dict)  # (request_id, attempt) -> cached tokens
     restarted: dict[str, int] = field(default_factory=dict)  # process kind -> restarted events
     seen: set[int] = field(default_factory=set)  # stream sequences: a redelivery is not a second end
 
@@ -105,6 +119,12 @@ class EventLog:
             self.terminal.setdefault(event.request_id, []).append(event.kind)
         elif event.kind == MIGRATED_KIND and event.request_id:
             self.migrated[event.request_id] = self.migrated.get(event.request_id, 0) + 1
+            d = event.data
+            self.resumptions.setdefault(event.request_id, []).append(Resumption(
+                event.ts, int(d.get("attempt", 0)), str(d.get("reason", "")), int(d.get("resumed_tokens", 0)),
+                bool(d.get("before_first_token", False))))
+        elif event.kind == PREFILLED_KIND and event.request_id:
+            self.cached[(event.request_id, int(event.data.get("attempt", 0)))] = int(event.data.get("cached_tokens", 0))
         elif event.kind == RESTARTED_KIND:
             kind = str(event.data.get("kind") or "unknown")
             self.restarted[kind] = self.restarted.get(kind, 0) + 1
@@ -240,3 +260,30 @@ def slo_violations(attainment: float | None, minimum: float, completed: int) -> 
 
 def exit_code(violations: Sequence[Violation]) -> int:
     return 1 if violations else 0
+
+
+def touched_by_kills(kills: Sequence, t0_wall: float, events: EventLog, results: Sequence[RequestResult],
+                     outcomes: Sequence[Outcome]) -> list[dict]:
+    """What each kill did to the requests: one dict per kill (in order) with the requests it handed
+    back and how each ended. A request's resumption belongs to the kill whose process its reason
+    names ("instance decode-0 exited"); one whose reason names none (a transfer that broke when a
+    messenger died, a message lost while the broker restarted) belongs to the latest kill before it."""
+    ended = {r.request_id: o.kind for r, o in zip(results, outcomes) if r.request_id}
+    per_kill = [{"at_s": k.at_s, "kind": k.kind, "name": k.name, "requests": []} for k in kills]
+    for request_id, resumptions in sorted(events.resumptions.items()):
+        for r in resumptions:
+            at_s = r.ts - t0_wall
+            named = [i for i, k in enumerate(kills) if k.at_s <= at_s + 1.0 and _names(r.reason, k.name)]
+            before = [i for i, k in enumerate(kills) if k.at_s <= at_s + 1.0]
+            who = named[-1] if named else (before[-1] if before else None)
+            if who is None:
+                continue  # handed back before any kill (a drain, a failed hand-off): not chaos's doing
+            per_kill[who]["requests"].append({
+                "request_id": request_id, "attempt": r.attempt, "resumed_tokens": r.resumed_tokens,
+                "how": "re-dispatched" if r.before_first_token else "resumed",
+                "cached_tokens": events.cached.get((request_id, r.attempt)), "ended": ended.get(request_id, "?")})
+    return per_kill
+
+
+def _names(reason: str, name: str) -> bool:
+    return f"instance {name} " in reason or reason.endswith(f"instance {name}")
