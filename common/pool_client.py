@@ -25,7 +25,7 @@ from schemas.pool import (
     ReserveRequest, SlotRef,
 )
 from common.kv.slab import DramSlab
-from schemas.workers import WorkerInfo
+from schemas.workers import own_heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +83,11 @@ class PoolClient:
     async def watch_messenger(self) -> None:
         """Drop the slab mapping as soon as the node's messenger restarts or leaves: a mapping of
         its deleted slab would keep that shared memory in use until the next pool call."""
-        await bus.subscribe(self.nc, subjects.WORKER_HEARTBEAT, self.on_heartbeat)
+        await bus.subscribe(self.nc, subjects.WORKER_HEARTBEAT_ALL, self.on_heartbeat)
 
     async def on_heartbeat(self, msg) -> None:
-        info = WorkerInfo.from_bytes(msg.data)
-        if info.role != "messenger" or info.node != self.node or self._slab is None:
+        info = own_heartbeat(msg.subject, msg.data)
+        if info is None or info.role != "messenger" or info.node != self.node or self._slab is None:
             return
         if info.leaving or (info.incarnation and not self._slab.path.endswith(f"slab-{info.incarnation}")):
             log.info("the messenger of node %s restarted or left; dropping its old slab", self.node)

@@ -32,13 +32,26 @@ def events_of_kind(kind: str) -> str:
 
 
 # --- control plane ------------------------------------------------------------------------
-WORKER_HEARTBEAT = "moonbus.workers.heartbeat"  # every worker, every heartbeat_interval_s
+WORKER_HEARTBEAT_ALL = "moonbus.workers.heartbeat.*.*"  # everyone who tracks instances: every heartbeat
 CONDUCTOR_ROUTE = "moonbus.conductor.route"  # gateway -> conductor, request/reply
 CONDUCTOR_STATUS = "moonbus.conductor.status"  # anyone -> conductor, request/reply
 CONDUCTOR_QUEUE = "conductor"  # queue group: replicated conductors share routes
 REQUEST_CANCEL = "moonbus.requests.cancel"  # gateway -> all workers: stop this request
 INDEX_QUERY = "moonbus.index.query"  # conductor -> cache_index, request/reply
 INDEX_QUEUE = "cache_index"  # queue group: replicated cache indexes share queries (each follows every KV event)
+
+
+def worker_heartbeat(role: str, instance_id: str) -> str:
+    """moonbus.workers.heartbeat.<role>.<instance>: an instance -> everyone, every heartbeat_interval_s.
+    On a closed bus each instance's credentials may publish only its own (tools/moonbus/cluster/security.py)."""
+    return f"moonbus.workers.heartbeat.{role}.{instance_id}"
+
+
+def speaks_for(subject: str, *claimed: str) -> bool:
+    """Whether a message came from whom it claims to be: the last tokens of its subject (which the
+    bus lets only that instance's credentials publish on) are the claimed role and/or instance id."""
+    tokens = subject.split(".")
+    return len(tokens) > len(claimed) and tokens[-len(claimed):] == list(claimed)
 
 
 def prefill_tasks(instance_id: str) -> str:

@@ -1,9 +1,10 @@
-"""Every worker -> everyone: who I am and how loaded I am (WORKER_HEARTBEAT)."""
+"""Every worker -> everyone: who I am and how loaded I am (subjects.worker_heartbeat)."""
 
 from __future__ import annotations
 
 from typing import Literal, get_args
 
+from schemas import subjects
 from schemas.codec import OptionalToken, Token, Wire
 
 Role = Literal["gateway", "conductor", "cache_index", "prefill", "decode", "messenger"]
@@ -105,6 +106,14 @@ class WorkerInfo(Wire):
     def holder(self) -> str:
         """How this process pins KV blocks in its node's pool (schemas.pool)."""
         return f"{self.instance_id}:{self.incarnation}"
+
+
+def own_heartbeat(subject: str, data: bytes) -> WorkerInfo | None:
+    """A heartbeat's WorkerInfo, or None when it speaks for an instance its subject does not name
+    (on a closed bus only an instance's own credentials may publish on its subject: a spoof).
+    Malformed data raises, as every decode does."""
+    info = WorkerInfo.from_bytes(data)
+    return info if subjects.speaks_for(subject, info.role, info.instance_id) else None
 
 
 class StatusReply(Wire):

@@ -411,7 +411,8 @@ class DecodeService:
                           layout=self.cluster_layout, decode=self.report(), sent_at=time.time())
 
     async def heartbeat(self) -> None:
-        await bus.publish(self.nc, subjects.WORKER_HEARTBEAT, self.info().to_bytes())
+        info = self.info()
+        await bus.publish(self.nc, subjects.worker_heartbeat(info.role, info.instance_id), info.to_bytes())
 
     async def start(self, stop: asyncio.Event, model_name: str, profile_source: str) -> None:
         """Subscribe, start the batch loop and the heartbeats, announce the instance."""
@@ -466,6 +467,7 @@ class DecodeService:
         self.gone.set()
         if self.beacon is not None:
             await asyncio.to_thread(self.beacon.stop)
-        await bus.publish(self.nc, subjects.WORKER_HEARTBEAT, self.info(leaving=True).to_bytes())
+        info = self.info(leaving=True)
+        await bus.publish(self.nc, subjects.worker_heartbeat(info.role, info.instance_id), info.to_bytes())
 
 

@@ -402,7 +402,8 @@ class PrefillService:
                           prefill=self.report(), sent_at=time.time())
 
     async def heartbeat(self) -> None:
-        await bus.publish(self.nc, subjects.WORKER_HEARTBEAT, self.info().to_bytes())
+        info = self.info()
+        await bus.publish(self.nc, subjects.worker_heartbeat(info.role, info.instance_id), info.to_bytes())
 
     async def start(self, tasks: runner.TaskGroup, stop: asyncio.Event, model_name: str) -> None:
         """Subscribe, start the work loop and the heartbeats, announce the instance."""
@@ -457,7 +458,8 @@ class PrefillService:
         self.gone.set()
         if self.beacon is not None:
             await asyncio.to_thread(self.beacon.stop)
-        await bus.publish(self.nc, subjects.WORKER_HEARTBEAT, self.info(leaving=True).to_bytes())
+        info = self.info(leaving=True)
+        await bus.publish(self.nc, subjects.worker_heartbeat(info.role, info.instance_id), info.to_bytes())
 
 
 def transfer_failure(exc: BaseException) -> bool:

@@ -24,7 +24,7 @@ from schemas.codec import WireError, check_token
 from schemas.events import Event
 from schemas.index import IndexDumpReply, IndexDumpRequest, IndexQuery, IndexReply, NodePrefix
 from schemas.pool import KvEventData, SnapshotReply
-from schemas.workers import WorkerInfo
+from schemas.workers import WorkerInfo, own_heartbeat
 from services.cache_index.config import CacheIndexConfig
 from common.decide.index import KINDS, KvEvent, PrefixIndex
 
@@ -78,8 +78,8 @@ class CacheIndexService:
             self.start_resync(data.node, f"gap: expected seq {result.expected_seq}, got {data.seq}")
 
     async def on_heartbeat(self, msg: Msg) -> None:
-        info = WorkerInfo.from_bytes(msg.data)
-        if info.role != "messenger":
+        info = own_heartbeat(msg.subject, msg.data)
+        if info is None or info.role != "messenger":
             return
         if info.leaving:
             self.forget(info.node, "messenger left")
@@ -152,7 +152,7 @@ class CacheIndexService:
 
     async def heartbeat(self) -> None:
         info = WorkerInfo(self.cfg.instance_id, "cache_index", "", num_running=len(self.index))
-        await bus.publish(self.nc, subjects.WORKER_HEARTBEAT, info.to_bytes())
+        await bus.publish(self.nc, subjects.worker_heartbeat(info.role, info.instance_id), info.to_bytes())
 
 
 async def serve(cfg: CacheIndexConfig, stop: asyncio.Event) -> bool:
@@ -160,7 +160,7 @@ async def serve(cfg: CacheIndexConfig, stop: asyncio.Event) -> bool:
     tasks = runner.TaskGroup(stop)
     service = CacheIndexService(cfg, nc, tasks)
     await bus.subscribe(nc, subjects.KV_EVENTS_ALL, service.on_kv_event)
-    await bus.subscribe(nc, subjects.WORKER_HEARTBEAT, service.on_heartbeat)
+    await bus.subscribe(nc, subjects.WORKER_HEARTBEAT_ALL, service.on_heartbeat)
     await bus.subscribe(nc, subjects.INDEX_QUERY, service.on_query, queue=subjects.INDEX_QUEUE)
     await bus.subscribe(nc, subjects.INDEX_DUMP, service.on_dump, queue=subjects.INDEX_QUEUE)
     tasks.spawn(runner.every(cfg.heartbeat_interval_s, stop, service.heartbeat), "heartbeat")

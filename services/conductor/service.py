@@ -45,6 +45,8 @@ from services.conductor.config import ConductorConfig
 from common.decide.cluster_state import UNHELD_S, ClusterState, Refusal, Routed
 
 log = logging.getLogger(__name__)
+
+SPOOF_AUDIT_S = 60.0  # a spoofing subject's claim is audited at most this often
 POLICY_VERSION = "moonbus-conductor/1"
 RECOVERY_RETRY_S = 5.0  # Retry-After while the only instance of a kind is being restarted
 
@@ -70,6 +72,8 @@ class ConductorMetrics:
         self.learned = Gauge("moonbus_conductor_learned_factor", "what an instance really takes against the profile's "
                              "prediction (prefill: a prompt; step: a decode iteration), learned from its measured work",
                              ["instance", "kind"], registry=r)
+        self.spoofed = Counter("moonbus_conductor_spoofed", "reports ignored because they speak for an instance their "
+                               "subject (their sender's own credentials) does not name", ["kind"], registry=r)
         self.threshold = Gauge("moonbus_conductor_balancing_threshold", "the kvcache-centric policy's balancing "
                                "threshold as learned from pulls' TTFT against recomputes'", registry=r)
 
@@ -84,6 +88,7 @@ class ConductorService:
         self.state = ClusterState(cfg.heartbeat_timeout_s, cfg.lease_s, layout, perf, cfg.kvcache_balancing_threshold)
         self.metrics = ConductorMetrics()
         self.refused: set[str] = set()  # instance ids told so, not to repeat it every heartbeat
+        self.spoofs_audited: dict[tuple[str, str], float] = {}  # (subject, claimed id) -> when last audited
         self.settings = policy.PolicySettings(cfg.policy, cfg.kvcache_balancing_threshold, cfg.link_bytes_s,
                                               cfg.block_tokens, kv_bytes_per_token, cfg.colocate,
                                               tbt_slo_s=cfg.admission.tbt_slo_s)
@@ -91,11 +96,16 @@ class ConductorService:
         self.offline = False  # the broker connection was down at the last sweep
 
     async def on_heartbeat(self, msg: Msg) -> None:
-        await self.heard(WorkerInfo.from_bytes(msg.data))  # a malformed one raises: logged and dropped
+        info = WorkerInfo.from_bytes(msg.data)  # a malformed one raises: logged and dropped
+        if not subjects.speaks_for(msg.subject, info.role, info.instance_id):
+            return await self.spoof("heartbeat", msg.subject, info.instance_id)
+        await self.heard(info)
 
     async def on_progress(self, msg: Msg) -> None:
         """A request changed state at an instance: its report, and the change itself."""
         progress = Progress.from_bytes(msg.data)
+        if not subjects.speaks_for(msg.subject, progress.info.instance_id):
+            return await self.spoof("progress", msg.subject, progress.info.instance_id)
         await self.heard(progress.info)
         if progress.kind == "prefilled":
             self.state.prefilled(progress.request_id, progress.attempt, time.monotonic())
@@ -107,6 +117,8 @@ class ConductorService:
     async def on_alive(self, msg: Msg) -> None:
         """A worker's liveness beacon: busy is not dead (its reports may come late under load)."""
         alive = Alive.from_bytes(msg.data)
+        if not subjects.speaks_for(msg.subject, alive.instance_id):
+            return await self.spoof("alive", msg.subject, alive.instance_id)
         self.state.alive(alive.instance_id, alive.incarnation, time.monotonic())
 
     async def on_exited(self, msg: Msg) -> None:
@@ -117,6 +129,19 @@ class ConductorService:
             await self.events.instance("lost", info.instance_id, role=info.role, node=info.node, reason="exited",
                                        exit_code=exited.exit_code)
             await self.fail_requests_of(info.instance_id, "exited")
+
+    async def spoof(self, kind: str, subject: str, claimed: str) -> None:
+        """A report that speaks for another instance than the one whose subject it came on: ignored,
+        counted, and audited (once a minute per subject and claim: a flood writes no flood)."""
+        self.metrics.spoofed.labels(kind).inc()
+        now = time.monotonic()
+        if now - self.spoofs_audited.get((subject, claimed), -SPOOF_AUDIT_S) < SPOOF_AUDIT_S:
+            return
+        if len(self.spoofs_audited) > 10_000:
+            self.spoofs_audited.clear()
+        self.spoofs_audited[(subject, claimed)] = now
+        log.warning("ignoring a %s on %s that claims to be instance %s", kind, subject, claimed)
+        await self.events.instance("spoofed", claimed, kind=kind, subject=subject)
 
     async def heard(self, info: WorkerInfo) -> None:
         outcome = self.state.heard(info, time.monotonic())
@@ -352,7 +377,7 @@ async def serve(cfg: ConductorConfig, stop: asyncio.Event) -> bool:
     layout = Layout(ref.name, cfg.block_tokens, cfg.prefill_chunk, shape.kv_layout(cfg.block_tokens, cfg.dtype).signature)
     service = ConductorService(cfg, nc, perf, shape.kv_bytes_per_token(cfg.dtype), layout)
     tasks = runner.TaskGroup(stop)
-    await bus.subscribe(nc, subjects.WORKER_HEARTBEAT, service.on_heartbeat)
+    await bus.subscribe(nc, subjects.WORKER_HEARTBEAT_ALL, service.on_heartbeat)
     await bus.subscribe(nc, subjects.CONDUCTOR_ROUTE, service.on_route, queue=subjects.CONDUCTOR_QUEUE)
     await bus.subscribe(nc, subjects.CONDUCTOR_STATUS, service.on_status)
     await bus.subscribe(nc, subjects.CONTROL_PROGRESS_ALL, service.on_progress)

@@ -40,7 +40,7 @@ from schemas.pool import (
     ReserveRequest, SnapshotReply,
 )
 from schemas.transfer import AbortKv, AcceptKv, AcceptKvReply
-from schemas.workers import Alive, Layout, WorkerInfo
+from schemas.workers import Alive, Layout, WorkerInfo, own_heartbeat
 from services.messenger.config import MessengerConfig
 from services.messenger.handoff import Reservations
 from services.messenger.node_pool import NodePool, PoolEvent
@@ -142,7 +142,9 @@ class MessengerService:
         await self.replies.answer(msg, run)
 
     async def on_heartbeat(self, msg: Msg) -> None:
-        info = WorkerInfo.from_bytes(msg.data)
+        info = own_heartbeat(msg.subject, msg.data)
+        if info is None:  # one instance speaking for another: the conductor audits it
+            return
         if info.role in ("prefill", "decode"):
             if info.node == self.cfg.node:
                 self.track_worker(info)
@@ -160,6 +162,8 @@ class MessengerService:
         try:
             alive = Alive.from_bytes(msg.data)
         except WireError:
+            return
+        if not subjects.speaks_for(msg.subject, alive.instance_id):
             return
         now = time.monotonic()
         for table in (self.seen, self.workers):
@@ -319,7 +323,7 @@ class MessengerService:
         info = WorkerInfo(self.cfg.instance_id, "messenger", self.cfg.node, self.layout.model, transfer_addr=self.transfer_addr,
                           incarnation=self.pool.epoch, layout=self.layout, sent_at=time.time(),
                           transport=self.transports.label, endpoints=self.transports.endpoints)
-        await bus.publish(self.nc, subjects.WORKER_HEARTBEAT, info.to_bytes())
+        await bus.publish(self.nc, subjects.worker_heartbeat(info.role, info.instance_id), info.to_bytes())
 
     async def sweep(self) -> None:
         """Pins of silent workers and expired leases, handoff reservations nobody will complete, and
@@ -368,7 +372,7 @@ async def serve(cfg: MessengerConfig, stop: asyncio.Event) -> None:
     await worker.obey_refusal(nc, cfg.instance_id, tasks)
     endpoints = transports.listen(cfg.transfer_host, cfg.transfer_port, cfg.advertise_host)
     service.transfer_addr = endpoints.get("tcp", "")
-    await bus.subscribe(nc, subjects.WORKER_HEARTBEAT, service.on_heartbeat)
+    await bus.subscribe(nc, subjects.WORKER_HEARTBEAT_ALL, service.on_heartbeat)
     await bus.subscribe(nc, subjects.CONTROL_ALIVE_ALL, service.on_alive)
     await bus.subscribe(nc, subjects.messenger_control(cfg.node, "*"), service.on_control)
     tasks.spawn(service.publish_loop(), "kv-events")
@@ -385,7 +389,7 @@ async def serve(cfg: MessengerConfig, stop: asyncio.Event) -> None:
              cfg.instance_id, cfg.node, transports.label, endpoints, pool.pool.dram_capacity_blocks,
              pool.pool.ssd_capacity_blocks, layout.block_nbytes, cfg.eviction)
     await stop.wait()
-    await bus.publish(nc, subjects.WORKER_HEARTBEAT,
+    await bus.publish(nc, subjects.worker_heartbeat("messenger", cfg.instance_id),
                       WorkerInfo(cfg.instance_id, "messenger", cfg.node, leaving=True, incarnation=pool.epoch).to_bytes())
     transports.close()
     await tasks.cancel_all()

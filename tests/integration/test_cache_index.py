@@ -54,7 +54,7 @@ class Node:
     async def heartbeat(self) -> None:
         while True:
             if self.nc.is_connected:
-                await bus.publish(self.nc, subjects.WORKER_HEARTBEAT,
+                await bus.publish(self.nc, subjects.worker_heartbeat("messenger", "messenger-x"),
                                   WorkerInfo("messenger-x", "messenger", NODE).to_bytes())
             await asyncio.sleep(0.5)
 

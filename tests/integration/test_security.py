@@ -16,6 +16,7 @@ import struct
 import threading
 
 import aiohttp
+import msgspec
 import nats
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -27,6 +28,7 @@ from schemas.transfer import CallFrame, WriteFrame
 from schemas.workers import WorkerInfo
 from tests.integration.conftest import start_cluster
 from tools.moonbus.cluster import keys as keys_tool
+from tools.moonbus.cluster.security import instance_user
 
 pytestmark = pytest.mark.integration
 
@@ -157,10 +159,10 @@ async def test_the_bus_refuses_strangers_and_keeps_each_role_to_its_subjects(gua
     await admin.subscribe("moonbus.>", cb=record)
     await admin.flush()
     attempts = {  # role -> what it must not publish
-        "gateway": [subjects.WORKER_HEARTBEAT, subjects.kv_event("stored", "node-p0"), subjects.gateway_tokens("x")],
+        "gateway": [subjects.worker_heartbeat("decode", "decode-0"), subjects.kv_event("stored", "node-p0"), subjects.gateway_tokens("x")],
         "decode": [subjects.request_event("completed", "cmpl-forged"), subjects.kv_event("evicted", "node-d0")],
         "prefill": [subjects.request_event("failed", "cmpl-forged"), subjects.REQUEST_CANCEL],
-        "auditor": [subjects.WORKER_HEARTBEAT, subjects.CONDUCTOR_ROUTE],
+        "auditor": [subjects.worker_heartbeat("prefill", "prefill-0"), subjects.CONDUCTOR_ROUTE],
     }
     denied: dict[str, list[str]] = {}
     for role, forbidden in attempts.items():
@@ -201,10 +203,58 @@ async def test_the_bus_refuses_strangers_and_keeps_each_role_to_its_subjects(gua
     assert len(refused) == 3 and not any("_inbox_decode" in e.lower() for e in refused), errors
 
 
+async def test_an_instance_speaks_only_for_itself(guarded):
+    """With the cache index's credentials, heartbeats in decode-0's name with another model once made
+    the conductor refuse decode-0, which exited; the supervisor gave up on it after six exits."""
+    cluster, issued = guarded
+    real = await heartbeat_of(cluster, "decode", "decode-0")
+    forged = msgspec.structs.replace(real, model="another-model", incarnation="forged").to_bytes()
+    user = instance_user("cache_index")
+    errors: list[str] = []
+
+    async def on_error(exc):
+        errors.append(str(exc))
+
+    nc = await nats.connect(cluster.spec.nats_addr, user=user, password=cluster.secrets.password(user),
+                            error_cb=on_error, allow_reconnect=False, inbox_prefix=f"_INBOX_{user}")
+    theirs, own = subjects.worker_heartbeat("decode", "decode-0"), subjects.worker_heartbeat("cache_index", "cache_index")
+    for _ in range(6):  # on decode-0's subject (the bus refuses), and on its own subject in decode-0's name
+        await nc.publish(theirs, forged)
+        await nc.publish(own, forged)
+        await nc.publish(subjects.control_alive("decode-0"), b"{}")
+        await nc.flush()
+        await asyncio.sleep(0.2)
+    await nc.close()
+    assert any(theirs in e for e in errors) and any(subjects.control_alive("decode-0") in e for e in errors), errors
+    spoofed = await instance_events(cluster, "spoofed", "decode-0")
+    assert spoofed and spoofed[0]["data"]["subject"] == own, spoofed
+    assert await instance_events(cluster, "refused", "decode-0", wait_s=1.0) == []
+    assert cluster.procs["decode-0"].popen.poll() is None  # it never heard a refusal
+    status, reply, _ = await call(cluster, completion("still served?"), issued["acme"])
+    assert status == 200, reply
+
+
+async def instance_events(cluster, kind: str, instance_id: str, wait_s: float = 10.0) -> list[dict]:
+    """The stored `kind` events of an instance (waits up to wait_s for the first)."""
+    from nats.js.api import ConsumerConfig, DeliverPolicy
+
+    nc = await nats.connect(cluster.spec.nats_url, allow_reconnect=False)
+    try:
+        sub = await nc.jetstream().subscribe(subjects.instance_event(kind, instance_id), ordered_consumer=True,
+                                             config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
+        events = []
+        with contextlib.suppress(nats.errors.TimeoutError, asyncio.TimeoutError):
+            while True:
+                events.append(json.loads((await sub.next_msg(timeout=wait_s if not events else 0.5)).data))
+        return events
+    finally:
+        await nc.close()
+
+
 async def heartbeat_of(cluster, role: str, instance_id: str = "") -> WorkerInfo:
     nc = await nats.connect(cluster.spec.nats_url, allow_reconnect=False)
     try:
-        sub = await nc.subscribe(subjects.WORKER_HEARTBEAT)
+        sub = await nc.subscribe(subjects.WORKER_HEARTBEAT_ALL)
         while True:
             info = WorkerInfo.from_bytes((await sub.next_msg(timeout=10)).data)
             if info.role == role and instance_id in ("", info.instance_id):

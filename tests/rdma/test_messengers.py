@@ -134,7 +134,7 @@ async def test_a_block_pull_between_two_messengers_goes_over_rdma(messengers, na
 async def heartbeats(nc, messengers: list[Messenger]) -> dict[str, WorkerInfo]:
     """The first heartbeat of every messenger (each has seen the other's by the next one)."""
     seen: dict[str, WorkerInfo] = {}
-    sub = await nc.subscribe(subjects.WORKER_HEARTBEAT)
+    sub = await nc.subscribe(subjects.WORKER_HEARTBEAT_ALL)
     deadline = time.monotonic() + START_S
     try:
         while len(seen) < len(messengers):

@@ -1,11 +1,14 @@
-"""A NATS cluster from the services' side: every server in one flag, each server's cluster block."""
+"""A NATS cluster from the services' side: every server in one flag, each server's cluster block, and
+who may speak for which instance."""
 
 import json
 
 import pytest
 
 from common import bus
-from tools.moonbus.cluster.security import ClusterSecrets, NatsRoutes, nats_config
+from schemas import subjects
+from schemas.workers import WorkerInfo, own_heartbeat
+from tools.moonbus.cluster.security import ClusterSecrets, NatsRoutes, instance_user, nats_config
 
 
 def test_comma_separated_urls_name_every_server():
@@ -24,3 +27,36 @@ def test_a_cluster_server_has_authenticated_routes_and_the_same_users(tmp_path):
                                  "routes": ["nats://route:pw@10.0.0.12:6222"]}
     single = json.loads(nats_config(secrets, "10.0.0.11", 4222, tmp_path / "js", "nats-a"))
     assert "cluster" not in single and single["authorization"] == config["authorization"]
+
+
+def test_a_process_of_its_own_may_speak_only_for_its_instances(tmp_path):
+    secrets = ClusterSecrets.create(tmp_path / "secrets")
+    processes = {"decode-0": ("decode", ("decode-0",)),
+                 "coupled-0": ("coupled", ("coupled-0-prefill", "coupled-0-decode"))}
+    for name in processes:
+        secrets.ensure_user(instance_user(name))
+    users = {u["user"]: u for u in json.loads(nats_config(secrets, "127.0.0.1", 4222, tmp_path / "js", "n",
+                                                          processes=processes))["authorization"]["users"]}
+    own = users["instance-decode-0"]["permissions"]
+    assert subjects.worker_heartbeat("decode", "decode-0") in own["publish"]["allow"]
+    assert subjects.control_progress("decode-0") in own["publish"]["allow"]
+    assert not [s for s in own["publish"]["allow"] if s.startswith("moonbus.workers.heartbeat") and s.endswith("*")]
+    assert "_INBOX_instance-decode-0.>" in own["subscribe"]["allow"]
+    coupled = users["instance-coupled-0"]["permissions"]["publish"]["allow"]
+    assert {subjects.worker_heartbeat("prefill", "coupled-0-prefill"), subjects.worker_heartbeat("decode", "coupled-0-decode"),
+            subjects.control_alive("coupled-0-decode")} <= set(coupled)
+    # a role's shared user (compose) speaks for any instance of its role, never for another role's
+    role = users["decode"]["permissions"]["publish"]["allow"]
+    assert "moonbus.workers.heartbeat.decode.*" in role and not [s for s in role if ".heartbeat.prefill" in s]
+    assert "moonbus.workers.heartbeat.cache_index.*" in users["cache_index"]["permissions"]["publish"]["allow"]
+
+
+def test_a_message_speaks_for_whom_its_subject_names():
+    assert subjects.speaks_for(subjects.worker_heartbeat("decode", "decode-0"), "decode", "decode-0")
+    assert not subjects.speaks_for(subjects.worker_heartbeat("decode", "decode-1"), "decode", "decode-0")
+    assert not subjects.speaks_for(subjects.worker_heartbeat("cache_index", "decode-0"), "decode", "decode-0")
+    assert subjects.speaks_for(subjects.control_progress("prefill-0"), "prefill-0")
+    assert not subjects.speaks_for("prefill-0", "prefill-0")  # a subject is more than the claim
+    info = WorkerInfo("decode-0", "decode", "node-d0")
+    assert own_heartbeat(subjects.worker_heartbeat("decode", "decode-0"), info.to_bytes()) == info
+    assert own_heartbeat(subjects.worker_heartbeat("decode", "decode-1"), info.to_bytes()) is None

@@ -119,14 +119,17 @@ class FakeFleet:
         rng = random.Random(seed)
         decode_ids = [m.instance_id for m in self.decode]
         now = time.time()
-        self._beats: list[list[bytes]] = []  # per instance: its load variants, encoded
+        self._beats: list[tuple[str, list[bytes]]] = []  # per instance: its subject, its load variants encoded
         for m in self.prefill:
-            self._beats.append([self._info(m, layout, now, prefill=r).to_bytes()
-                                for r in prefill_reports(rng, decode_ids, m.instance_id)])
+            self._beats.append((subjects.worker_heartbeat(m.role, m.instance_id),
+                                [self._info(m, layout, now, prefill=r).to_bytes()
+                                 for r in prefill_reports(rng, decode_ids, m.instance_id)]))
         for m in self.decode:
-            self._beats.append([self._info(m, layout, now, decode=r).to_bytes()
-                                for r in decode_reports(rng, perf, m.instance_id)])
-        self._messenger_beats = [self._info(m, layout, now).to_bytes() for m in self.messengers]
+            self._beats.append((subjects.worker_heartbeat(m.role, m.instance_id),
+                                [self._info(m, layout, now, decode=r).to_bytes()
+                                 for r in decode_reports(rng, perf, m.instance_id)]))
+        self._messenger_beats = [(subjects.worker_heartbeat(m.role, m.instance_id), self._info(m, layout, now).to_bytes())
+                                 for m in self.messengers]
         self._subs: list = []
         self._task: asyncio.Task | None = None
 
@@ -167,11 +170,11 @@ class FakeFleet:
         loop = asyncio.get_running_loop()
         next_at, tick = loop.time(), 0
         while True:
-            for variants in self._beats:
-                await self.nc.publish(subjects.WORKER_HEARTBEAT, variants[tick % LOAD_VARIANTS])
+            for subject, variants in self._beats:
+                await self.nc.publish(subject, variants[tick % LOAD_VARIANTS])
             if tick % MESSENGER_EVERY == 0:
-                for beat in self._messenger_beats:
-                    await self.nc.publish(subjects.WORKER_HEARTBEAT, beat)
+                for subject, beat in self._messenger_beats:
+                    await self.nc.publish(subject, beat)
             tick += 1
             next_at += HEARTBEAT_S
             await asyncio.sleep(max(0.0, next_at - loop.time()))

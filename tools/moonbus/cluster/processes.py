@@ -23,7 +23,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tools.moonbus.cluster.security import ClusterSecrets, nats_config
+from tools.moonbus.cluster.security import ClusterSecrets, instance_user, nats_config
 from tools.moonbus.cluster.supervisor import Action, RestartPolicy, Restarts
 
 PR_SET_PDEATHSIG = 1
@@ -155,6 +155,7 @@ class Cluster:
         self.log_dir = spec.home / "logs"
         self.secrets = ClusterSecrets.create(spec.home / "secrets") if spec.auth else None
         self.shm_root = Path("/dev/shm") / f"moonbus-{spec.nats_port}"
+        self.own_users: dict[str, tuple[str, tuple[str, ...]]] = {}  # processes with a NATS user of their own
 
     # --- start ----------------------------------------------------------------------------
     def start(self, ready_timeout_s: float = 600.0) -> None:
@@ -192,7 +193,11 @@ class Cluster:
         store.mkdir(parents=True, exist_ok=True)
         if self.secrets is not None:  # the closed bus: only the cluster's users, each limited to its subjects
             conf = self.spec.home / "nats.conf"
-            conf.write_text(nats_config(self.secrets, "127.0.0.1", self.spec.nats_port, store, "moonbus-local"))
+            self.own_users = self.planned_instances()
+            for name in self.own_users:
+                self.secrets.ensure_user(instance_user(name))
+            conf.write_text(nats_config(self.secrets, "127.0.0.1", self.spec.nats_port, store, "moonbus-local",
+                                        processes=self.own_users))
             conf.chmod(0o600)
             args = [nats_server_binary(), "-c", str(conf)]
         else:
@@ -207,6 +212,23 @@ class Cluster:
                     return
             time.sleep(0.05)
         raise ClusterError(f"nats-server did not listen on port {self.spec.nats_port}; see {self.log_dir / 'nats.log'}")
+
+    def planned_instances(self) -> dict[str, tuple[str, tuple[str, ...]]]:
+        """name -> (kind, instance ids) of every process start_services starts that speaks for
+        instances: each gets a NATS user of its own, allowed to speak only as itself."""
+        spec, planned = self.spec, {}
+        for i in range(spec.cache_indexes):
+            planned[replica("cache_index", i)] = ("cache_index", (replica("cache_index", i),))
+        if spec.coupled:
+            for i in range(spec.coupled):
+                planned[f"messenger-c{i}"] = ("messenger", (f"messenger-c{i}",))
+                planned[f"coupled-{i}"] = ("coupled", (f"coupled-{i}-prefill", f"coupled-{i}-decode"))
+        else:
+            for kind, letter, count in (("prefill", "p", spec.prefill), ("decode", "d", spec.decode)):
+                for i in range(count):
+                    planned[f"messenger-{letter}{i}"] = ("messenger", (f"messenger-{letter}{i}",))
+                    planned[f"{kind}-{i}"] = (kind, (f"{kind}-{i}",))
+        return planned
 
     def start_services(self) -> None:
         spec = self.spec
@@ -255,8 +277,9 @@ class Cluster:
     def service(self, name: str, kind: str, *args: str, node: str = "") -> None:
         argv = [sys.executable, "-m", f"services.{kind}", "--nats-url", self.spec.nats_addr,
                 "--instance-id", name, "--home", str(self.spec.home), "--log-level", self.spec.log_level, *args]
-        if self.secrets is not None:  # the role's own user, and the cluster secret
-            argv += ["--nats-user", kind, "--nats-password-file", str(self.secrets.password_file(kind)),
+        if self.secrets is not None:  # its own user (or its role's), and the cluster secret
+            user = instance_user(name) if name in self.own_users else kind
+            argv += ["--nats-user", user, "--nats-password-file", str(self.secrets.password_file(user)),
                      "--cluster-secret-file", str(self.secrets.cluster_key)]
         argv += self.spec.service_args.get(kind, []) + self.spec.service_args.get(name, [])
         metrics = ""

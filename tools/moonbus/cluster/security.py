@@ -19,6 +19,12 @@ each with the permissions its role needs (ROLES below). Who may do what on the b
   admin        everything (operators' tools and tests)
 Workers cannot write terminal events; nobody but a messenger writes a KV event; only the
 gateway reads tokens.
+
+A process that speaks for instances (prefill, decode, coupled, messenger, cache index) gets a user
+of its own where its launcher knows it (`moonbus up`: `instance_user(name)`, `processes` of
+`nats_config`): its role's permissions, with heartbeats, progress, liveness and instance events
+allowed only on its own instances' subjects (`{id}` in ROLES). A role's shared user (compose) has
+`*` there: any instance of its role, never another role's.
 """
 
 from __future__ import annotations
@@ -30,8 +36,14 @@ from pathlib import Path
 from common.bus import inbox_prefix
 from common.security import new_secret_file
 
-_HEARTBEAT = "moonbus.workers.heartbeat"
-_STARTED = "moonbus.events.instance.started.*"
+_HEARTBEAT = "moonbus.workers.heartbeat.*.*"  # every instance's heartbeats (subscribe)
+_STARTED = "moonbus.events.instance.started.{id}"
+ID = "{id}"  # in a subject: the publisher's own instance id (its own user), or any (a role's user)
+
+
+def _beat(role: str) -> str:
+    """The heartbeat subject an instance of `role` publishes on: its role and its own id."""
+    return f"moonbus.workers.heartbeat.{role}.{ID}"
 
 
 def _events(*kinds: str) -> list[str]:
@@ -54,25 +66,25 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
          "moonbus.control.alive.*", "moonbus.control.exited.*", "moonbus.requests.cancel"],
     ),
     "cache_index": (
-        [_HEARTBEAT, "moonbus.messenger.*.snapshot", "moonbus.events.instance.resynced.*"],
+        [_beat("cache_index"), "moonbus.messenger.*.snapshot", "moonbus.events.instance.resynced.*"],
         ["moonbus.events.kv.>", _HEARTBEAT, "moonbus.index.query", "moonbus.index.dump"],
     ),
     "messenger": (
-        [_HEARTBEAT, "moonbus.events.kv.>", _STARTED, "moonbus.events.instance.link_refused.*"],
+        [_beat("messenger"), "moonbus.events.kv.>", _STARTED, f"moonbus.events.instance.link_refused.{ID}"],
         [_HEARTBEAT, "moonbus.messenger.*.*", "moonbus.control.refused.*", "moonbus.control.alive.*"],
     ),
     "prefill": (
-        [_HEARTBEAT, "moonbus.tokens.*", "moonbus.decode.*.tasks", "moonbus.messenger.*.lookup",
+        [_beat("prefill"), "moonbus.tokens.*", "moonbus.decode.*.tasks", "moonbus.messenger.*.lookup",
          "moonbus.messenger.*.reserve", "moonbus.messenger.*.commit", "moonbus.messenger.*.release",
          "moonbus.messenger.*.pull", "moonbus.messenger.*.accept", "moonbus.messenger.*.abort",
-         "moonbus.control.progress.*", "moonbus.control.alive.*",
+         f"moonbus.control.progress.{ID}", f"moonbus.control.alive.{ID}",
          *_events("prefilled", "kv_pulled", "kv_transferred", "prefill_stage"), _STARTED],
         ["moonbus.prefill.*.tasks", "moonbus.requests.cancel", "moonbus.workers.*.probe", _HEARTBEAT,
          "moonbus.control.refused.*"],
     ),
     "decode": (
-        [_HEARTBEAT, "moonbus.tokens.*", "moonbus.messenger.*.reserve", "moonbus.messenger.*.commit",
-         "moonbus.messenger.*.release", "moonbus.control.progress.*", "moonbus.control.alive.*",
+        [_beat("decode"), "moonbus.tokens.*", "moonbus.messenger.*.reserve", "moonbus.messenger.*.commit",
+         "moonbus.messenger.*.release", f"moonbus.control.progress.{ID}", f"moonbus.control.alive.{ID}",
          *_events("decode_finished", "decode_joined", "rejected_late"), _STARTED],
         ["moonbus.decode.*.tasks", "moonbus.requests.cancel", "moonbus.workers.*.probe", _HEARTBEAT,
          "moonbus.control.refused.*"],
@@ -91,6 +103,22 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
 ROLES["coupled"] = tuple(sorted(set(ROLES["prefill"][i]) | set(ROLES["decode"][i])) for i in range(2))  # type: ignore[assignment]
 SERVICE_ROLES = ("gateway", "conductor", "cache_index", "messenger", "prefill", "decode", "coupled")
 ALL_USERS = (*ROLES, "admin")
+INSTANCE_ROLES = ("cache_index", "messenger", "prefill", "decode", "coupled")  # they speak for an instance
+
+
+def instance_user(name: str) -> str:
+    """The NATS user of one process that speaks for instances (`moonbus up` gives each its own)."""
+    return f"instance-{name}"
+
+
+def permissions(role: str, ids: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
+    """(publish, subscribe) of a role's user: with `ids`, a process's own user, which may publish
+    heartbeats, progress, liveness and instance events only as those instances; without, any
+    instance of the role (a user the role's processes share, as compose gives them)."""
+    def expand(subject: str) -> list[str]:
+        return [subject.replace(ID, i) for i in ids] if ID in subject and ids else [subject.replace(ID, "*")]
+    publish, subscribe = ROLES[role]
+    return sorted({e for s in publish for e in expand(s)}), list(subscribe)
 
 
 @dataclass(frozen=True)
@@ -107,6 +135,13 @@ class ClusterSecrets:
             if not path.exists():
                 new_secret_file(path, 24)
         return secrets
+
+    def ensure_user(self, user: str) -> Path:
+        """The password file of a user made after the cluster's (a process's own): made once, then kept."""
+        path = self.password_file(user)
+        if not path.exists():
+            new_secret_file(path, 24)
+        return path
 
     @property
     def cluster_key(self) -> Path:
@@ -149,22 +184,27 @@ class NatsRoutes:
 
 
 def nats_config(secrets: ClusterSecrets, host: str, port: int, store_dir: Path, name: str,
-                http_port: int | None = None, routes: NatsRoutes | None = None) -> str:
+                http_port: int | None = None, routes: NatsRoutes | None = None,
+                processes: dict[str, tuple[str, tuple[str, ...]]] | None = None) -> str:
     """The nats-server configuration: JetStream on, and only the cluster's users, each limited
     (`http_port`: the monitoring endpoint, e.g. for a health check's /healthz; `routes`: this
-    server's place in a cluster of servers, its routes authenticated by their own secret)."""
+    server's place in a cluster of servers, its routes authenticated by their own secret;
+    `processes`: name -> (role, instance ids) of the processes that get a user of their own,
+    `instance_user(name)`, allowed to speak only for those instances)."""
     users = []
-    for user in ALL_USERS:
+    own = {instance_user(n): (role, ids) for n, (role, ids) in (processes or {}).items()}
+    for user in (*ALL_USERS, *own):
         entry: dict = {"user": user, "password": secrets.password(user)}
         if user != "admin":
-            publish, subscribe = ROLES[user]
-            permissions: dict = {"publish": {"allow": list(publish)}, "subscribe": {"allow": list(subscribe)}}
-            if user in SERVICE_ROLES or user in ("auditor", "supervisor"):  # replies: requests, JetStream acks
+            role, ids = own.get(user, (user, ()))
+            publish, subscribe = permissions(role, ids)
+            allowed: dict = {"publish": {"allow": publish}, "subscribe": {"allow": subscribe}}
+            if role in SERVICE_ROLES or role in ("auditor", "supervisor"):  # replies: requests, JetStream acks
                 # its own inbox only (common.bus.connect asks replies there): no user reads another's replies
-                permissions["subscribe"]["allow"] = sorted(set(subscribe) | {f"{inbox_prefix(user)}.>"})
-            if user in SERVICE_ROLES:
-                permissions["allow_responses"] = True
-            entry["permissions"] = permissions
+                allowed["subscribe"]["allow"] = sorted(set(subscribe) | {f"{inbox_prefix(user)}.>"})
+            if role in SERVICE_ROLES:
+                allowed["allow_responses"] = True
+            entry["permissions"] = allowed
         users.append(entry)
     # JSON is valid nats-server configuration syntax
     config = {"server_name": name, "host": host, "port": port,
