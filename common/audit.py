@@ -8,7 +8,8 @@ seals each one:
 
     body    = the event as JSON (orjson) with `publisher`, `seq`, `prev` (hex) and `prev_ts`
     digest  = HMAC-SHA256(secret, prev || subject || "\\n" || body)
-    payload = body with `"digest":"<hex>"` appended as its last member
+    payload = body with `"digest":"<hex>"` appended as its last member, and with a signing key of
+              its own (common/signing.py) `"sig":"<hex>"` after it: Ed25519 over the digest
 
 `prev` is the previous event's digest (32 zero bytes for seq 1); `prev_ts` the previous event's
 time (it tells a verifier whether that event should have been stored). The subject is sealed too,
@@ -17,7 +18,9 @@ a canonical re-encoding: nothing to agree on but the bytes (orjson does not sort
 dataclass's fields, say), any change to them shows, and sealing costs one encoding, not four.
 
 Verifying (`verify`, used by `moonbus audit`): given the stored events in stream order, an event
-is authentic when its digest verifies (only holders of the secret can make one). Problems:
+is authentic when its digest verifies (only holders of the secret can make one) and, given the
+publishers' public keys, its signature is by its own publisher's key (only that process holds
+it: another service with the secret cannot write its events). Problems:
 
   forged      not a sealed event (no digest: published by something without the secret), or a
               digest that does not verify from a publisher no authentic event names, or beside
@@ -53,7 +56,7 @@ ZERO = "00" * 32  # the prev of a chain's first event
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
-_SEALED = re.compile(rb',"digest":"([0-9a-f]{64})"\}\Z')  # how a sealed payload ends
+_SEALED = re.compile(rb',"digest":"([0-9a-f]{64})"(?:,"sig":"([0-9a-f]{128})")?\}\Z')  # how a sealed payload ends
 
 
 def seal_digest(secret: bytes, prev: str, subject: str, body: bytes) -> str:
@@ -64,8 +67,9 @@ def seal_digest(secret: bytes, prev: str, subject: str, body: bytes) -> str:
 class Chain:
     """One publisher's chain: numbers and seals its events in the order they are published."""
 
-    def __init__(self, secret: bytes, publisher: str) -> None:
+    def __init__(self, secret: bytes, publisher: str, signer=None) -> None:
         self._secret = secret
+        self._signer = signer  # common.signing.Signer: this process's own key (None: sealed only)
         self.publisher = publisher
         self.seq = 0  # the last event's
         self._prev = ZERO
@@ -81,7 +85,8 @@ class Chain:
         body = orjson.dumps(fields)  # raises (and takes no seq) if the event cannot be encoded
         digest = seal_digest(self._secret, self._prev, subject, body)
         self.seq, self._prev, self._prev_ts = self.seq + 1, digest, fields["ts"]
-        return body[:-1] + b',"digest":"' + digest.encode() + b'"}'
+        signed = b'","sig":"' + self._signer.sign(bytes.fromhex(digest)).encode() if self._signer else b""
+        return body[:-1] + b',"digest":"' + digest.encode() + signed + b'"}'
 
 
 @dataclass(frozen=True)
@@ -138,12 +143,14 @@ class _Sealed:
     prev_ts: float
     digest: str
     body: bytes | None  # the payload up to its digest (None: the payload does not end as sealed)
+    sig: str = ""  # its publisher's signature of the digest, hex ("" = none)
 
 
 def verify(stored: Iterable[Stored], secret: bytes, since: float = 0.0,
-           stream_seqs: tuple[int, int] | None = None) -> Report:
+           stream_seqs: tuple[int, int] | None = None, signers=None) -> Report:
     """Check every chain in `stored` (stream order); the read is complete from `since` on, and
-    holds every message of `stream_seqs` (first, last; default: the first and last read) left."""
+    holds every message of `stream_seqs` (first, last; default: the first and last read) left.
+    With `signers` (common.signing.Signers), an event must also be signed by its publisher's key."""
     problems: list[Problem] = []
     marks: dict[int, str] = {}
     chains: dict[str, list[_Sealed]] = {}  # publisher -> its authentic events, in stream order
@@ -156,6 +163,10 @@ def verify(stored: Iterable[Stored], secret: bytes, since: float = 0.0,
             problems.append(Problem("forged", "", 0, record.stream_seq, record.subject, why))
         elif sealed.body is not None and hmac.compare_digest(
                 sealed.digest, seal_digest(secret, sealed.prev, record.subject, sealed.body)):
+            if signers and not signers.verify(sealed.publisher, bytes.fromhex(sealed.digest), sealed.sig):
+                problems.append(Problem("forged", sealed.publisher, sealed.seq, record.stream_seq, record.subject,
+                                        "sealed with the cluster secret, but not signed by its publisher's own key"))
+                continue
             chains.setdefault(sealed.publisher, []).append(sealed)
             marks[record.stream_seq] = "verified"
         else:
@@ -190,7 +201,8 @@ def _unseal(record: Stored) -> tuple[_Sealed | None, str]:
         return None, "malformed chain fields (publisher, seq, prev, prev_ts, digest)"
     end = _SEALED.search(record.payload)
     body = record.payload[:end.start()] + b"}" if end and end[1].decode() == digest else None
-    return _Sealed(record, publisher, seq, prev, float(prev_ts), digest, body), ""
+    sig = end[2].decode() if end and end[2] else ""
+    return _Sealed(record, publisher, seq, prev, float(prev_ts), digest, body, sig), ""
 
 
 def _classify_failed(failed: list[_Sealed], chains: dict[str, list[_Sealed]]) -> list[Problem]:

@@ -344,12 +344,12 @@ class EventPublisher:
     """
 
     def __init__(self, nc: Client, service: str, instance_id: str, secret: bytes | None = None,
-                 incarnation: str = "") -> None:
+                 incarnation: str = "", signer=None) -> None:
         self._nc = nc
         self._service = service
         self._instance_id = instance_id
         self._name = f"{service}/{instance_id}/{incarnation or secrets.token_hex(6)}"
-        self._chain = Chain(secret, self._name) if secret is not None else None
+        self._chain = Chain(secret, self._name, signer) if secret is not None else None
         self._queue: collections.deque[_Outgoing] = collections.deque()  # not sent yet, in order
         self._unacked: dict[str, _Outgoing] = {}  # msg id -> sent, not acknowledged (in sending order)
         self._replies: dict[str, str] = {}  # reply token -> msg id

@@ -86,6 +86,8 @@ def add_common_flags(parser: argparse.ArgumentParser, role: str) -> None:
     flag(parser, "--nats-ca", "MOONBUS_NATS_CA", "", help="CA file for a tls:// NATS URL")
     flag(parser, "--cluster-secret-file", "MOONBUS_CLUSTER_SECRET_FILE", "",
          help="the cluster secret (point-to-point links, the audit chain); '' = none")
+    flag(parser, "--signing-key-file", "MOONBUS_SIGNING_KEY_FILE", "",
+         help="this process's own Ed25519 key: it signs the audit events it publishes ('' = sealed only)")
     flag(parser, "--metrics-port", "MOONBUS_METRICS_PORT", 0, int, help="Prometheus metrics port (0 = off)")
     flag(parser, "--metrics-host", "MOONBUS_METRICS_HOST", "127.0.0.1", help="bind address of the metrics port")
 

@@ -38,3 +38,4 @@ class Event(Wire):
     prev: str = ""  # the previous event's digest, hex
     prev_ts: float = 0.0  # the previous event's ts
     digest: str = ""  # HMAC-SHA256 keyed with the cluster secret, hex
+    sig: str = ""  # Ed25519 signature of the digest by its publisher's own key, hex (common/signing.py)

@@ -33,7 +33,7 @@ from nats.aio.msg import Msg
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from common import bus, kvfiles, metrics, runner, security, worker
+from common import bus, kvfiles, metrics, runner, security, signing, worker
 from common.pool_client import PoolClient, PoolUnavailable
 from schemas import subjects
 from schemas.codec import WireError
@@ -115,7 +115,8 @@ class DecodeService:
         self.model_name = cfg.model
         self.cluster_layout: Layout | None = None  # set at start: what the conductors check
         self.events = bus.EventPublisher(nc, "decode", cfg.instance_id, incarnation=self.incarnation,
-                                          secret=security.read_secret(cfg.cluster_secret_file))
+                                          secret=security.read_secret(cfg.cluster_secret_file),
+                                          signer=signing.load(cfg.signing_key_file))
         self.pool = PoolClient(nc, cfg.node, layout, f"{cfg.instance_id}:{self.incarnation}")
         self.arrived: asyncio.Queue[DecodeTask] = asyncio.Queue()
         self.waiting: collections.deque[DecodeTask] = collections.deque()  # passed the TBT check, no KV room yet

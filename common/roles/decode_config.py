@@ -35,6 +35,7 @@ class DecodeConfig:
     tbt_slo_s: float  # a request whose KV arrives when the batch could not meet this is rejected (late)
     late_check: bool  # False with admission "none"
     profile: str
+    signing_key_file: str = ""  # this process's own key for signing its audit events ('' = none)
 
     def __post_init__(self) -> None:
         common.check_subject_token("instance id", self.instance_id)

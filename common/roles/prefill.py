@@ -29,7 +29,7 @@ from nats.aio.msg import Msg
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from common import bus, kvfiles, metrics, runner, sampling, security, worker
+from common import bus, kvfiles, metrics, runner, sampling, security, signing, worker
 from common.kv.blocks import DEFAULT_SEED, block_keys
 from common.pool_client import PoolClient, PoolUnavailable, Prefix
 from common.transport import TransportError, Transports
@@ -79,7 +79,8 @@ class PrefillService:
         self.eos_token_id = eos_token_id
         self.incarnation = worker.new_incarnation()
         self.events = bus.EventPublisher(nc, "prefill", cfg.instance_id, incarnation=self.incarnation,
-                                          secret=security.read_secret(cfg.cluster_secret_file))
+                                          secret=security.read_secret(cfg.cluster_secret_file),
+                                          signer=signing.load(cfg.signing_key_file))
         self.pool = PoolClient(nc, cfg.node, layout, f"{cfg.instance_id}:{self.incarnation}")
         self.block_tokens = layout.block_tokens
         self.queue: asyncio.Queue[PrefillTask] = asyncio.Queue()

@@ -37,6 +37,7 @@ class PrefillConfig:
     stream_host: str  # where this instance listens for pipeline stages' KV slices
     advertise_host: str  # how other instances reach that listener ("" = stream_host)
     pipeline_listener: bool  # listen for pipeline stages' KV (only when the conductor pipelines)
+    signing_key_file: str = ""  # this process's own key for signing its audit events ('' = none)
 
     def __post_init__(self) -> None:
         common.check_subject_token("instance id", self.instance_id)

@@ -23,6 +23,7 @@ class CacheIndexConfig:
     heartbeat_interval_s: float
     node_timeout_s: float  # a node whose messenger stops sending heartbeats is dropped after this
     resync_timeout_s: float
+    signing_key_file: str = ""  # this process's own key for signing its audit events ('' = none)
 
     def __post_init__(self) -> None:
         common.check_subject_token("instance id", self.instance_id)

@@ -18,7 +18,7 @@ from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from common import bus, health, metrics, runner, security
+from common import bus, health, metrics, runner, security, signing
 from schemas import subjects
 from schemas.codec import WireError, check_token
 from schemas.events import Event
@@ -54,7 +54,8 @@ class CacheIndexService:
         self.index = PrefixIndex()
         self.metrics = IndexMetrics(self.index)
         self.events = bus.EventPublisher(nc, "cache_index", cfg.instance_id,
-                                          secret=security.read_secret(cfg.cluster_secret_file))
+                                          secret=security.read_secret(cfg.cluster_secret_file),
+                                          signer=signing.load(cfg.signing_key_file))
         self.epochs: dict[str, str] = {}  # node -> epoch of the events we applied
         self.last_seen: dict[str, float] = {}  # node -> monotonic time of its messenger's last heartbeat
         self.syncing: dict[str, list[KvEvent]] = {}  # node -> events held back while its resync is in flight

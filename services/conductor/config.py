@@ -38,6 +38,7 @@ class ConductorConfig:
     pipeline_group: int  # >= 2: long prompts with no reuse are prefilled by this many instances in a pipeline
     prefill_chunk: int  # the prefill instances' chunk size (a pipeline stage computes whole chunks)
     events_replicas: int  # copies of the events stream on a NATS cluster (1 = a single server)
+    signing_key_file: str = ""  # this process's own key for signing its audit events ('' = none)
 
     def __post_init__(self) -> None:
         common.check_subject_token("instance id", self.instance_id)

@@ -33,6 +33,7 @@ class GatewayConfig:
     max_inflight: int  # requests this gateway holds at once; beyond, 429 (a backstop to admission)
     api_keys: str  # the key file (services/gateway/tenants.py); "" = open: no key needed
     max_body_bytes: int  # a bigger request body is answered 413
+    signing_key_file: str = ""  # this process's own key for signing its audit events ('' = none)
 
     def __post_init__(self) -> None:
         common.check_subject_token("instance id", self.instance_id)

@@ -35,7 +35,7 @@ from typing import AsyncIterator
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
-from common import bus, security
+from common import bus, security, signing
 from schemas import subjects
 from schemas.codec import WireError
 from schemas.route import RouteReply, RouteRequest
@@ -107,7 +107,8 @@ class Gateway:
         self.vocab_size = len(tokenizer)
         self.controls = control_strings(tokenizer)  # typed in a message, these stay text (chat.py)
         self.events = bus.EventPublisher(nc, "gateway", cfg.instance_id,
-                                          secret=security.read_secret(cfg.cluster_secret_file))
+                                          secret=security.read_secret(cfg.cluster_secret_file),
+                                          signer=signing.load(cfg.signing_key_file))
         self.reply_subject = subjects.gateway_tokens(cfg.instance_id)
         self.states: dict[str, RequestState] = {}  # request_id -> RequestState
         self.ended: collections.OrderedDict[str, None] = collections.OrderedDict()  # the newest ENDED_KEPT ended here

@@ -46,6 +46,7 @@ class MessengerConfig:
     stale_kv_s: float  # a request KV file in the shm directory older than this is nobody's: removed
     reserve_idle_s: float  # a handoff reservation with no write for this long is dropped (its prefill stalled)
     link_timeout_s: float  # deadline of every read on a transport connection
+    signing_key_file: str = ""  # this process's own key for signing its audit events ('' = none)
 
     def __post_init__(self) -> None:
         common.check_subject_token("instance id", self.instance_id)

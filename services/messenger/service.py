@@ -29,7 +29,7 @@ from nats.aio.msg import Msg
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from common import bus, health, kvfiles, metrics, models, runner, security, worker
+from common import bus, health, kvfiles, metrics, models, runner, security, signing, worker
 from common.decide.pool import capacity_in_blocks
 from common.transport import Transports
 from schemas import subjects
@@ -84,7 +84,8 @@ class MessengerService:
         self.tasks = tasks
         self.pool = pool
         self.events = bus.EventPublisher(nc, "messenger", cfg.instance_id,
-                                          secret=security.read_secret(cfg.cluster_secret_file))
+                                          secret=security.read_secret(cfg.cluster_secret_file),
+                                          signer=signing.load(cfg.signing_key_file))
         self.metrics = MessengerMetrics(pool)
         self.outbox: asyncio.Queue[PoolEvent] = asyncio.Queue()  # KV events, published in seq order
         self.transfer_addr = ""  # tcp host:port of this node's transports

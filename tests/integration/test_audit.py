@@ -133,6 +133,57 @@ async def test_audit_verify_names_forged_dropped_and_edited_events(audited):
     assert untouched.returncode == 0, untouched.stdout
 
 
+async def test_the_stream_shrunk_or_rebuilt_and_a_made_up_request_are_found(audited):
+    """With the admin user the stream's max age was shrunk to 20 s, or the stream deleted and made
+    again, and verify passed; with the gateway's user and the cluster key a made-up request's
+    sealed chain showed as verified. The auditor's checkpoint (written by the clean verify of the
+    test above) and the publishers' own keys find all three."""
+    cluster = audited
+    nc = await bus.connect(cluster.spec.nats_url, "test-tamper")
+    js = nc.jetstream()
+    try:
+        config = (await js.stream_info(subjects.EVENTS_STREAM)).config
+        await js.update_stream(msgspec_replace(config, max_age=20.0, duplicate_window=10.0))
+        shrunk = moonbus_audit(cluster, "verify")
+        print(shrunk.stdout)
+        assert shrunk.returncode == 1 and "SHRUNK" in shrunk.stdout, shrunk.stdout + shrunk.stderr
+        await js.delete_stream(subjects.EVENTS_STREAM)
+        await bus.ensure_events_stream(nc)  # made again, empty, as the conductor makes it
+    finally:
+        await nc.drain()
+    rebuilt = moonbus_audit(cluster, "verify")
+    print(rebuilt.stdout)
+    assert rebuilt.returncode == 1, rebuilt.stdout + rebuilt.stderr
+    assert "REBUILT" in rebuilt.stdout and "REWOUND" in rebuilt.stdout and "VANISHED" in rebuilt.stdout
+
+    # a made-up request, sealed with the cluster key and sent with the gateway's own NATS user
+    from common.config import NatsAuth
+    from common.security import read_secret
+
+    auth = NatsAuth("gateway", str(cluster.secrets.password_file("gateway")))
+    gw = await bus.connect(cluster.spec.nats_addr, "gateway", auth)
+    try:
+        publisher = bus.EventPublisher(gw, "gateway", "gateway", secret=read_secret(cluster.secrets.cluster_key))
+        await publisher.request("received", "cmpl-madeup", prompt_tokens=3)
+        await publisher.request("completed", "cmpl-madeup", completion_tokens=3)
+        await publisher.flush()
+    finally:
+        await bus.shutdown(gw)
+    record = moonbus_audit(cluster, "request", "cmpl-madeup")
+    print(record.stdout)
+    assert record.returncode == 1
+    assert [line.split()[0] for line in record.stdout.splitlines()[1:3]] == ["FORGED", "FORGED"]
+    assert "(no verified terminal event)" in record.stdout
+    real = await complete(cluster, "A real one, after all that")
+    assert moonbus_audit(cluster, "request", real).returncode == 0  # signed by its publishers: verified
+
+
+def msgspec_replace(config, **changes):
+    import dataclasses
+
+    return dataclasses.replace(config, **changes)
+
+
 async def test_tap_follows_the_stream_and_a_signal_ends_it_at_once(audited):
     """`moonbus tap` prints events as they come; Ctrl-C (or SIGTERM) stops it while it waits for
     the next one (it used to wait for the next event, up to an hour, first)."""

@@ -217,7 +217,7 @@ async def test_an_instance_speaks_only_for_itself(guarded):
 
     nc = await nats.connect(cluster.spec.nats_addr, user=user, password=cluster.secrets.password(user),
                             error_cb=on_error, allow_reconnect=False, inbox_prefix=f"_INBOX_{user}")
-    theirs, own = subjects.worker_heartbeat("decode", "decode-0"), subjects.worker_heartbeat("cache_index", "cache_index")
+    theirs, own = subjects.worker_heartbeat("decode", "decode-0"), subjects.worker_heartbeat("cache_index", "cache-index")
     for _ in range(6):  # on decode-0's subject (the bus refuses), and on its own subject in decode-0's name
         await nc.publish(theirs, forged)
         await nc.publish(own, forged)

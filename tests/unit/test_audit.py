@@ -11,9 +11,10 @@ import msgspec
 import orjson
 import pytest
 
-from common import bus
+from common import bus, signing
 from common.audit import ZERO, Chain, ChainSummary, Problem, Stored, verify
 from schemas.events import Event
+from tools.moonbus.observe import checkpoint
 from tools.moonbus.observe.audit import complete_since, expected_stream_seqs, parse_since, request_record
 
 SECRET = bytes(range(32))
@@ -316,3 +317,50 @@ def test_complete_since_takes_the_latest_bound():
     assert complete_since(500.0, 0.0, 1000.0, None) == (500.0, "the stream's creation")
     assert complete_since(500.0, 100.0, 1000.0, None) == (900.0, "events older than 100 s expire")
     assert complete_since(500.0, 100.0, 1000.0, 950.0) == (950.0, "--since")
+
+
+# --- signatures: each publisher's own key -------------------------------------------------
+
+def test_a_publisher_signs_its_events_and_no_other_key_passes_for_it():
+    gateway, conductor = signing.Signer(bytes(range(32))), signing.Signer(bytes(range(1, 33)))
+    signers = signing.Signers({"gateway/gateway": gateway.public_hex, "conductor/conductor": conductor.public_hex})
+    subject = "moonbus.events.request.completed.r9"
+    signed = Chain(SECRET, GW, gateway).seal(subject, make_event("completed", request_id="r9"))
+    assert orjson.loads(signed)["sig"] and Event.from_bytes(signed).kind == "completed"
+    report = verify(make_stored((subject, signed)), SECRET, signers=signers)
+    assert report.ok and report.marks == {1: "verified"}
+    # a holder of the cluster secret and the conductor's key makes up a gateway event: sealed, not the gateway's
+    made_up = Chain(SECRET, "gateway/gateway/cccc", conductor).seal(subject, make_event("completed", request_id="r9"))
+    unsigned = Chain(SECRET, "gateway/gateway/dddd").seal(subject, make_event("completed", request_id="r9"))
+    report = verify(make_stored((subject, made_up), (subject, unsigned)), SECRET, signers=signers)
+    assert [(p.kind, p.publisher, p.stream_seq) for p in report.problems] == [
+        ("forged", "gateway/gateway/cccc", 1), ("forged", "gateway/gateway/dddd", 2)]
+    assert "not signed by its publisher's own key" in report.problems[0].detail
+    assert verify(make_stored((subject, made_up)), SECRET).ok  # without the keys only the seal is checked
+
+
+def test_the_checkpoint_finds_a_rebuilt_rewound_shrunk_or_emptied_stream(tmp_path):
+    auditor = signing.Signer(bytes(range(32)))
+    records = make_stored(*make_chain(n=3, t0=1000.0))
+    report = verify(records, SECRET)
+    state = checkpoint.StreamState(created=500.0, last_seq=3, max_age_s=3600.0, max_bytes=1 << 30, bytes=1000)
+    path = tmp_path / "audit" / "checkpoint.json"
+    checkpoint.write(path, checkpoint.Checkpoint(state, checkpoint.heads_of(report, records), 1100.0), auditor)
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    saved, problems = checkpoint.read(path, auditor)
+    assert problems == [] and saved.heads == {GW: (3, orjson.loads(records[2].payload)["digest"], 3, 1002.0)}
+    assert checkpoint.check(saved, state, records, wall_now=1200.0) == []
+    # the stream deleted and made again, with nothing in it
+    rebuilt = checkpoint.StreamState(created=1150.0, last_seq=0, max_age_s=3600.0, max_bytes=1 << 30)
+    assert [p.kind for p in checkpoint.check(saved, rebuilt, [], wall_now=1200.0)] == ["rebuilt", "rewound", "vanished"]
+    # its max age shrunk to 20 s: the events expired at once
+    shrunk = checkpoint.StreamState(created=500.0, last_seq=3, max_age_s=20.0, max_bytes=1 << 30)
+    assert [p.kind for p in checkpoint.check(saved, shrunk, [], wall_now=1200.0)] == ["shrunk", "vanished"]
+    # expired as the limits allow: nothing to say
+    assert checkpoint.check(saved, state, [], wall_now=1002.0 + 3601.0) == []
+    # the file edited
+    whole = json.loads(path.read_text())
+    whole["checkpoint"]["stream"]["last_seq"] = 1
+    path.write_text(json.dumps(whole))
+    saved, problems = checkpoint.read(path, auditor)
+    assert saved is None and [p.kind for p in problems] == ["forged"]

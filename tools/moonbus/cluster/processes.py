@@ -23,6 +23,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common import signing
 from tools.moonbus.cluster.security import ClusterSecrets, instance_user, nats_config
 from tools.moonbus.cluster.supervisor import Action, RestartPolicy, Restarts
 
@@ -36,6 +37,19 @@ class ClusterError(RuntimeError):
 def replica(kind: str, i: int) -> str:
     """The first replica of a control-plane service is named after its kind, the others kind-i."""
     return kind if i == 0 else f"{kind}-{i}"
+
+
+def publishers(name: str, kind: str) -> list[str]:
+    """The event publishers (`<service>/<instance>`) a process of `kind` named `name` writes as."""
+    if kind == "coupled":
+        return [f"prefill/{name}-prefill", f"decode/{name}-decode"]
+    return [f"{kind}/{instance_id_of(name, kind)}"]
+
+
+def instance_id_of(name: str, kind: str) -> str:
+    """The instance id a process started as `--instance-id name` announces (a cache index's has
+    no underscore: services/cache_index/config.py)."""
+    return name.replace("_", "-") if kind == "cache_index" else name
 
 
 def free_port() -> int:
@@ -213,12 +227,24 @@ class Cluster:
             time.sleep(0.05)
         raise ClusterError(f"nats-server did not listen on port {self.spec.nats_port}; see {self.log_dir / 'nats.log'}")
 
+    def signing_key(self, name: str, publishers: list[str]) -> Path:
+        """The process's own signing key (made once, kept across restarts), its public half
+        registered in signers.json for the publishers it writes events as."""
+        path = signing.key_file(self.secrets.directory, name)
+        public = signing.new_key(path).public_hex
+        registry = self.secrets.directory / signing.SIGNERS_FILE
+        keys = json.loads(registry.read_text()) if registry.exists() else {}
+        if any(keys.get(p) != public for p in publishers):
+            signing.write_signers(registry, keys | dict.fromkeys(publishers, public))
+        return path
+
     def planned_instances(self) -> dict[str, tuple[str, tuple[str, ...]]]:
         """name -> (kind, instance ids) of every process start_services starts that speaks for
         instances: each gets a NATS user of its own, allowed to speak only as itself."""
         spec, planned = self.spec, {}
         for i in range(spec.cache_indexes):
-            planned[replica("cache_index", i)] = ("cache_index", (replica("cache_index", i),))
+            name = replica("cache_index", i)
+            planned[name] = ("cache_index", (instance_id_of(name, "cache_index"),))
         if spec.coupled:
             for i in range(spec.coupled):
                 planned[f"messenger-c{i}"] = ("messenger", (f"messenger-c{i}",))
@@ -279,6 +305,7 @@ class Cluster:
                 "--instance-id", name, "--home", str(self.spec.home), "--log-level", self.spec.log_level, *args]
         if self.secrets is not None:  # its own user (or its role's), and the cluster secret
             user = instance_user(name) if name in self.own_users else kind
+            argv += ["--signing-key-file", str(self.signing_key(name, publishers(name, kind)))]
             argv += ["--nats-user", user, "--nats-password-file", str(self.secrets.password_file(user)),
                      "--cluster-secret-file", str(self.secrets.cluster_key)]
         argv += self.spec.service_args.get(kind, []) + self.spec.service_args.get(name, [])

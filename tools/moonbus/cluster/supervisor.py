@@ -59,10 +59,11 @@ class Action:
 class SupervisorEvents:
     """Publishes instance events for the supervisor (best effort: never blocks or raises)."""
 
-    def __init__(self, nats_url: str, auth=None, secret: bytes | None = None) -> None:
+    def __init__(self, nats_url: str, auth=None, secret: bytes | None = None, signer=None) -> None:
         self.nats_url = nats_url
         self.auth = auth  # the supervisor's NATS user (it may only write restart events)
         self.secret = secret  # the cluster secret: its events are sealed into the audit chain
+        self.signer = signer  # its own key: and signed (common/signing.py)
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
         self.publisher = None
@@ -83,7 +84,8 @@ class SupervisorEvents:
         logging.getLogger("common.bus").setLevel(logging.ERROR)
         try:
             self.nc = await bus.connect(self.nats_url, "supervisor", self.auth, first_connect_timeout_s=30)
-            self.publisher = bus.EventPublisher(self.nc, "supervisor", "supervisor", secret=self.secret)
+            self.publisher = bus.EventPublisher(self.nc, "supervisor", "supervisor", secret=self.secret,
+                                                signer=self.signer)
         except ConnectionError as exc:
             log.warning("supervisor events are off: %s", exc)
 

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import models, profiles
+from common import models, profiles, signing
 from common.config import NatsAuth, default_home
 from common.security import read_secret
 from tools.moonbus.cluster.processes import Cluster, ClusterError, ClusterSpec
@@ -115,11 +115,12 @@ def run(args: argparse.Namespace) -> int:
 
 def supervise(cluster: Cluster, stopping, policy: RestartPolicy = RestartPolicy()) -> None:
     """Restart what exits until Ctrl-C/SIGTERM; say what happened, as text and as events."""
-    auth, secret = None, None
+    auth, secret, signer = None, None, None
     if cluster.secrets is not None:
         auth = NatsAuth("supervisor", str(cluster.secrets.password_file("supervisor")))
         secret = read_secret(cluster.secrets.cluster_key)
-    events = SupervisorEvents(cluster.spec.nats_addr, auth, secret)
+        signer = signing.load(cluster.signing_key("supervisor", ["supervisor/supervisor"]))
+    events = SupervisorEvents(cluster.spec.nats_addr, auth, secret, signer)
     try:
         while not stopping():
             for action in cluster.supervise(time.monotonic(), policy):

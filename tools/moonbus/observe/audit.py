@@ -9,6 +9,12 @@ time, or "30s", "10m", "1h", "2d" ago) as the read-only auditor, and checked wit
 secret (default: the local cluster's <home>/secrets/cluster.key). The read is complete from the
 latest of: the stream's creation, the time before which its events have expired (max_age), and
 `--since`; a chain may start mid-way only where its previous event is older than that.
+
+With the publishers' public keys (<home>/secrets/signers.json, which `moonbus up` writes), every
+event must also be signed by its own publisher's key (common/signing.py). `verify` of the whole
+stream checks it against the auditor's signed checkpoint of the last clean verify and writes a new
+one when it is clean (tools/moonbus/observe/checkpoint.py): a stream rebuilt, rewound, shrunk or
+emptied of chain heads is found there.
 """
 
 from __future__ import annotations
@@ -26,12 +32,15 @@ from pathlib import Path
 
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from common import bus, timeline
+from common import bus, signing, timeline
 from common.audit import Problem, Report, Stored, verify
+from common.signing import SIGNERS_FILE, Signers
 from common.config import default_home
 from common.security import SecretError, read_secret
 from schemas import subjects
 from schemas.events import TERMINAL_KINDS, Event
+from tools.moonbus.observe import checkpoint
+from tools.moonbus.observe.checkpoint import StreamState
 from tools.moonbus.observe.tap import default_access, format_event
 
 READ_TIMEOUT_S = 3.0  # no message this long: the read is over (or the window is empty)
@@ -53,7 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--home", type=Path, default=None, help="the local cluster's state directory (./.moonbus)")
         p.add_argument("--nats-url", default=None, help="default: $MOONBUS_NATS_URL, else the local cluster's")
         p.add_argument("--secret-file", default=None, help="the cluster secret (default <home>/secrets/cluster.key)")
+        p.add_argument("--signers-file", default=None, help="the publishers' public keys (default "
+                       "<home>/secrets/signers.json, if it exists: then every event must be signed by its publisher)")
         p.add_argument("--json", action="store_true", help="print JSON")
+    verify_parser.add_argument("--checkpoint", type=Path, default=None,
+                               help="the auditor's signed checkpoint (default <home>/audit/checkpoint.json; written "
+                                    "after every clean verify of the whole stream, checked before)")
 
 
 def parse_since(text: str, now: float) -> float:
@@ -83,6 +97,7 @@ class Read:
     complete_from: float  # every event published since then must be in `records`
     why: str  # what sets complete_from
     stream_seqs: tuple[int, int] | None  # the stream seqs `records` must cover (None: nothing read)
+    stream: StreamState | None = None  # the stream when it was read
 
 
 def expected_stream_seqs(records: list[Stored], last_seq: int, head_kept: bool) -> tuple[int, int] | None:
@@ -101,10 +116,11 @@ async def read_stream(url: str, auth, since: float | None) -> Read:
         info = await js.stream_info(subjects.EVENTS_STREAM)
         created = info.created.timestamp() if info.created else 0.0
         now, max_age = time.time(), info.config.max_age or 0.0
+        stream = StreamState(created, info.state.last_seq, max_age, info.config.max_bytes or -1, info.state.bytes or 0)
         bound = complete_since(created, max_age, now, since)
         head_kept = since is None and (max_age <= 0 or created > now - max_age)  # nothing expired yet
         if info.state.messages == 0:
-            return Read([], *bound, expected_stream_seqs([], info.state.last_seq, head_kept))
+            return Read([], *bound, expected_stream_seqs([], info.state.last_seq, head_kept), stream)
         if since is None:
             config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
         else:
@@ -113,7 +129,7 @@ async def read_stream(url: str, auth, since: float | None) -> Read:
         sub = await js.subscribe(subjects.EVENTS_ALL, ordered_consumer=True, config=config)
         try:
             records = await _read_all(sub, empty_ok=since is not None)
-            return Read(records, *bound, expected_stream_seqs(records, info.state.last_seq, head_kept))
+            return Read(records, *bound, expected_stream_seqs(records, info.state.last_seq, head_kept), stream)
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -162,7 +178,9 @@ def print_report(report: Report, read: Read) -> None:
 
 
 def format_problem(p: Problem) -> str:
-    who = f"{p.publisher} seq {p.seq}" if p.publisher else "(the stream)" if p.kind == "deleted" else "(no publisher)"
+    who = f"{p.publisher} seq {p.seq}" if p.publisher else \
+        "(the stream)" if p.kind in ("deleted", "rebuilt", "rewound", "shrunk", "forged") and not p.stream_seq or \
+        p.kind == "deleted" else "(no publisher)"
     where = f"stream seq {p.stream_seq}" + (f"  {p.subject}" if p.subject else "")
     return f"{p.kind.upper():<10} {who}  {where}: {p.detail}"
 
@@ -236,8 +254,28 @@ async def audit(args: argparse.Namespace) -> int:
     except (ConnectionError, AuditReadError) as exc:
         print(f"moonbus audit: {exc}", file=sys.stderr)
         return 2
-    report = verify(read.records, secret, read.complete_from, read.stream_seqs)
+    home = args.home or default_home()
+    signers_file = Path(args.signers_file) if args.signers_file else Path(secret_file).parent / SIGNERS_FILE
+    try:
+        signers = Signers.read(signers_file) if args.signers_file or signers_file.exists() else None
+    except (OSError, ValueError) as exc:
+        print(f"moonbus audit: cannot read the publishers' keys in {signers_file}: {exc}", file=sys.stderr)
+        return 2
+    report = verify(read.records, secret, read.complete_from, read.stream_seqs, signers)
     if args.audit_command == "verify":
+        if read.stream is not None:  # the stream itself against what the last clean verify saw
+            path = args.checkpoint or home / "audit" / "checkpoint.json"
+            auditor = signing.new_key(signing.key_file(Path(secret_file).parent, "auditor"))
+            saved, problems = checkpoint.read(path, auditor)
+            if saved is not None:
+                problems += checkpoint.check(saved, read.stream, read.records if since is None else None)
+            report.problems[:0] = problems
+            if report.ok and since is None:
+                checkpoint.write(path, checkpoint.Checkpoint(read.stream, checkpoint.heads_of(report, read.records),
+                                                             time.time()), auditor)
+        if signers is None:
+            print(f"note: no {signers_file}: events are checked as sealed with the cluster secret, not as signed "
+                  "by their publishers", file=sys.stderr)
         if args.json:
             print(json.dumps({"events": len(read.records), "complete_from": read.complete_from, "why": read.why,
                               "stream_seqs": read.stream_seqs, "ok": report.ok,

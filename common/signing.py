@@ -1,0 +1,91 @@
+"""Who wrote what: Ed25519 keys, one per process that publishes audit events.
+
+The cluster secret seals every event into its publisher's chain (common/audit.py), but every
+service holds that secret, so it proves only that a service wrote an event, not which one. With
+a signing key of its own, a process also signs each event's digest; the auditor checks the
+signature against the public key registered for the event's publisher (`<service>/<instance>`), so
+a holder of one service's credentials and the cluster secret cannot write another's events.
+
+Files (made by `moonbus up` and `moonbus compose-secrets`, 0600 like every secret):
+    sign-<name>.key   the private key (its 32-byte seed, hex), read by that process alone
+    signers.json      {"<service>/<instance>": "<public key, hex>", ...}: whom the auditor trusts
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+from common.security import SecretError, new_secret_file, read_secret
+
+SIGNERS_FILE = "signers.json"
+
+
+class Signer:
+    """A process's private key: signs what it publishes."""
+
+    def __init__(self, seed: bytes) -> None:
+        self._key = Ed25519PrivateKey.from_private_bytes(seed)
+
+    def sign(self, data: bytes) -> str:
+        return self._key.sign(data).hex()
+
+    @property
+    def public_hex(self) -> str:
+        return self._key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
+
+
+def key_file(directory: Path, name: str) -> Path:
+    return directory / f"sign-{name}.key"
+
+
+def new_key(path: Path) -> Signer:
+    """The key at `path`, made (0600) if it does not exist yet."""
+    if not path.exists():
+        new_secret_file(path, 32)
+    return load(path)
+
+
+def load(path: str | Path) -> Signer | None:
+    """The key in `path` ('' = none); raises SecretError if it is unreadable or not a key."""
+    seed = read_secret(path) if path else None
+    if seed is None:
+        return None
+    if len(seed) != 32:
+        raise SecretError(f"{path}: a signing key is 32 bytes (64 hex digits), not {len(seed)}")
+    return Signer(seed)
+
+
+class Signers:
+    """The public keys the auditor trusts, by publisher (`<service>/<instance>`)."""
+
+    def __init__(self, keys: dict[str, str]) -> None:
+        self._keys = {who: Ed25519PublicKey.from_public_bytes(bytes.fromhex(k)) for who, k in keys.items()}
+
+    @classmethod
+    def read(cls, path: str | Path) -> "Signers":
+        return cls(json.loads(Path(path).read_text()))
+
+    def __bool__(self) -> bool:
+        return bool(self._keys)
+
+    def verify(self, publisher: str, data: bytes, signature: str) -> bool:
+        """Whether `signature` over `data` is by the key registered for the publisher named
+        `<service>/<instance>/<incarnation>` (its incarnation changes with every start)."""
+        key = self._keys.get(publisher.rsplit("/", 1)[0])
+        if key is None or not signature:
+            return False
+        try:
+            key.verify(bytes.fromhex(signature), data)
+            return True
+        except (InvalidSignature, ValueError):
+            return False
+
+
+def write_signers(path: Path, keys: dict[str, str]) -> None:
+    path.write_text(json.dumps(keys, indent=1, sort_keys=True))
+    path.chmod(0o600)
