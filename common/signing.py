@@ -16,19 +16,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
-
 from common.security import SecretError, new_secret_file, read_secret
 
 SIGNERS_FILE = "signers.json"
+
+# NOTE: cryptography is imported where a key is used: a process given no key (the RDMA test VM's
+# messengers, whose guest image does not carry it) never loads it.
 
 
 class Signer:
     """A process's private key: signs what it publishes."""
 
     def __init__(self, seed: bytes) -> None:
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
         self._key = Ed25519PrivateKey.from_private_bytes(seed)
 
     def sign(self, data: bytes) -> str:
@@ -36,6 +37,8 @@ class Signer:
 
     @property
     def public_hex(self) -> str:
+        from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
         return self._key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
 
 
@@ -64,6 +67,8 @@ class Signers:
     """The public keys the auditor trusts, by publisher (`<service>/<instance>`)."""
 
     def __init__(self, keys: dict[str, str]) -> None:
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
         self._keys = {who: Ed25519PublicKey.from_public_bytes(bytes.fromhex(k)) for who, k in keys.items()}
 
     @classmethod
@@ -76,6 +81,8 @@ class Signers:
     def verify(self, publisher: str, data: bytes, signature: str) -> bool:
         """Whether `signature` over `data` is by the key registered for the publisher named
         `<service>/<instance>/<incarnation>` (its incarnation changes with every start)."""
+        from cryptography.exceptions import InvalidSignature
+
         key = self._keys.get(publisher.rsplit("/", 1)[0])
         if key is None or not signature:
             return False
