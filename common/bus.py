@@ -14,6 +14,7 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import re
 import secrets
 import time
 import urllib.parse
@@ -54,6 +55,9 @@ EVENT_QUEUE_MAX = 100_000  # events waiting per publisher; beyond, the oldest is
 _reconnected_at: "weakref.WeakKeyDictionary[Client, float]" = weakref.WeakKeyDictionary()
 _on_reconnect: "weakref.WeakKeyDictionary[Client, list[Callable[[], None]]]" = weakref.WeakKeyDictionary()
 _publishers: "weakref.WeakKeyDictionary[Client, list[EventPublisher]]" = weakref.WeakKeyDictionary()
+# subjects the broker told a connection it may not publish on (its user's permissions)
+_denied: "weakref.WeakKeyDictionary[Client, set[str]]" = weakref.WeakKeyDictionary()
+_DENIED = re.compile(r'permissions violation for publish to "([^"]+)"', re.IGNORECASE)
 
 
 def server_urls(url: str) -> list[str]:
@@ -109,6 +113,9 @@ async def connect(url: str, name: str, auth: "NatsAuth | None" = None, first_con
                 callback()
 
     async def error(exc: Exception) -> None:
+        denied = _DENIED.search(str(exc))
+        if denied and holder:
+            _denied.setdefault(holder[0], set()).add(denied[1])
         log.warning("NATS: %r", exc)
 
     while True:
@@ -405,6 +412,7 @@ class EventPublisher:
             self._wakeup.clear()
             now = time.monotonic()
             self._drop_old(now)
+            self._drop_denied()
             oldest = next(iter(self._unacked.values()), None)
             if self._refused or (oldest is not None and now - oldest.sent_at > EVENT_ACK_S):
                 # everything not acknowledged goes again, in order (stored ones are deduplicated),
@@ -451,6 +459,21 @@ class EventPublisher:
             if self._stored_in_a_row >= 16:  # the stream is back: a window again
                 self._window = EVENT_WINDOW
         self._wakeup.set()
+
+    def _drop_denied(self) -> None:
+        """Drop the events on subjects this connection may not publish on: the broker refused them
+        and will refuse them again, and waiting for them would hold back every later event."""
+        denied = _denied.get(self._nc)
+        if not denied:
+            return
+        for box in (self._unacked, self._queue):
+            refused = [out for out in (box.values() if isinstance(box, dict) else box) if out.subject in denied]
+            for out in refused:
+                if isinstance(box, dict):
+                    del box[out.msg_id]
+                else:
+                    box.remove(out)
+                log.error("event %s refused by the bus (this user may not publish it): dropped", out.subject)
 
     def _drop_old(self, now: float) -> None:
         """Drop what waited past EVENT_MAX_AGE_S: the oldest lead (the unacknowledged, then the queue)."""

@@ -1,4 +1,5 @@
-"""Calls over a real nats-server whose reply is lost: asked again under the same call id, run once.
+"""Calls over a real nats-server whose reply is lost: asked again under the same call id, run once;
+and an event the broker refuses holds back no later one.
 
 A responder that handles a request and then loses its reply (as when it reconnects to another
 server just then) is stood in for by one that drops its first answer on the floor. The asker
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import pytest
 
 from common import bus
+from schemas import subjects
 from tests.integration.conftest import bare_nats_server
 from tools.moonbus.cluster.processes import free_port
 
@@ -97,3 +99,46 @@ async def test_a_repeat_that_arrives_while_the_call_runs_waits_for_it(nats_url):
         await asker.close()
         await responder.close()
 
+
+
+async def test_an_event_the_bus_refuses_holds_back_no_later_one(tmp_path):
+    """A messenger's user once could not publish its link_refused events: each was sent again for
+    120 s and held back every later event of that messenger (its KV events among them)."""
+    import json
+    import subprocess
+
+    from nats.js.api import ConsumerConfig, DeliverPolicy
+
+    from common.config import NatsAuth
+    from tools.moonbus.cluster.processes import nats_server_binary
+
+    port = free_port()
+    (tmp_path / "pw").write_text("writer-password")
+    users = [{"user": "admin", "password": "admin-password"},
+             {"user": "writer", "password": "writer-password",
+              "permissions": {"publish": {"allow": [subjects.request_event("allowed", "*")]},
+                              "subscribe": {"allow": ["_INBOX_writer.>"]}}}]
+    conf = tmp_path / "nats.conf"
+    conf.write_text(json.dumps({"host": "127.0.0.1", "port": port, "jetstream": {"store_dir": str(tmp_path / "js")},
+                                "authorization": {"users": users}}))
+    server = subprocess.Popen([nats_server_binary(), "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        admin = await bus.connect(f"nats://admin:admin-password@127.0.0.1:{port}", "admin", first_connect_timeout_s=20)
+        await bus.ensure_events_stream(admin)
+        writer = await bus.connect(f"nats://127.0.0.1:{port}", "writer", NatsAuth("writer", str(tmp_path / "pw")))
+        publisher = bus.EventPublisher(writer, "gateway", "gateway")
+        await publisher.request("denied", "r1")
+        await publisher.request("allowed", "r1")
+        # the refused one is dropped once the broker has said so (its acknowledgement's timeout,
+        # EVENT_ACK_S): far inside the EVENT_MAX_AGE_S it was once retried for
+        assert bus.EVENT_ACK_S * 10 < bus.EVENT_MAX_AGE_S
+        assert await publisher.flush(timeout_s=bus.EVENT_ACK_S * 10)
+        sub = await admin.jetstream().subscribe(subjects.events_of_request("r1"), ordered_consumer=True,
+                                                config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
+        stored = json.loads((await sub.next_msg(timeout=10)).data)
+        assert stored["kind"] == "allowed"
+        await bus.shutdown(writer)
+        await bus.shutdown(admin)
+    finally:
+        server.kill()
+        server.wait()
