@@ -100,6 +100,14 @@ def messenger_control(node: str, op: str) -> str:
     return f"moonbus.messenger.{node}.{op}"
 
 
+TENANT_USAGE_ALL = "moonbus.tenants.usage.*"  # gateways: every gateway's tenants' usage
+
+
+def tenant_usage(gateway_id: str) -> str:
+    """moonbus.tenants.usage.<gateway>: one gateway's per-tenant counts, to the other gateways."""
+    return f"moonbus.tenants.usage.{gateway_id}"
+
+
 def gateway_tokens(gateway_id: str) -> str:
     """moonbus.tokens.<gateway_id>: tokens and terminal errors for requests of one gateway."""
     return f"moonbus.tokens.{gateway_id}"

@@ -43,3 +43,11 @@ class ProbeReply(Wire):
     known: bool
     phase: str = ""  # "queued" | "prefill" | "handed_off" | "decode" | "finished"
     resent: int = 0  # tokens sent again
+
+
+class TenantUsage(Wire):
+    """gateway -> the other gateways (subjects.tenant_usage): what this gateway's tenants hold now,
+    so that a tenant's limits hold across every replica (services/gateway/tenants.py)."""
+
+    gateway_id: Token
+    tenants: dict[str, list[int]] = {}  # tenant -> [requests in flight, tokens booked in the last minute]

@@ -39,7 +39,7 @@ from common import bus, security, signing
 from schemas import subjects
 from schemas.codec import WireError
 from schemas.route import RouteReply, RouteRequest
-from schemas.tokens import Cancel, Probe, ProbeReply, TokenChunk
+from schemas.tokens import Cancel, Probe, ProbeReply, TenantUsage, TokenChunk
 from schemas.workers import StatusReply
 from services.gateway.chat import TemplateError, chat_prompt_ids, control_strings
 from services.gateway.config import GatewayConfig
@@ -49,6 +49,7 @@ from services.gateway.tenants import OPEN, KeyBook, Tenant, TenantLimits, cache_
 
 log = logging.getLogger(__name__)
 
+USAGE_EVERY_S = 1.0  # a gateway tells the others its tenants' usage at least this often
 ENDED_KEPT = 10_000  # ended requests whose late worker reports still count in this gateway's metrics
 
 
@@ -114,6 +115,7 @@ class Gateway:
         self.ended: collections.OrderedDict[str, None] = collections.OrderedDict()  # the newest ENDED_KEPT ended here
         self.keys = KeyBook(cfg.api_keys)
         self.limits = TenantLimits()
+        self.usage_shared_at, self.usage_changed = 0.0, False  # this gateway's tenants' usage, told the others
         # a prompt this many characters long cannot fit the context, whatever the tokenizer does
         self.max_prompt_chars = 32 * max_context
 
@@ -189,6 +191,7 @@ class Gateway:
                                   max_tokens=max_tokens, stream=req.stream, gateway=self.cfg.instance_id,
                                   tenant=tenant.name)
         gen.booking, why, retry = self.limits.admit(tenant, len(prompt_ids) + max_tokens, time.monotonic())
+        self.usage_changed |= gen.booking is not None
         if gen.booking is None:
             reply = RouteReply(False, 429, why, retry_after_s=retry)
         elif len(self.states) >= self.cfg.max_inflight:  # a backstop in front of the conductor's admission
@@ -387,6 +390,21 @@ class Gateway:
         if gen.booking is not None:
             self.limits.release(gen.tenant, gen.booking, len(gen.prompt_ids) + gen.completion_tokens)
             gen.booking = None
+            self.usage_changed = True
+
+    async def share_usage(self) -> None:
+        """Tell the other gateways what this one's tenants hold: at once after a change, else every
+        second (they forget a gateway silent for TenantLimits.PEER_TTL_S)."""
+        now = time.monotonic()
+        if self.usage_changed or now - self.usage_shared_at >= USAGE_EVERY_S:
+            self.usage_changed, self.usage_shared_at = False, now
+            await bus.publish(self.nc, subjects.tenant_usage(self.cfg.instance_id),
+                              TenantUsage(self.cfg.instance_id, self.limits.usage(now)).to_bytes())
+
+    async def on_usage(self, msg: Msg) -> None:
+        usage = TenantUsage.from_bytes(msg.data)  # a malformed one raises: logged and dropped
+        if usage.gateway_id != self.cfg.instance_id and subjects.speaks_for(msg.subject, usage.gateway_id):
+            self.limits.heard(usage.gateway_id, usage.tenants, time.monotonic())
 
     async def cluster_status(self) -> StatusReply | None:
         try:

@@ -13,7 +13,7 @@ import logging
 from aiohttp import web
 
 from common import bus, health, models
-from common.runner import TaskGroup
+from common.runner import TaskGroup, every
 from schemas import subjects
 from services.gateway.api import Api
 from services.gateway.config import GatewayConfig
@@ -29,6 +29,7 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event) -> bool:
     nc = await bus.connect(cfg.nats_url, cfg.instance_id, cfg.nats_auth)
     gateway = Gateway(cfg, nc, tokenizer, ref.name, shape.max_context)
     await bus.subscribe(nc, gateway.reply_subject, gateway.on_tokens)
+    await bus.subscribe(nc, subjects.TENANT_USAGE_ALL, gateway.on_usage)  # limits over every replica
     bus.on_reconnect(nc, gateway.probe_all)  # chunks may have been lost while the broker was away
     api = Api(gateway)
     for kind in ("prefilled", "kv_pulled"):
@@ -43,6 +44,7 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event) -> bool:
     tasks = TaskGroup(stop)
     tasks.spawn(health.beacon(cfg.health_file, nc, stop), "health", essential=False)
     tasks.spawn(bus.watchdog(nc), "broker-watchdog")
+    tasks.spawn(every(0.1, stop, gateway.share_usage), "tenant-usage", essential=False)
     log.info("gateway %s serving %s on http://%s:%d", cfg.instance_id, ref.name, cfg.host, cfg.port)
     await stop.wait()
     await tasks.cancel_all()

@@ -11,7 +11,8 @@ The file is re-read when it changes, so keys are added and revoked without a res
 
 Limits per tenant: requests in flight (`max_concurrent`) and tokens per minute (prompt plus
 `max_tokens` are booked at admission and corrected to prompt plus completion at the end); over
-either, 429 with Retry-After.
+either, 429 with Retry-After. They hold over every gateway replica: each gateway tells the others
+what its tenants hold (subjects.tenant_usage) and counts theirs in (TenantLimits).
 
 Cache namespace: block keys are seeded per tenant ("tenant:<name>"), so equal prompts of two
 tenants never share a block, and neither `cached_tokens` nor TTFT tells one tenant anything
@@ -108,24 +109,56 @@ class KeyBook:
 
 
 class TenantLimits:
-    """Requests in flight and tokens per minute, per tenant. Pure: the caller passes the clock."""
+    """Requests in flight and tokens per minute, per tenant, over every gateway replica. Pure: the
+    caller passes the clock.
+
+    Each gateway counts its own, publishes them (`usage`, on every change and every second) and
+    keeps what the others publish (`heard`, forgotten after PEER_TTL_S without news: a gateway that
+    died holds nothing). A tenant's limit is checked against its own count plus the others', so N
+    replicas do not give it N times its limit; two gateways admitting at the same instant may pass
+    it by what they admit within one message's latency."""
 
     WINDOW_S = 60.0
+    PEER_TTL_S = 3.0
 
     def __init__(self) -> None:
         self.in_flight: collections.Counter[str] = collections.Counter()
         self.booked: dict[str, collections.deque[list]] = collections.defaultdict(collections.deque)  # [t, tokens]
+        self.peers: dict[str, tuple[float, dict[str, list[int]]]] = {}  # gateway -> (heard at, its usage)
 
-    def _used(self, tenant: str, now: float) -> int:
+    def heard(self, gateway_id: str, usage: dict[str, list[int]], now: float) -> None:
+        self.peers[gateway_id] = (now, usage)
+
+    def usage(self, now: float) -> dict[str, list[int]]:
+        """This gateway's [in flight, tokens in the window] per tenant that has either."""
+        out = {}
+        for tenant in set(self.in_flight) | set(self.booked):
+            pair = [self.in_flight[tenant], self._own_used(tenant, now)]
+            if any(pair):
+                out[tenant] = pair
+        return out
+
+    def _peer(self, tenant: str, i: int, now: float) -> int:
+        for gateway in [g for g, (at, _) in self.peers.items() if now - at > self.PEER_TTL_S]:
+            del self.peers[gateway]
+        return sum(usage.get(tenant, (0, 0))[i] for _, usage in self.peers.values())
+
+    def _held(self, tenant: str, now: float) -> int:
+        return self.in_flight[tenant] + self._peer(tenant, 0, now)
+
+    def _own_used(self, tenant: str, now: float) -> int:
         window = self.booked[tenant]
         while window and now - window[0][0] >= self.WINDOW_S:
             window.popleft()
         return sum(tokens for _, tokens in window)
 
+    def _used(self, tenant: str, now: float) -> int:
+        return self._own_used(tenant, now) + self._peer(tenant, 1, now)
+
     def precheck(self, tenant: Tenant, now: float) -> tuple[str, float]:
         """What admit() would refuse whatever the request's size: ("", 0) if nothing yet, else (why,
         retry after seconds). Checked before a prompt is tokenized."""
-        if tenant.max_concurrent is not None and self.in_flight[tenant.name] >= tenant.max_concurrent:
+        if tenant.max_concurrent is not None and self._held(tenant.name, now) >= tenant.max_concurrent:
             return f"tenant {tenant.name} already has {tenant.max_concurrent} requests in flight", 1.0
         if tenant.tokens_per_minute is not None and self._used(tenant.name, now) >= tenant.tokens_per_minute:
             return (f"tenant {tenant.name} used its {tenant.tokens_per_minute} tokens per minute",
@@ -134,7 +167,7 @@ class TenantLimits:
 
     def admit(self, tenant: Tenant, tokens: int, now: float) -> tuple[list | None, str, float]:
         """(booking, "", 0) if admitted, else (None, why, retry after seconds)."""
-        if tenant.max_concurrent is not None and self.in_flight[tenant.name] >= tenant.max_concurrent:
+        if tenant.max_concurrent is not None and self._held(tenant.name, now) >= tenant.max_concurrent:
             return None, f"tenant {tenant.name} already has {tenant.max_concurrent} requests in flight", 1.0
         if tenant.tokens_per_minute is not None:
             used = self._used(tenant.name, now)

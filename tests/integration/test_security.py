@@ -144,6 +144,50 @@ async def test_an_oversized_body_is_413_and_a_tenant_over_its_limit_gets_429(gua
     assert rest.rstrip().endswith("data: [DONE]")
 
 
+@pytest.fixture(scope="module")
+def two_doors(tmp_path_factory, tiny_profile):
+    """Two gateway replicas in front of one cluster; tenant tiny may have one request in flight."""
+    home = tmp_path_factory.mktemp("two-doors")
+    key = add_key(home / "api-keys.json", "tiny", ["--max-concurrent", "1"])
+    cluster = start_cluster(home, profile=tiny_profile, api_keys=str(home / "api-keys.json"), gateways=2)
+    yield cluster, key
+    cluster.stop()
+
+
+async def test_a_tenants_limit_holds_across_gateway_replicas(two_doors):
+    """Limits were counted per gateway process: N replicas gave a tenant N times its limit."""
+    cluster, key = two_doors
+    second_door = f"http://{cluster.spec.host}:{cluster.spec.port + 1}"
+    admin = await nats.connect(cluster.spec.nats_url, allow_reconnect=False)
+    told = await admin.subscribe(subjects.tenant_usage("gateway"))
+    decode = cluster.procs["decode-0"].popen
+    async with aiohttp.ClientSession() as session:
+        async with session.post(cluster.spec.url + "/v1/completions",
+                                json=completion("slow " * 20, max_tokens=64, ignore_eos=True, stream=True),
+                                headers={"Authorization": f"Bearer {key}"}) as first:
+            assert first.status == 200
+            await first.content.readline()  # in flight at the first gateway
+            decode.send_signal(signal.SIGSTOP)  # and it stays so until the second has its answer
+            try:
+                heard = 0  # the first gateway has told the others twice (the second heard the first for sure)
+                while heard < 2:
+                    usage = json.loads((await told.next_msg(timeout=30)).data)
+                    heard += usage["tenants"].get("tiny", [0])[0] == 1
+                # (admitted, it would wait for the frozen decode instance: a bound, so that it fails, not hangs)
+                async with session.post(second_door + "/v1/completions", json=completion("second"),
+                                        headers={"Authorization": f"Bearer {key}"},
+                                        timeout=aiohttp.ClientTimeout(total=60)) as second:
+                    status, body = second.status, await second.json(content_type=None)
+            finally:
+                decode.send_signal(signal.SIGCONT)
+            rest = (await first.read()).decode()
+    await admin.close()
+    assert status == 429 and "1 requests in flight" in body["error"]["message"], body
+    assert rest.rstrip().endswith("data: [DONE]")
+    status, body, _ = await call(cluster, completion("after"), key)  # the first ended: the tenant may again
+    assert status == 200, body
+
+
 async def test_the_bus_refuses_strangers_and_keeps_each_role_to_its_subjects(guarded):
     cluster, _ = guarded
     with pytest.raises(Exception, match="Authorization Violation"):

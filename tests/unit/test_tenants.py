@@ -65,6 +65,23 @@ def test_tokens_per_minute_book_at_admission_and_correct_at_the_end():
     assert "may use 1000 per minute" in limits.admit(acme, 5000, now=200.0)[1]
 
 
+def test_limits_hold_over_every_gateway_replica_and_forget_a_silent_one():
+    one, two = TenantLimits(), TenantLimits()
+    acme = Tenant("acme", max_concurrent=2, tokens_per_minute=1000)
+    assert one.admit(acme, 300, now=0.0)[0] is not None
+    assert two.admit(acme, 300, now=0.0)[0] is not None
+    two.heard("gateway-0", one.usage(0.0), now=0.0)
+    assert one.usage(0.0) == {"acme": [1, 300]}
+    refused, why, _ = two.admit(acme, 300, now=0.5)  # one here, one at the other gateway
+    assert refused is None and "2 requests in flight" in why
+    assert two.precheck(acme, 0.5)[0]
+    # tokens too: 300 here and 300 there of 1000, so 500 more do not fit
+    wide = Tenant("acme", tokens_per_minute=1000)
+    assert "used 600 of its 1000" in two.admit(wide, 500, now=0.5)[1]
+    # a gateway not heard from for PEER_TTL_S holds nothing (it may have died)
+    assert two.admit(acme, 300, now=0.5 + TenantLimits.PEER_TTL_S + 0.1)[0] is not None
+
+
 def test_a_tenant_at_its_limits_is_refused_before_its_prompt_is_tokenized():
     limits = TenantLimits()
     busy, spent = Tenant("busy", max_concurrent=1), Tenant("spent", tokens_per_minute=100)

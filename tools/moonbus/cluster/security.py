@@ -55,8 +55,9 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
     "gateway": (
         ["moonbus.conductor.route", "moonbus.conductor.status", "moonbus.requests.cancel", "moonbus.workers.*.probe",
          "moonbus.messenger.*.status",
-         *_events("received", "first_token", "migrated", "completed", "failed", "rejected", "cancelled")],
-        ["moonbus.tokens.*", *_events("prefilled", "kv_pulled", "routed")],
+         *_events("received", "first_token", "migrated", "completed", "failed", "rejected", "cancelled"),
+         "moonbus.tenants.usage.*"],
+        ["moonbus.tokens.*", *_events("prefilled", "kv_pulled", "routed"), "moonbus.tenants.usage.*"],
     ),
     "conductor": (
         ["moonbus.prefill.*.tasks", "moonbus.tokens.*", "moonbus.control.refused.*", "moonbus.index.query",
