@@ -79,9 +79,11 @@ rdma-test: setup rdma-tools
 	MOONBUS_REQUIRE=rdma $(PY) -m pytest -q -p no:cacheprovider -rs tests/integration/test_rdma_vm.py
 
 # Needs a running cluster: `make run` in another terminal (reads .moonbus/cluster.json).
-# 120 s at twice the capacity estimate, killing one process of each kind in turn every 15 s.
+# 120 s at twice the capacity estimate, killing one process of each kind in turn every 15 s. It
+# fails on any request lost, ended twice or leaked; the SLO attainment is printed, not judged: a
+# kill of the one prefill instance of `make run` stops all prefill until it is back.
 soak: setup
-	$(VENV)/bin/moonbus soak --duration 120 --load 2 \
+	$(VENV)/bin/moonbus soak --duration 120 --load 2 --min-attainment 0 \
 	    --chaos prefill,decode,messenger,cache_index,conductor,nats --every 15 --chaos-order cycle
 
 clean:

@@ -8,7 +8,9 @@ a holder of one service's credentials and the cluster secret cannot write anothe
 
 Files (made by `moonbus up` and `moonbus compose-secrets`, 0600 like every secret):
     sign-<name>.key   the private key (its 32-byte seed, hex), read by that process alone
-    signers.json      {"<service>/<instance>": "<public key, hex>", ...}: whom the auditor trusts
+    signers.json      {"<service>/<instance>": {"key": "<public key, hex>", "since": <time>}, ...}:
+                      whom the auditor trusts, and since when (the stream may hold older events of
+                      that publisher, written before it had a key: sealed only, and accepted so)
 """
 
 from __future__ import annotations
@@ -66,10 +68,19 @@ def load(path: str | Path) -> Signer | None:
 class Signers:
     """The public keys the auditor trusts, by publisher (`<service>/<instance>`)."""
 
-    def __init__(self, keys: dict[str, str]) -> None:
+    def __init__(self, keys: dict[str, str | dict]) -> None:
         from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-        self._keys = {who: Ed25519PublicKey.from_public_bytes(bytes.fromhex(k)) for who, k in keys.items()}
+        entries = {who: k if isinstance(k, dict) else {"key": k, "since": 0.0} for who, k in keys.items()}
+        self._keys = {who: Ed25519PublicKey.from_public_bytes(bytes.fromhex(e["key"])) for who, e in entries.items()}
+        self._since = {who: float(e.get("since", 0.0)) for who, e in entries.items()}
+
+    def required(self, publisher: str, stored_at: float) -> bool:
+        """Must an event of this publisher, stored at `stored_at` (the stream's clock), be signed?
+        Not one stored before its publisher had a key (`since`); any other, also of a publisher
+        nobody registered."""
+        since = self._since.get(publisher.rsplit("/", 1)[0])
+        return since is None or stored_at >= since
 
     @classmethod
     def read(cls, path: str | Path) -> "Signers":
@@ -93,6 +104,6 @@ class Signers:
             return False
 
 
-def write_signers(path: Path, keys: dict[str, str]) -> None:
+def write_signers(path: Path, keys: dict[str, dict]) -> None:
     path.write_text(json.dumps(keys, indent=1, sort_keys=True))
     path.chmod(0o600)

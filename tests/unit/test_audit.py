@@ -337,6 +337,10 @@ def test_a_publisher_signs_its_events_and_no_other_key_passes_for_it():
         ("forged", "gateway/gateway/cccc", 1), ("forged", "gateway/gateway/dddd", 2)]
     assert "not signed by its publisher's own key" in report.problems[0].detail
     assert verify(make_stored((subject, made_up)), SECRET).ok  # without the keys only the seal is checked
+    # an event stored before its publisher had a key (a cluster started before keys existed) is sealed only
+    since = signing.Signers({"gateway/gateway": {"key": gateway.public_hex, "since": 1000.0}})
+    assert verify([Stored(1, subject, unsigned, stored_at=900.0)], SECRET, signers=since).ok
+    assert [p.kind for p in verify([Stored(1, subject, unsigned, stored_at=1100.0)], SECRET, signers=since).problems] == ["forged"]
 
 
 def test_the_checkpoint_finds_a_rebuilt_rewound_shrunk_or_emptied_stream(tmp_path):

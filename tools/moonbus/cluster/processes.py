@@ -39,6 +39,11 @@ def replica(kind: str, i: int) -> str:
     return kind if i == 0 else f"{kind}-{i}"
 
 
+def _key_of(entry) -> str | None:
+    """The public key of a signers.json entry (an older file holds the key alone)."""
+    return entry.get("key") if isinstance(entry, dict) else entry
+
+
 def publishers(name: str, kind: str) -> list[str]:
     """The event publishers (`<service>/<instance>`) a process of `kind` named `name` writes as."""
     if kind == "coupled":
@@ -234,8 +239,9 @@ class Cluster:
         public = signing.new_key(path).public_hex
         registry = self.secrets.directory / signing.SIGNERS_FILE
         keys = json.loads(registry.read_text()) if registry.exists() else {}
-        if any(keys.get(p) != public for p in publishers):
-            signing.write_signers(registry, keys | dict.fromkeys(publishers, public))
+        new = {p: {"key": public, "since": time.time()} for p in publishers if _key_of(keys.get(p)) != public}
+        if new:
+            signing.write_signers(registry, keys | new)
         return path
 
     def planned_instances(self) -> dict[str, tuple[str, tuple[str, ...]]]:

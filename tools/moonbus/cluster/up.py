@@ -177,7 +177,7 @@ moonbus is ready: {spec.url}   (model {model})
   logs:      {cluster.log_dir}
   events:    moonbus tap --home {spec.home}   (as the read-only auditor)
   doors:     {doors}
-             the bus is closed: per-role NATS users, secrets in {spec.home / "secrets"}
+             the bus is closed: its own NATS user for every worker, messenger and cache index, every process signing its own events, secrets in {spec.home / "secrets"}
 
 try:
   curl {spec.url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\

@@ -149,7 +149,8 @@ async def _read_all(sub, empty_ok: bool) -> list[Stored]:
                 raise AuditReadError(f"the stream stopped delivering after stream seq {last}") from None
             return []
         meta = msg.metadata
-        records[meta.sequence.stream] = Stored(meta.sequence.stream, msg.subject, msg.data)
+        records[meta.sequence.stream] = Stored(meta.sequence.stream, msg.subject, msg.data,
+                                               meta.timestamp.timestamp() if meta.timestamp else float("inf"))
         if meta.num_pending == 0:
             return list(records.values())
 
