@@ -8,7 +8,9 @@ import copy
 import json
 import os
 import shutil
+import socket
 import subprocess
+import time
 from pathlib import Path
 
 import aiohttp
@@ -33,9 +35,19 @@ def start_cluster(home: Path, model: str = TINY, **kwargs) -> Cluster:
 
 
 def bare_nats_server(port: int) -> subprocess.Popen:
-    """A real nats-server on the loopback, without JetStream, for tests that need the broker alone."""
-    return subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    """A real nats-server on the loopback, without JetStream, for tests that need the broker alone;
+    returned once it listens. (Clients that first met a refused connection and connected on a
+    retry once saw `no responders` for a subscription already flushed: suite14 and a clean-clone
+    run, each time right after the refusal.)"""
+    server = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and server.poll() is None:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return server
+        time.sleep(0.05)
+    raise AssertionError(f"nats-server did not listen on port {port} (exit code {server.poll()})")
 
 
 def seed_model(built_in: Path, home: Path) -> None:
