@@ -164,7 +164,9 @@ def verify(stored: Iterable[Stored], secret: bytes, since: float = 0.0,
             problems.append(Problem("forged", "", 0, record.stream_seq, record.subject, why))
         elif sealed.body is not None and hmac.compare_digest(
                 sealed.digest, seal_digest(secret, sealed.prev, record.subject, sealed.body)):
-            if signers and signers.required(sealed.publisher, record.stored_at) and not signers.verify(sealed.publisher, bytes.fromhex(sealed.digest), sealed.sig):
+            unsigned = signers and signers.required(sealed.publisher, record.stored_at) and \
+                not signers.verify(sealed.publisher, bytes.fromhex(sealed.digest), sealed.sig)
+            if unsigned:
                 problems.append(Problem("forged", sealed.publisher, sealed.seq, record.stream_seq, record.subject,
                                         "sealed with the cluster secret, but not signed by its publisher's own key"))
                 continue

@@ -36,6 +36,7 @@ from schemas import subjects
 from schemas.events import Event
 
 if TYPE_CHECKING:
+    from schemas.workers import WorkerInfo
     from common.config import NatsAuth
 
 log = logging.getLogger(__name__)
@@ -189,6 +190,11 @@ async def publish(nc: Client, subject: str, data: bytes) -> bool:
     except Exception as exc:  # closed connection, full reconnect buffer, bad subject
         log.error("could not publish to %s: %r", subject, exc)
         return False
+
+
+async def heartbeat(nc: Client, info: "WorkerInfo") -> bool:
+    """Publish an instance's heartbeat on its own subject (the only one its credentials may use)."""
+    return await publish(nc, subjects.worker_heartbeat(info.role, info.instance_id), info.to_bytes())
 
 
 CALL_ID_HEADER = "Moonbus-Call-Id"  # the same on every attempt of one call: its responder answers it once
@@ -368,6 +374,14 @@ class EventPublisher:
         self._sends = 0
         _publishers.setdefault(nc, []).append(self)
 
+    @classmethod
+    def of(cls, nc: Client, service: str, cfg, incarnation: str = "") -> "EventPublisher":
+        """A service's publisher, sealing with its config's cluster secret and signing with its own key."""
+        from common import security, signing
+
+        return cls(nc, service, cfg.instance_id, secret=security.read_secret(cfg.cluster_secret_file),
+                   incarnation=incarnation, signer=signing.load(cfg.signing_key_file))
+
     # NOTE: positional-only, so that the data may itself carry a "kind" (e.g. a process's kind)
     async def request(self, kind: str, request_id: str, /, **data: Any) -> None:
         self._publish(subjects.request_event(kind, request_id), kind, request_id, data)
@@ -466,14 +480,13 @@ class EventPublisher:
         denied = _denied.get(self._nc)
         if not denied:
             return
-        for box in (self._unacked, self._queue):
-            refused = [out for out in (box.values() if isinstance(box, dict) else box) if out.subject in denied]
-            for out in refused:
-                if isinstance(box, dict):
-                    del box[out.msg_id]
-                else:
-                    box.remove(out)
-                log.error("event %s refused by the bus (this user may not publish it): dropped", out.subject)
+        refused = [out for out in (*self._unacked.values(), *self._queue) if out.subject in denied]
+        if not refused:
+            return
+        for out in refused:
+            log.error("event %s refused by the bus (this user may not publish it): dropped", out.subject)
+        self._unacked = {i: out for i, out in self._unacked.items() if out.subject not in denied}
+        self._queue = collections.deque(out for out in self._queue if out.subject not in denied)
 
     def _drop_old(self, now: float) -> None:
         """Drop what waited past EVENT_MAX_AGE_S: the oldest lead (the unacknowledged, then the queue)."""

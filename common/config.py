@@ -139,6 +139,11 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
               "the CPU has AVX-512 BF16 or AMX, else float32")
 
 
+def cache_index_id(name: str) -> str:
+    """The instance id a cache index started as `--instance-id name` announces (no underscore)."""
+    return name.replace("_", "-")
+
+
 def default_instance_id(role: str) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}".replace(".", "-")
 

@@ -6,7 +6,7 @@ a signing key of its own, a process also signs each event's digest; the auditor 
 signature against the public key registered for the event's publisher (`<service>/<instance>`), so
 a holder of one service's credentials and the cluster secret cannot write another's events.
 
-Files (made by `moonbus up` and `moonbus compose-secrets`, 0600 like every secret):
+Files (made by `moonbus up`, 0600 like every secret; compose does not issue keys yet):
     sign-<name>.key   the private key (its 32-byte seed, hex), read by that process alone
     signers.json      {"<service>/<instance>": {"key": "<public key, hex>", "since": <time>}, ...}:
                       whom the auditor trusts, and since when (the stream may hold older events of
@@ -36,6 +36,10 @@ class Signer:
 
     def sign(self, data: bytes) -> str:
         return self._key.sign(data).hex()
+
+    def signed(self, data: bytes, signature: str) -> bool:
+        """Whether `signature` over `data` is this key's."""
+        return _verified(self._key.public_key(), data, signature)
 
     @property
     def public_hex(self) -> str:
@@ -92,16 +96,18 @@ class Signers:
     def verify(self, publisher: str, data: bytes, signature: str) -> bool:
         """Whether `signature` over `data` is by the key registered for the publisher named
         `<service>/<instance>/<incarnation>` (its incarnation changes with every start)."""
-        from cryptography.exceptions import InvalidSignature
-
         key = self._keys.get(publisher.rsplit("/", 1)[0])
-        if key is None or not signature:
-            return False
-        try:
-            key.verify(bytes.fromhex(signature), data)
-            return True
-        except (InvalidSignature, ValueError):
-            return False
+        return key is not None and _verified(key, data, signature)
+
+
+def _verified(public_key, data: bytes, signature: str) -> bool:
+    from cryptography.exceptions import InvalidSignature
+
+    try:
+        public_key.verify(bytes.fromhex(signature), data)
+        return True
+    except (InvalidSignature, ValueError):  # a wrong signature, or not hex at all
+        return False
 
 
 def write_signers(path: Path, keys: dict[str, dict]) -> None:

@@ -33,7 +33,7 @@ from nats.aio.msg import Msg
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from common import bus, kvfiles, metrics, runner, security, signing, worker
+from common import bus, kvfiles, metrics, runner, worker
 from common.pool_client import PoolClient, PoolUnavailable
 from schemas import subjects
 from schemas.codec import WireError
@@ -114,9 +114,7 @@ class DecodeService:
         self.layout = layout  # KvLayout of the model
         self.model_name = cfg.model
         self.cluster_layout: Layout | None = None  # set at start: what the conductors check
-        self.events = bus.EventPublisher(nc, "decode", cfg.instance_id, incarnation=self.incarnation,
-                                          secret=security.read_secret(cfg.cluster_secret_file),
-                                          signer=signing.load(cfg.signing_key_file))
+        self.events = bus.EventPublisher.of(nc, "decode", cfg, self.incarnation)
         self.pool = PoolClient(nc, cfg.node, layout, f"{cfg.instance_id}:{self.incarnation}")
         self.arrived: asyncio.Queue[DecodeTask] = asyncio.Queue()
         self.waiting: collections.deque[DecodeTask] = collections.deque()  # passed the TBT check, no KV room yet
@@ -412,8 +410,7 @@ class DecodeService:
                           layout=self.cluster_layout, decode=self.report(), sent_at=time.time())
 
     async def heartbeat(self) -> None:
-        info = self.info()
-        await bus.publish(self.nc, subjects.worker_heartbeat(info.role, info.instance_id), info.to_bytes())
+        await bus.heartbeat(self.nc, self.info())
 
     async def start(self, stop: asyncio.Event, model_name: str, profile_source: str) -> None:
         """Subscribe, start the batch loop and the heartbeats, announce the instance."""
@@ -468,7 +465,6 @@ class DecodeService:
         self.gone.set()
         if self.beacon is not None:
             await asyncio.to_thread(self.beacon.stop)
-        info = self.info(leaving=True)
-        await bus.publish(self.nc, subjects.worker_heartbeat(info.role, info.instance_id), info.to_bytes())
+        await bus.heartbeat(self.nc, self.info(leaving=True))
 
 

@@ -29,7 +29,7 @@ from nats.aio.msg import Msg
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from common import bus, kvfiles, metrics, runner, sampling, security, signing, worker
+from common import bus, kvfiles, metrics, runner, sampling, security, worker
 from common.kv.blocks import DEFAULT_SEED, block_keys
 from common.pool_client import PoolClient, PoolUnavailable, Prefix
 from common.transport import TransportError, Transports
@@ -78,9 +78,7 @@ class PrefillService:
         self.layout = layout
         self.eos_token_id = eos_token_id
         self.incarnation = worker.new_incarnation()
-        self.events = bus.EventPublisher(nc, "prefill", cfg.instance_id, incarnation=self.incarnation,
-                                          secret=security.read_secret(cfg.cluster_secret_file),
-                                          signer=signing.load(cfg.signing_key_file))
+        self.events = bus.EventPublisher.of(nc, "prefill", cfg, self.incarnation)
         self.pool = PoolClient(nc, cfg.node, layout, f"{cfg.instance_id}:{self.incarnation}")
         self.block_tokens = layout.block_tokens
         self.queue: asyncio.Queue[PrefillTask] = asyncio.Queue()
@@ -403,8 +401,7 @@ class PrefillService:
                           prefill=self.report(), sent_at=time.time())
 
     async def heartbeat(self) -> None:
-        info = self.info()
-        await bus.publish(self.nc, subjects.worker_heartbeat(info.role, info.instance_id), info.to_bytes())
+        await bus.heartbeat(self.nc, self.info())
 
     async def start(self, tasks: runner.TaskGroup, stop: asyncio.Event, model_name: str) -> None:
         """Subscribe, start the work loop and the heartbeats, announce the instance."""
@@ -459,8 +456,7 @@ class PrefillService:
         self.gone.set()
         if self.beacon is not None:
             await asyncio.to_thread(self.beacon.stop)
-        info = self.info(leaving=True)
-        await bus.publish(self.nc, subjects.worker_heartbeat(info.role, info.instance_id), info.to_bytes())
+        await bus.heartbeat(self.nc, self.info(leaving=True))
 
 
 def transfer_failure(exc: BaseException) -> bool:

@@ -38,4 +38,4 @@ def load(argv: list[str] | None = None) -> CacheIndexConfig:
     common.flag(parser, "--node-timeout", "MOONBUS_NODE_TIMEOUT", 5.0, float, help="seconds", dest="node_timeout_s")
     common.flag(parser, "--resync-timeout", "MOONBUS_RESYNC_TIMEOUT", 10.0, float, help="seconds", dest="resync_timeout_s")
     args = parser.parse_args(argv)
-    return common.build(CacheIndexConfig, args, instance_id=args.instance_id.replace("_", "-"), home=Path(args.home))
+    return common.build(CacheIndexConfig, args, instance_id=common.cache_index_id(args.instance_id), home=Path(args.home))

@@ -18,7 +18,7 @@ from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from common import bus, health, metrics, runner, security, signing
+from common import bus, health, metrics, runner
 from schemas import subjects
 from schemas.codec import WireError, check_token
 from schemas.events import Event
@@ -53,9 +53,7 @@ class CacheIndexService:
         self.tasks = tasks
         self.index = PrefixIndex()
         self.metrics = IndexMetrics(self.index)
-        self.events = bus.EventPublisher(nc, "cache_index", cfg.instance_id,
-                                          secret=security.read_secret(cfg.cluster_secret_file),
-                                          signer=signing.load(cfg.signing_key_file))
+        self.events = bus.EventPublisher.of(nc, "cache_index", cfg)
         self.epochs: dict[str, str] = {}  # node -> epoch of the events we applied
         self.last_seen: dict[str, float] = {}  # node -> monotonic time of its messenger's last heartbeat
         self.syncing: dict[str, list[KvEvent]] = {}  # node -> events held back while its resync is in flight
@@ -152,8 +150,7 @@ class CacheIndexService:
                 self.forget(node, "messenger stopped sending heartbeats")
 
     async def heartbeat(self) -> None:
-        info = WorkerInfo(self.cfg.instance_id, "cache_index", "", num_running=len(self.index))
-        await bus.publish(self.nc, subjects.worker_heartbeat(info.role, info.instance_id), info.to_bytes())
+        await bus.heartbeat(self.nc, WorkerInfo(self.cfg.instance_id, "cache_index", "", num_running=len(self.index)))
 
 
 async def serve(cfg: CacheIndexConfig, stop: asyncio.Event) -> bool:

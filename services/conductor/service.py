@@ -30,7 +30,7 @@ from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from common import bus, health, metrics, models, profiles, runner, security, signing, worker
+from common import bus, health, metrics, models, profiles, runner, worker
 from common.kv.blocks import DEFAULT_SEED, block_keys
 from common.decide.perf import Profile
 from schemas import subjects
@@ -83,9 +83,7 @@ class ConductorService:
         self.cfg = cfg
         self.nc = nc
         self.perf = perf
-        self.events = bus.EventPublisher(nc, "conductor", cfg.instance_id,
-                                          secret=security.read_secret(cfg.cluster_secret_file),
-                                          signer=signing.load(cfg.signing_key_file))
+        self.events = bus.EventPublisher.of(nc, "conductor", cfg)
         self.state = ClusterState(cfg.heartbeat_timeout_s, cfg.lease_s, layout, perf, cfg.kvcache_balancing_threshold)
         self.metrics = ConductorMetrics()
         self.refused: set[str] = set()  # instance ids told so, not to repeat it every heartbeat

@@ -35,7 +35,7 @@ from typing import AsyncIterator
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
-from common import bus, security, signing
+from common import bus
 from schemas import subjects
 from schemas.codec import WireError
 from schemas.route import RouteReply, RouteRequest
@@ -107,9 +107,7 @@ class Gateway:
         self.max_context = max_context
         self.vocab_size = len(tokenizer)
         self.controls = control_strings(tokenizer)  # typed in a message, these stay text (chat.py)
-        self.events = bus.EventPublisher(nc, "gateway", cfg.instance_id,
-                                          secret=security.read_secret(cfg.cluster_secret_file),
-                                          signer=signing.load(cfg.signing_key_file))
+        self.events = bus.EventPublisher.of(nc, "gateway", cfg)
         self.reply_subject = subjects.gateway_tokens(cfg.instance_id)
         self.states: dict[str, RequestState] = {}  # request_id -> RequestState
         self.ended: collections.OrderedDict[str, None] = collections.OrderedDict()  # the newest ENDED_KEPT ended here
@@ -258,8 +256,12 @@ class Gateway:
         # elsewhere first, if there is an elsewhere, away from the instance that failed: the decode instance
         # after the first token or when it was lost, the prefill instance before, both when the KV could not
         # travel between them. The other may well hold what the new attempt reuses (the prompt's prefix)
-        failed = {"transfer": (gen.prefill_id, gen.decode_id)}.get(
-            chunk.stage, (gen.decode_id,) if migrating else (gen.prefill_id,))
+        if chunk.stage == "transfer":
+            failed = (gen.prefill_id, gen.decode_id)
+        elif migrating:
+            failed = (gen.decode_id,)
+        else:
+            failed = (gen.prefill_id,)
         gen.avoid |= {i for i in failed if i}
         gen.attempt += 1
         if migrating:

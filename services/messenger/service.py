@@ -29,7 +29,7 @@ from nats.aio.msg import Msg
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from common import bus, health, kvfiles, metrics, models, runner, security, signing, worker
+from common import bus, health, kvfiles, metrics, models, runner, security, worker
 from common.decide.pool import capacity_in_blocks
 from common.transport import Transports
 from schemas import subjects
@@ -83,9 +83,7 @@ class MessengerService:
         self.nc = nc
         self.tasks = tasks
         self.pool = pool
-        self.events = bus.EventPublisher(nc, "messenger", cfg.instance_id,
-                                          secret=security.read_secret(cfg.cluster_secret_file),
-                                          signer=signing.load(cfg.signing_key_file))
+        self.events = bus.EventPublisher.of(nc, "messenger", cfg)
         self.metrics = MessengerMetrics(pool)
         self.outbox: asyncio.Queue[PoolEvent] = asyncio.Queue()  # KV events, published in seq order
         self.transfer_addr = ""  # tcp host:port of this node's transports
@@ -324,7 +322,7 @@ class MessengerService:
         info = WorkerInfo(self.cfg.instance_id, "messenger", self.cfg.node, self.layout.model, transfer_addr=self.transfer_addr,
                           incarnation=self.pool.epoch, layout=self.layout, sent_at=time.time(),
                           transport=self.transports.label, endpoints=self.transports.endpoints)
-        await bus.publish(self.nc, subjects.worker_heartbeat(info.role, info.instance_id), info.to_bytes())
+        await bus.heartbeat(self.nc, info)
 
     async def sweep(self) -> None:
         """Pins of silent workers and expired leases, handoff reservations nobody will complete, and
@@ -390,8 +388,7 @@ async def serve(cfg: MessengerConfig, stop: asyncio.Event) -> None:
              cfg.instance_id, cfg.node, transports.label, endpoints, pool.pool.dram_capacity_blocks,
              pool.pool.ssd_capacity_blocks, layout.block_nbytes, cfg.eviction)
     await stop.wait()
-    await bus.publish(nc, subjects.worker_heartbeat("messenger", cfg.instance_id),
-                      WorkerInfo(cfg.instance_id, "messenger", cfg.node, leaving=True, incarnation=pool.epoch).to_bytes())
+    await bus.heartbeat(nc, WorkerInfo(cfg.instance_id, "messenger", cfg.node, leaving=True, incarnation=pool.epoch))
     transports.close()
     await tasks.cancel_all()
     await bus.shutdown(nc)

@@ -124,24 +124,31 @@ async def test_an_oversized_body_is_413_and_a_tenant_over_its_limit_gets_429(gua
     huge = json.dumps(completion("x" * (5 << 20))).encode()
     status, body, _ = await call(cluster, huge, issued["acme"])
     assert status == 413 and "larger than" in body["error"]["message"]
-    # the first request is in flight for sure: its first chunk came, and its decode instance is
-    # frozen until the second has its answer (no timer to race)
+    (status, body, headers), rest = await while_one_is_in_flight(
+        cluster, issued["tiny"], lambda: call(cluster, completion("second"), issued["tiny"]))
+    assert status == 429 and "1 requests in flight" in body["error"]["message"]
+    assert int(headers["Retry-After"]) >= 1
+    assert rest.rstrip().endswith("data: [DONE]")
+
+
+async def while_one_is_in_flight(cluster, key: str, meanwhile):
+    """Start a streamed request of the key's tenant at the first gateway; once it is in flight for
+    sure (its first event came) freeze its decode instance, so that it stays so with no timer to
+    race, and await `meanwhile()`; then let it finish. Returns (what meanwhile returned, the rest
+    of the first stream)."""
     decode = cluster.procs["decode-0"].popen
     async with aiohttp.ClientSession() as session:
         async with session.post(cluster.spec.url + "/v1/completions",
                                 json=completion("slow " * 20, max_tokens=64, ignore_eos=True, stream=True),
-                                headers={"Authorization": f"Bearer {issued['tiny']}"}) as first:
+                                headers={"Authorization": f"Bearer {key}"}) as first:
             assert first.status == 200
             await first.content.readline()  # its first event: admitted, prefilled
             decode.send_signal(signal.SIGSTOP)
             try:
-                status, body, headers = await call(cluster, completion("second"), issued["tiny"])
+                answer = await meanwhile()
             finally:
                 decode.send_signal(signal.SIGCONT)
-            rest = (await first.read()).decode()
-    assert status == 429 and "1 requests in flight" in body["error"]["message"]
-    assert int(headers["Retry-After"]) >= 1
-    assert rest.rstrip().endswith("data: [DONE]")
+            return answer, (await first.read()).decode()
 
 
 @pytest.fixture(scope="module")
@@ -160,27 +167,19 @@ async def test_a_tenants_limit_holds_across_gateway_replicas(two_doors):
     second_door = f"http://{cluster.spec.host}:{cluster.spec.port + 1}"
     admin = await nats.connect(cluster.spec.nats_url, allow_reconnect=False)
     told = await admin.subscribe(subjects.tenant_usage("gateway"))
-    decode = cluster.procs["decode-0"].popen
-    async with aiohttp.ClientSession() as session:
-        async with session.post(cluster.spec.url + "/v1/completions",
-                                json=completion("slow " * 20, max_tokens=64, ignore_eos=True, stream=True),
-                                headers={"Authorization": f"Bearer {key}"}) as first:
-            assert first.status == 200
-            await first.content.readline()  # in flight at the first gateway
-            decode.send_signal(signal.SIGSTOP)  # and it stays so until the second has its answer
-            try:
-                heard = 0  # the first gateway has told the others twice (the second heard the first for sure)
-                while heard < 2:
-                    usage = json.loads((await told.next_msg(timeout=30)).data)
-                    heard += usage["tenants"].get("tiny", [0])[0] == 1
-                # (admitted, it would wait for the frozen decode instance: a bound, so that it fails, not hangs)
-                async with session.post(second_door + "/v1/completions", json=completion("second"),
-                                        headers={"Authorization": f"Bearer {key}"},
-                                        timeout=aiohttp.ClientTimeout(total=60)) as second:
-                    status, body = second.status, await second.json(content_type=None)
-            finally:
-                decode.send_signal(signal.SIGCONT)
-            rest = (await first.read()).decode()
+
+    async def at_the_second_door():
+        heard = 0  # the first gateway has told the others twice (the second heard the first for sure)
+        while heard < 2:
+            usage = json.loads((await told.next_msg(timeout=30)).data)
+            heard += usage["tenants"].get("tiny", [0])[0] == 1
+        # (admitted, it would wait for the frozen decode instance: a bound, so that it fails, not hangs)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            async with session.post(second_door + "/v1/completions", json=completion("second"),
+                                    headers={"Authorization": f"Bearer {key}"}) as second:
+                return second.status, await second.json(content_type=None)
+
+    (status, body), rest = await while_one_is_in_flight(cluster, key, at_the_second_door)
     await admin.close()
     assert status == 429 and "1 requests in flight" in body["error"]["message"], body
     assert rest.rstrip().endswith("data: [DONE]")

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common import signing
+from common.config import cache_index_id
 from tools.moonbus.cluster.security import ClusterSecrets, instance_user, nats_config
 from tools.moonbus.cluster.supervisor import Action, RestartPolicy, Restarts
 
@@ -39,11 +40,6 @@ def replica(kind: str, i: int) -> str:
     return kind if i == 0 else f"{kind}-{i}"
 
 
-def _key_of(entry) -> str | None:
-    """The public key of a signers.json entry (an older file holds the key alone)."""
-    return entry.get("key") if isinstance(entry, dict) else entry
-
-
 def publishers(name: str, kind: str) -> list[str]:
     """The event publishers (`<service>/<instance>`) a process of `kind` named `name` writes as."""
     if kind == "coupled":
@@ -54,7 +50,7 @@ def publishers(name: str, kind: str) -> list[str]:
 def instance_id_of(name: str, kind: str) -> str:
     """The instance id a process started as `--instance-id name` announces (a cache index's has
     no underscore: services/cache_index/config.py)."""
-    return name.replace("_", "-") if kind == "cache_index" else name
+    return cache_index_id(name) if kind == "cache_index" else name
 
 
 def free_port() -> int:
@@ -239,7 +235,7 @@ class Cluster:
         public = signing.new_key(path).public_hex
         registry = self.secrets.directory / signing.SIGNERS_FILE
         keys = json.loads(registry.read_text()) if registry.exists() else {}
-        new = {p: {"key": public, "since": time.time()} for p in publishers if _key_of(keys.get(p)) != public}
+        new = {p: {"key": public, "since": time.time()} for p in publishers if keys.get(p, {}).get("key") != public}
         if new:
             signing.write_signers(registry, keys | new)
         return path

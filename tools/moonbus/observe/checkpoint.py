@@ -76,8 +76,7 @@ def read(path: Path, signer: Signer) -> tuple[Checkpoint | None, list[Problem]]:
     try:
         whole = orjson.loads(path.read_bytes())
         body = orjson.dumps(whole["checkpoint"], option=orjson.OPT_SORT_KEYS)
-        from common.signing import Signers
-        if not Signers({"auditor": signer.public_hex}).verify("auditor/-", body, whole["sig"]):
+        if not signer.signed(body, whole["sig"]):
             raise ValueError("its signature is not the auditor's")
         c = whole["checkpoint"]
         return Checkpoint(StreamState(**c["stream"]), {p: tuple(h) for p, h in c["heads"].items()}, c["at"]), []
