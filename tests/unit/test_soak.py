@@ -348,6 +348,9 @@ def test_report_text_and_plot(tmp_path: Path):
     assert "slab blocks used/capacity: before node-p0 0/100; after node-p0 ?" in text
     assert "request files 0 -> 0 (0 new, 0.0 MiB)" in text and "achieved: 0.800 completed req/s" in text
     assert text.endswith("nothing leaked, and the completed ones met the SLOs")
+    unjudged = make_report()
+    unjudged["slo"] = (unjudged.get("slo") or {}) | {"min_attainment": 0}
+    assert soak_report.format_text(unjudged).endswith("(SLO attainment printed above, not judged: --min-attainment 0)")
     failed = soak_report.format_text(make_report(["request cmpl-1: never ended: no terminal event"]))
     assert failed.splitlines()[-2:] == ["FAIL: 1 violation(s)", "  request cmpl-1: never ended: no terminal event"]
     assert soak_report.outcomes_per_second(make_report()["requests"], 3) == {
