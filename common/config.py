@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from common.transport import MODES, STRIPE_MIN
+from common.transport import MODES, STRIPE_MIN, networks
 from schemas.transfer import MAX_STRIPES
 
 T = TypeVar("T")
@@ -108,6 +108,13 @@ def add_transport_flag(parser: argparse.ArgumentParser) -> None:
               "(a trusted fabric only; without either the service refuses to start)")
     flag(parser, "--tcp-stripe-min", "MOONBUS_TCP_STRIPE_MIN", STRIPE_MIN, int,
          help="bytes from which a write is striped over the --tcp-streams connections (parts of at least half)")
+    flag(parser, "--link-cert", "MOONBUS_LINK_CERT", "",
+         help="TLS on the KV links: this process's key and certificate (one PEM file) from the cluster's link CA; "
+              "'' = plain TCP (moonbus up --link-tls and compose-secrets issue them)")
+    flag(parser, "--link-ca", "MOONBUS_LINK_CA", "", help="TLS on the KV links: the cluster's link CA certificate")
+    flag(parser, "--link-peers", "MOONBUS_LINK_PEERS", "",
+         help="the addresses or networks (CIDR, comma-separated) of the cluster's nodes: the KV listeners close a "
+              "connection from any other at once ('' = any address; the secret and TLS still decide)")
 
 
 def check_link_secret(cluster_secret_file: str, insecure: bool) -> None:
@@ -119,10 +126,16 @@ def check_link_secret(cluster_secret_file: str, insecure: bool) -> None:
                          "one), or --insecure to run the links without the handshake on a fabric you trust")
 
 
-def check_transport(transport: str, tcp_streams: int, tcp_stripe_min: int) -> None:
+def check_transport(transport: str, tcp_streams: int, tcp_stripe_min: int, link_cert: str = "",
+                    link_ca: str = "", link_peers: str = "") -> None:
     """What add_transport_flag's flags may be (one check for every service that has them)."""
     if transport not in MODES:
         raise ValueError(f"transport must be one of {', '.join(MODES)}; got {transport!r}")
+    if bool(link_cert) != bool(link_ca):
+        raise ValueError("TLS on the KV links needs both --link-cert and --link-ca")
+    if link_cert and transport == "rdma":
+        raise ValueError("--link-cert: TLS runs over the tcp transport; --transport rdma has none")
+    networks(link_peers)
     if not 1 <= tcp_streams <= MAX_STRIPES or tcp_stripe_min < 2:
         raise ValueError(f"tcp streams must be within 1..{MAX_STRIPES} and the stripe minimum >= 2 bytes")
 

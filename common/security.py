@@ -3,6 +3,10 @@
 - The cluster secret: 32 random bytes, hex in a 0600 file, shared by every service of a cluster.
   It keys the point-to-point links' handshake (`link_proof`) and the audit chain.
 - API keys: handed to users once, stored only as SHA-256 hashes (`hash_key`).
+- TLS on the point-to-point links (`link_tls`, with `--link-cert` and `--link-ca`): both ends show
+  a certificate issued by the cluster's link CA (`moonbus up --link-tls`, `moonbus compose-secrets`
+  issue them: tools/moonbus/cluster/certs.py), and every byte is encrypted and authenticated
+  (TLS 1.3's AEAD), so a relay on the path can neither read nor rewrite KV.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ import hashlib
 import hmac
 import os
 import secrets
+import ssl
+from dataclasses import dataclass
 from pathlib import Path
 
 LINK_NONCE_BYTES = 16
@@ -22,10 +28,15 @@ class SecretError(ValueError):
 
 def new_secret_file(path: Path, nbytes: int = 32) -> Path:
     """Write a new random secret (hex) readable by its owner only; returns the path."""
+    return write_private(path, (secrets.token_hex(nbytes) + "\n").encode())
+
+
+def write_private(path: Path, data: bytes) -> Path:
+    """Write `data` to a file readable by its owner only (created so: never readable in between)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(secrets.token_hex(nbytes) + "\n")
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
     return path
 
 
@@ -60,3 +71,35 @@ def hash_key(key: str) -> str:
 
 def new_api_key() -> str:
     return "mb-" + secrets.token_urlsafe(32)
+
+
+@dataclass(frozen=True)
+class LinkTls:
+    """The TLS contexts of a process's KV links: it accepts (server) and connects (client) only with
+    a certificate of the cluster's link CA at both ends. Peers are known by that CA, not by host
+    name: a locator is an address, and any certificate the cluster issued is a member's."""
+
+    server: ssl.SSLContext
+    client: ssl.SSLContext
+
+
+def link_tls(cert_file: str | Path, ca_file: str | Path) -> LinkTls | None:
+    """The contexts for a certificate (its key in the same PEM file) and the link CA; None when no
+    certificate is configured. Raises SecretError if either file cannot be loaded."""
+    if not cert_file and not ca_file:
+        return None
+    if not cert_file or not ca_file:
+        raise SecretError("TLS on the KV links needs both --link-cert and --link-ca")
+    contexts = []
+    for purpose in (ssl.PROTOCOL_TLS_SERVER, ssl.PROTOCOL_TLS_CLIENT):
+        ctx = ssl.SSLContext(purpose)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+        ctx.check_hostname = False  # before verify_mode: a client context checks names by default
+        ctx.verify_mode = ssl.CERT_REQUIRED  # both ends: a certificate of the cluster's link CA
+        try:
+            ctx.load_cert_chain(cert_file)
+            ctx.load_verify_locations(cafile=str(ca_file))
+        except (OSError, ssl.SSLError) as exc:
+            raise SecretError(f"cannot load the KV link's TLS files ({cert_file}, {ca_file}): {exc}") from exc
+        contexts.append(ctx)
+    return LinkTls(*contexts)

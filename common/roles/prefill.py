@@ -101,7 +101,9 @@ class PrefillService:
         self.compute_lock = compute_lock or contextlib.nullcontext()
         self.secret = security.read_secret(cfg.cluster_secret_file)  # peers on the transports prove they hold it
         self.transports = Transports(cfg.transport, self.secret, cfg.transfer_timeout_s, tcp_streams=cfg.tcp_streams,
-                                     tcp_stripe_min=cfg.tcp_stripe_min)  # handoffs, pipeline slices
+                                     tcp_stripe_min=cfg.tcp_stripe_min,
+                                     tls=security.link_tls(cfg.link_cert, cfg.link_ca),
+                                     allow=cfg.link_peers)  # handoffs, pipeline slices
         self.receiver = pipeline.SliceReceiver(self.engine.new_assembly,
                                                self.transports if cfg.pipeline_listener else None)
         self.stream_addr = ""  # host:port of the pipeline KV listener, announced in heartbeats

@@ -38,6 +38,9 @@ class PrefillConfig:
     advertise_host: str  # how other instances reach that listener ("" = stream_host)
     pipeline_listener: bool  # listen for pipeline stages' KV (only when the conductor pipelines)
     signing_key_file: str = ""  # this process's own key for signing its audit events ('' = none)
+    link_cert: str = ""  # TLS on the KV links: this process's key and certificate ('' = plain tcp)
+    link_ca: str = ""  # and the cluster's link CA
+    link_peers: str = ""  # addresses/networks the KV listeners take connections from ('' = any)
 
     def __post_init__(self) -> None:
         common.check_subject_token("instance id", self.instance_id)
@@ -48,7 +51,8 @@ class PrefillConfig:
             raise ValueError("drain grace must be >= 0")
         if self.heartbeat_interval_s <= 0 or self.transfer_timeout_s <= 0:
             raise ValueError("intervals and timeouts must be > 0")
-        common.check_transport(self.transport, self.tcp_streams, self.tcp_stripe_min)
+        common.check_transport(self.transport, self.tcp_streams, self.tcp_stripe_min, self.link_cert, self.link_ca,
+                               self.link_peers)
         common.check_link_secret(self.cluster_secret_file, self.insecure)
 
 

@@ -38,6 +38,7 @@ read, call, close); the region table, the call handlers and the checksums are sh
 from __future__ import annotations
 
 import importlib
+import ipaddress
 import logging
 import threading
 import time
@@ -224,6 +225,27 @@ def backend_class(name: str) -> type[Backend] | None:
     return getattr(module, cls_name)
 
 
+def networks(text: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    """'10.0.0.0/8,127.0.0.1' as networks; raises ValueError naming what is not one."""
+    try:
+        return tuple(ipaddress.ip_network(part.strip(), strict=False) for part in text.split(",") if part.strip())
+    except ValueError as exc:
+        raise ValueError(f"link peers must be addresses or networks (CIDR), comma-separated: {exc}") from None
+
+
+def admitted(address: str, allow: Sequence) -> bool:
+    """Whether a peer at `address` may connect (an empty list admits any)."""
+    if not allow:
+        return True
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return any(ip in net for net in allow)
+
+
 def resolve(mode: str) -> list[str]:
     """The backends a process runs under `--transport mode`, in preference order.
 
@@ -247,14 +269,17 @@ class Transports:
     """A process's backends, with one region table and one set of call handlers shared by all."""
 
     def __init__(self, mode: str = "auto", secret: bytes | None = None, timeout_s: float = 30.0,
-                 region_grace_s: float = 0.0, tcp_streams: int = 1, tcp_stripe_min: int = STRIPE_MIN) -> None:
+                 region_grace_s: float = 0.0, tcp_streams: int = 1, tcp_stripe_min: int = STRIPE_MIN,
+                 tls=None, allow: str = "") -> None:
         self.mode = mode
         self.secret = secret  # peers prove they hold it (the cluster secret); None: no proof asked
+        self.tls = tls  # common.security.LinkTls: tcp connections are TLS with the link CA's certificates; None: plain
+        self.allow = networks(allow)  # the addresses tcp listeners take connections from (none listed: any)
         self.timeout_s = timeout_s  # connect, and every read of a frame (a deadline: a silent peer cannot hold on)
         self.region_grace_s = region_grace_s  # how long a write may wait for its region to be registered
         self.tcp_streams = tcp_streams  # connections per tcp channel a large write is striped over
         self.tcp_stripe_min = tcp_stripe_min  # bytes from which it is (parts of at least half)
-        self.names = resolve(mode)
+        self.names = resolve("tcp" if tls is not None and mode == "auto" else mode)  # TLS is tcp's alone
         self.backends: dict[str, Backend] = {name: backend_class(name)(self) for name in self.names}
         self.regions: dict[str, Region] = {}  # region id -> Region
         self.handlers: dict[str, Handler] = {}  # call op -> handler

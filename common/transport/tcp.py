@@ -6,7 +6,12 @@ A connection first proves that both ends hold the cluster secret (when the clust
     client -> 16-byte nonce C, HMAC(secret, "client" | S)
     server -> HMAC(secret, "server" | C)              (each side checks the other's proof)
 
-then carries requests from the connecting side, each `[1-byte op][4-byte big-endian length][JSON
+With TLS (`Transports.tls`, `--link-cert` and `--link-ca`: common.security.link_tls), the
+connection is a TLS 1.3 session first, both ends showing a certificate of the cluster's link CA,
+and everything above travels inside it, encrypted and authenticated. The handshake above still
+runs, so a link needs both the cluster secret and a certificate.
+
+The connection then carries requests from the connecting side, each `[1-byte op][4-byte big-endian length][JSON
 header]` (schemas.transfer) and its payload:
 
     b"W" write  WriteFrame, then the pieces' bytes in order, then their xxh3-64 (8 bytes, big-endian)
@@ -33,7 +38,9 @@ slot. It has HANDSHAKE_TIMEOUT_S to prove it, and at most MAX_HANDSHAKES such co
 once, MAX_HANDSHAKES_PER_ADDRESS of them from one address; more are closed at once. So a stranger
 who only reaches the port can neither hold the slots proven peers use nor, from one address, the
 handshakes of peers at other addresses (from one address, it delays them by at most
-HANDSHAKE_TIMEOUT_S per attempt). Refusals are counted (`TcpBackend.refused`, by reason), logged at
+HANDSHAKE_TIMEOUT_S per attempt). Where the cluster lists its members' addresses (`Transports.allow`,
+--link-peers), a connection from any other is closed at accept, before it reads a byte or takes a
+handshake's place. Refusals are counted (`TcpBackend.refused`, by reason), logged at
 most once per address every REFUSAL_LOG_S with the count since, and reported to `on_refused`.
 
 Speed (measured by `moonbus bench transfer`): each connection is served by its own thread on a
@@ -52,6 +59,7 @@ import collections
 import logging
 import os
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -62,7 +70,8 @@ from typing import Sequence
 import xxhash
 
 from common.security import LINK_NONCE_BYTES, link_proof, proofs_match
-from common.transport import STRIPE_MIN, Backend, Channel, Peer, Pieces, Region, TransportError, TransportRefused
+from common.transport import (STRIPE_MIN, Backend, Channel, Peer, Pieces, Region, TransportError, TransportRefused,
+                              admitted)
 from schemas.codec import WireError
 from schemas.transfer import MAX_STRIPES, CallFrame, ReadFrame, RegionRef, ReplyFrame, WriteFrame
 
@@ -86,6 +95,13 @@ _PROOF_BYTES = 32
 _LEN = struct.Struct(">I")
 _SUM = struct.Struct(">Q")
 _IOV_MAX = 512
+_DEADLINE = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)  # SO_RCVTIMEO/SO_SNDTIMEO ran out
+
+
+def _waitall(sock: socket.socket) -> int:
+    """recv's flags: MSG_WAITALL (one wakeup per CHUNK), which a TLS socket does not take (each
+    receive then returns a record or so, and the loops below ask again)."""
+    return 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL
 
 
 def tune(sock: socket.socket, deadline_s: float) -> None:
@@ -119,8 +135,8 @@ def recv_into(sock: socket.socket, buf: memoryview, hasher=None) -> None:
     got, n = 0, buf.nbytes
     while got < n:
         try:
-            k = sock.recv_into(buf[got:got + CHUNK], 0, socket.MSG_WAITALL)  # one wakeup per CHUNK
-        except BlockingIOError as exc:  # SO_RCVTIMEO: the read deadline
+            k = sock.recv_into(buf[got:got + CHUNK], 0, _waitall(sock))  # one wakeup per CHUNK
+        except _DEADLINE as exc:  # SO_RCVTIMEO: the read deadline
             raise TransportError(f"peer sent nothing for {deadline_of(sock):g} s") from exc
         except OSError as exc:
             raise TransportError(f"connection broke: {exc}") from exc
@@ -138,10 +154,15 @@ def recv_exactly(sock: socket.socket, n: int) -> bytes:
 
 
 def send_all(sock: socket.socket, bufs: list) -> None:
-    """sendmsg until every buffer is out (a partial send resumes mid-buffer; no concatenation)."""
+    """sendmsg until every buffer is out (a partial send resumes mid-buffer; no concatenation);
+    over TLS, which has no sendmsg, sendall of each."""
     views = [memoryview(b).cast("B") for b in bufs]
     views = [v for v in views if v.nbytes]
     try:
+        if isinstance(sock, ssl.SSLSocket):
+            for v in views:
+                sock.sendall(v)
+            return
         while views:
             sent = sock.sendmsg(views[:_IOV_MAX])
             i = 0
@@ -151,7 +172,7 @@ def send_all(sock: socket.socket, bufs: list) -> None:
             views = views[i:]
             if sent:
                 views[0] = views[0][sent:]
-    except BlockingIOError as exc:  # SO_SNDTIMEO: the send deadline
+    except _DEADLINE as exc:  # SO_SNDTIMEO: the send deadline
         raise TransportError(f"peer took nothing for {deadline_of(sock):g} s") from exc
     except OSError as exc:
         raise TransportError(f"connection broke: {exc}") from exc
@@ -241,9 +262,10 @@ class TcpChannel(Channel):
     transport = "tcp"
 
     def __init__(self, locator: str, secret: bytes | None, timeout_s: float, streams: int = 1,
-                 stripe_min: int = STRIPE_MIN) -> None:
+                 stripe_min: int = STRIPE_MIN, tls: ssl.SSLContext | None = None) -> None:
         self.locator = locator
         self.secret = secret
+        self.tls = tls  # the link's client context (common.security.LinkTls), or None
         self.timeout_s = timeout_s
         self.streams = max(1, min(streams, MAX_STRIPES))
         self.stripe_min = max(2, stripe_min)
@@ -262,8 +284,13 @@ class TcpChannel(Channel):
             raise TransportError(f"cannot connect to {self.locator}: {exc}") from exc
         try:
             tune(sock, min(self.timeout_s, HANDSHAKE_TIMEOUT_S))
+            if self.tls is not None:
+                sock = self.tls.wrap_socket(sock)
             client_handshake(sock, self.secret)
             set_deadline(sock, self.timeout_s)
+        except ssl.SSLError as exc:
+            sock.close()
+            raise TransportRefused(f"TLS with {self.locator} failed: {exc}") from exc
         except BaseException:
             sock.close()
             raise
@@ -347,8 +374,10 @@ class TcpBackend(Backend):
 
     @property
     def refused(self) -> dict[str, int]:
-        """Connections refused so far, by reason: 'handshakes' (too many proving themselves, at
-        once or from one address), 'secret' (failed the proof or its deadline), 'connections'."""
+        """Connections refused so far, by reason: 'stranger' (an address outside --link-peers),
+        'handshakes' (too many proving themselves, at once or from one address), 'tls' (no TLS
+        session with a certificate of the link CA), 'secret' (failed the proof or its deadline),
+        'connections'."""
         return dict(self.door.refused)
 
     @property
@@ -364,7 +393,8 @@ class TcpBackend(Backend):
 
     def connect(self, locator: str, timeout_s: float) -> Channel:
         t = self.transports
-        return TcpChannel(locator, t.secret, timeout_s, t.tcp_streams, t.tcp_stripe_min)
+        return TcpChannel(locator, t.secret, timeout_s, t.tcp_streams, t.tcp_stripe_min,
+                          t.tls.client if t.tls is not None else None)
 
     def close(self) -> None:
         if self._listener is not None:
@@ -381,6 +411,10 @@ class TcpBackend(Backend):
                 sock, addr = listener.accept()
             except OSError:
                 return  # closed
+            if not admitted(addr[0], self.transports.allow):  # not a cluster's address: nothing more is read
+                sock.close()
+                self._refuse(addr, "stranger", "not an address the cluster's links are given (--link-peers)")
+                continue
             if not self.door.enter(addr[0]):  # too many unproven connections: refuse rather than queue
                 sock.close()
                 self._refuse(addr, "handshakes", f"more than {MAX_HANDSHAKES_PER_ADDRESS} from this address or "
@@ -404,6 +438,13 @@ class TcpBackend(Backend):
         try:
             try:
                 tune(sock, HANDSHAKE_TIMEOUT_S)
+                if t.tls is not None:
+                    sock = t.tls.server.wrap_socket(sock, server_side=True)
+            except OSError as exc:  # no TLS, or a certificate the cluster's link CA did not issue
+                self.door.leave(addr[0])
+                self._refuse(addr, "tls", f"no TLS session with a certificate of the cluster's link CA: {exc}")
+                return
+            try:
                 server_handshake(sock, t.secret)
             except (TransportError, OSError) as exc:  # a wrong proof, or none within the deadline
                 self._refuse(addr, "secret", str(exc) or type(exc).__name__)
@@ -485,8 +526,8 @@ class _Connection:
         ops = {OP_WRITE: self.write, OP_READ: self.read, OP_CALL: self.call}
         while True:
             try:
-                head = self.sock.recv(1 + _LEN.size, socket.MSG_WAITALL)  # the op and its header's length at once
-            except BlockingIOError:
+                head = self.sock.recv(1 + _LEN.size, _waitall(self.sock))  # the op and its header's length at once
+            except _DEADLINE:
                 return  # idle past the deadline: the peer connects again when it has something to send
             if not head:
                 return  # the peer is done

@@ -47,6 +47,9 @@ class MessengerConfig:
     reserve_idle_s: float  # a handoff reservation with no write for this long is dropped (its prefill stalled)
     link_timeout_s: float  # deadline of every read on a transport connection
     signing_key_file: str = ""  # this process's own key for signing its audit events ('' = none)
+    link_cert: str = ""  # TLS on the KV links: this process's key and certificate ('' = plain tcp)
+    link_ca: str = ""  # and the cluster's link CA
+    link_peers: str = ""  # addresses/networks the KV listeners take connections from ('' = any)
 
     def __post_init__(self) -> None:
         common.check_subject_token("instance id", self.instance_id)
@@ -60,7 +63,8 @@ class MessengerConfig:
             raise ValueError("block tokens must be >= 1 and capacities >= 0")
         if self.eviction not in POLICIES:
             raise ValueError(f"eviction must be one of {', '.join(POLICIES)}; got {self.eviction!r}")
-        common.check_transport(self.transport, self.tcp_streams, self.tcp_stripe_min)
+        common.check_transport(self.transport, self.tcp_streams, self.tcp_stripe_min, self.link_cert, self.link_ca,
+                               self.link_peers)
         common.check_link_secret(self.cluster_secret_file, self.insecure)
 
     @property

@@ -361,8 +361,8 @@ async def serve(cfg: MessengerConfig, stop: asyncio.Event) -> None:
     nc = await bus.connect(cfg.nats_url, cfg.instance_id, cfg.nats_auth)
     tasks = runner.TaskGroup(stop)
     transports = Transports(cfg.transport, security.read_secret(cfg.cluster_secret_file), cfg.link_timeout_s,
-                            tcp_streams=cfg.tcp_streams,
-                            tcp_stripe_min=cfg.tcp_stripe_min)
+                            tcp_streams=cfg.tcp_streams, tcp_stripe_min=cfg.tcp_stripe_min,
+                            tls=security.link_tls(cfg.link_cert, cfg.link_ca), allow=cfg.link_peers)
     service = MessengerService(cfg, nc, tasks, pool, shape.max_context, transports)
     service.layout = Layout(ref.name, cfg.block_tokens, 0, layout.signature)
     service.loop = asyncio.get_running_loop()

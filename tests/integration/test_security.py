@@ -22,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.security import LINK_NONCE_BYTES, link_proof, read_secret
-from common.transport import checksum
+from common.transport import Transports, TransportError, checksum
 from schemas import subjects
 from schemas.transfer import CallFrame, WriteFrame
 from schemas.workers import WorkerInfo
@@ -153,10 +153,12 @@ async def while_one_is_in_flight(cluster, key: str, meanwhile):
 
 @pytest.fixture(scope="module")
 def two_doors(tmp_path_factory, tiny_profile):
-    """Two gateway replicas in front of one cluster; tenant tiny may have one request in flight."""
+    """Two gateway replicas in front of one cluster, its KV links on TLS (moonbus up --link-tls);
+    tenant tiny may have one request in flight."""
     home = tmp_path_factory.mktemp("two-doors")
     key = add_key(home / "api-keys.json", "tiny", ["--max-concurrent", "1"])
-    cluster = start_cluster(home, profile=tiny_profile, api_keys=str(home / "api-keys.json"), gateways=2)
+    cluster = start_cluster(home, profile=tiny_profile, api_keys=str(home / "api-keys.json"), gateways=2,
+                            link_tls=True)
     yield cluster, key
     cluster.stop()
 
@@ -185,6 +187,33 @@ async def test_a_tenants_limit_holds_across_gateway_replicas(two_doors):
     assert rest.rstrip().endswith("data: [DONE]")
     status, body, _ = await call(cluster, completion("after"), key)  # the first ended: the tenant may again
     assert status == 200, body
+
+
+async def test_the_kv_links_run_tls_when_asked(two_doors):
+    """Reproduced: after the link's handshake the KV travelled with an unkeyed checksum only, so a
+    relay on the path could rewrite it (tests/unit/test_link_tls.py shows a relay reading and
+    rewriting nothing once TLS is on). With --link-tls every process that opens KV links has its
+    own certificate of the cluster's link CA, handoffs go through TLS, and a peer holding the
+    cluster secret but no certificate is refused."""
+    cluster, key = two_doors
+    secrets_dir = cluster.spec.home / "secrets"
+    issued = {p.name for p in secrets_dir.glob("link-*")}
+    assert {"link-ca.pem", "link-ca.key", "link-messenger-d0.pem", "link-messenger-p0.pem", "link-prefill-0.pem"} <= issued
+    assert all((secrets_dir / name).stat().st_mode & 0o077 == 0 for name in issued)
+    messenger = await heartbeat_of(cluster, "messenger", "messenger-d0")  # where every handoff lands
+    status, body, _ = await call(cluster, completion("through the tunnel"), key)  # prefill-0 -> TLS -> node-d0
+    assert status == 200 and body["usage"]["completion_tokens"] == 4, body
+    member_without_certificate = Transports("tcp", read_secret(cluster.secrets.cluster_key), 10.0)
+    with pytest.raises(TransportError):
+        with member_without_certificate.connect({"tcp": messenger.transfer_addr}) as channel:
+            channel.call("complete", b"")
+    log = cluster.log_dir / "messenger-d0.log"
+    for _ in range(100):  # the refusal is logged when the listener gives up on it (its handshake deadline)
+        if "certificate of the cluster's link CA" in log.read_text():
+            break
+        await asyncio.sleep(0.1)
+    assert "refused: no TLS session with a certificate of the cluster's link CA" in log.read_text()
+    assert not cluster.dead()
 
 
 async def test_the_bus_refuses_strangers_and_keeps_each_role_to_its_subjects(guarded):

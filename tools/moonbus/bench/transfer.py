@@ -30,6 +30,7 @@ import argparse
 import itertools
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +45,7 @@ from tools.moonbus.bench.transfer_patterns import (MAX_RUNS, MIN_CASE_SECONDS, P
 from tools.moonbus.bench.transfer_peers import MooncakePeer, OursPeer, mooncake_missing
 from tools.moonbus.bench.transfer_socket import DEFAULT_BUFFER, SocketPeer
 from tools.moonbus.bench.transfer_tail import layer_compute_seconds, measure_tail
+from tools.moonbus.cluster import certs
 
 SEED = 0
 DTYPES = {2: "bfloat16", 4: "float32"}  # bytes per element -> the KV layout's dtype
@@ -72,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--streams", default="1,2",
                         help="connections per peer of our tcp rows: a write of 4 MiB or more is striped over "
                              "them (--tcp-streams of the services; the first is the goals' row; default 1,2)")
+    parser.add_argument("--tls", action=argparse.BooleanOptionalAction, default=True,
+                        help="also measure ours with TLS on the link (--link-cert; row ours_tcp_tls, its cost as a "
+                             "ratio to ours_tcp)")
     parser.add_argument("--socket-buffer", type=int, default=DEFAULT_BUFFER,
                         help="SO_SNDBUF/SO_RCVBUF of the plain socket at both ends, bytes (0: kernel autotuning)")
     parser.add_argument("--require-mooncake", action="store_true",
@@ -119,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
     patterns += [pull_pattern(n, layout.block_nbytes, SEED) for n in _ints(args.pull_blocks)]
     repeats = max(1, args.repeats)
     secret = os.urandom(32)  # the cluster-secret handshake runs as in a cluster (once per connection)
-    rows, buffers = throughput_rows(patterns, repeats, args.case_seconds, secret, missing, streams, args.socket_buffer)
+    rows, buffers = throughput_rows(patterns, repeats, args.case_seconds, secret, missing, streams, args.socket_buffer,
+                                    args.tls)
     if _ints(args.tail_tokens):
         rows += tail_rows(ref, layout, _ints(args.tail_tokens), repeats, secret)
     ours = OursPeer.case_for(streams[0])
@@ -146,7 +152,7 @@ def summary(result: dict) -> list[dict]:
 
 
 def throughput_rows(patterns: list[Pattern], repeats: int, case_seconds: float, secret: bytes, mooncake: str,
-                    streams: list[int], socket_buffer: int) -> tuple[list[dict], dict]:
+                    streams: list[int], socket_buffer: int, tls: bool = False) -> tuple[list[dict], dict]:
     """Every pattern, every case; returns the rows and the socket buffers the kernel granted."""
     if not patterns:
         return [], {}
@@ -155,8 +161,13 @@ def throughput_rows(patterns: list[Pattern], repeats: int, case_seconds: float, 
     local = np.zeros(_round8(max(p.local_extent for p in patterns)), np.uint8)
     runs_so_far = itertools.count(1)
     peers = []
+    tls_dir = tempfile.TemporaryDirectory(prefix="moonbus-bench-link-ca-") if tls else None
     try:
         peers.extend(OursPeer(capacity, SEED, secret, n) for n in streams)
+        if tls_dir is not None:  # both ends' certificates issued here, before either process starts
+            for name in ("sender", "receiver"):
+                certs.ensure_cert(Path(tls_dir.name), name)
+            peers.append(OursPeer(capacity, SEED, secret, 1, tls_dir.name))
         peers.append(SocketPeer(capacity, SEED, socket_buffer))
         if not mooncake:
             peers.append(MooncakePeer(capacity, SEED, source, local))
@@ -172,6 +183,8 @@ def throughput_rows(patterns: list[Pattern], repeats: int, case_seconds: float, 
     finally:
         for peer in peers:
             peer.close()
+        if tls_dir is not None:
+            tls_dir.cleanup()
     return transfer_report.add_ratios(rows), buffers
 
 

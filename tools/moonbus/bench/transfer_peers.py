@@ -5,7 +5,9 @@ and holds one buffer of `capacity` bytes that starts with the same seeded conten
 source (transfer_patterns.make_buffer). Each peer gives the cases it can run of a pattern
 (transfer_patterns.Case):
 
-    ours         Transports("tcp") at both ends (the sender's with `streams` connections per peer),
+    ours         Transports("tcp") at both ends (the sender's with `streams` connections per peer; with
+                 `tls_dir`, TLS on the link as --link-cert gives it, each end with its certificate
+                 from the link CA in that directory: `ours_tcp_tls`),
                  the receiver's buffer a registered region. A push: one `Channel.write` per write of
                  the pattern, then a call that returns once every write landed and its xxh3 was
                  verified (`ours_tcp`, xxh3 both ends: the transport always checks). A pull: one
@@ -33,6 +35,7 @@ import socket
 import struct
 import threading
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import numpy as np
 import xxhash
@@ -130,18 +133,28 @@ def check_blocks(views: list[memoryview], expected: list[int], case: str) -> Non
 
 
 # --- ours: common/transport over tcp ------------------------------------------------------------
+def link_tls_of(tls_dir: str, name: str):
+    """`name`'s link TLS contexts from the link CA in `tls_dir` (None without one)."""
+    if not tls_dir:
+        return None
+    from common.security import link_tls
+    from tools.moonbus.cluster import certs
+
+    return link_tls(certs.ensure_cert(Path(tls_dir), name), certs.ca_file(Path(tls_dir)))
+
+
 class OursPeer(Peer):
     name = "ours_tcp"
 
-    def __init__(self, capacity: int, seed: int, secret: bytes, streams: int = 1) -> None:
+    def __init__(self, capacity: int, seed: int, secret: bytes, streams: int = 1, tls_dir: str = "") -> None:
         from common.transport import Transports
         from schemas.transfer import RegionRef
 
-        self.name = self.case_for(streams)
+        self.name = self.case_for(streams) + ("_tls" if tls_dir else "")
         self.streams = streams
-        super().__init__(capacity, seed, secret)
+        super().__init__(capacity, seed, secret, tls_dir)
         self.ref = RegionRef.from_bytes(self.address)
-        self.transports = Transports("tcp", secret, tcp_streams=streams)
+        self.transports = Transports("tcp", secret, tcp_streams=streams, tls=link_tls_of(tls_dir, "sender"))
         self.channel = self.transports.connect(self.ref.endpoints)
 
     @staticmethod
@@ -149,11 +162,11 @@ class OursPeer(Peer):
         return "ours_tcp" if streams == 1 else f"ours_tcp_x{streams}"
 
     @staticmethod
-    def serve(conn: Connection, capacity: int, seed: int, secret: bytes) -> None:
+    def serve(conn: Connection, capacity: int, seed: int, secret: bytes, tls_dir: str = "") -> None:
         from common.transport import Transports
 
         try:
-            transports = Transports("tcp", secret)
+            transports = Transports("tcp", secret, tls=link_tls_of(tls_dir, "receiver"))
             transports.listen(HOST)
             buf = make_buffer(capacity, seed)
             transports.handle("landed", lambda body, peer: b"")  # a call runs after the writes before it

@@ -16,10 +16,13 @@ FAIR = "socket_verified"
 BASELINES = ("socket_verified", "socket", "mooncake_te_verified", "mooncake_te")
 
 
+TLS, PLAIN = "ours_tcp_tls", "ours_tcp"  # TLS on the link's cost: the first's GiB/s over the second's
+
+
 def add_ratios(rows: list[dict]) -> list[dict]:
     by = {(r["pattern"], r["case"]): r["gib_s"] for r in rows}
     for r in rows:
-        for base in BASELINES:
+        for base in BASELINES + ((PLAIN,) if r["case"] == TLS else ()):
             theirs = by.get((r["pattern"], base))
             r[f"vs_{base}"] = r["gib_s"] / theirs if r["gib_s"] and theirs else None
     return rows
@@ -52,6 +55,7 @@ def summary(result: dict) -> list[dict]:
     by = {(r["pattern"], r["case"]): r for r in result["rows"]}
     pairs = [(r, base) for r in result["rows"] if r["case"] == ours for base in BASELINES]
     pairs += [(r, "socket") for r in result["rows"] if r["case"] == f"{ours}_unverified"]
+    pairs += [(r, PLAIN) for r in result["rows"] if r["case"] == TLS]
     out = []
     for r, base in pairs:
         theirs = by.get((r["pattern"], base))
@@ -96,6 +100,12 @@ def print_report(result: dict) -> None:
                   f"{_x(r['vs_socket']):>7} {_x(r['vs_mooncake_te_verified']):>6} {_x(r['vs_mooncake_te']):>6} "
                   f"{r['runs_verified']:>4}/{r['runs_checked']:<3}")
         print("(vs X = GiB/s over X's on the same pattern; + = the baseline checks xxh3 too)")
+        tls = [r for r in rows if r["case"] == TLS and r.get(f"vs_{PLAIN}") is not None]
+        if tls:
+            print(f"\nTLS on the link (--link-cert): {TLS} GiB/s over {PLAIN}'s, the same pattern")
+            for r in tls:
+                print(f"  {r['pattern']:<13} {r['gib_s']:>6.2f} GiB/s against {r['gib_s'] / r[f'vs_{PLAIN}']:>6.2f}: "
+                      f"{r[f'vs_{PLAIN}']:.2f}x")
     tail = [r for r in result["rows"] if r["case"] == "handoff_tail"]
     if tail:
         print("\nhandoff tail: last layer's slice written + the completion notice, vs one layer's compute")

@@ -35,6 +35,9 @@ class ClusterError(RuntimeError):
     """Raised when the cluster cannot start: a process died or it did not become ready in time."""
 
 
+LINK_KINDS = ("messenger", "prefill", "coupled")  # the processes that open KV links (common/transport)
+
+
 def replica(kind: str, i: int) -> str:
     """The first replica of a control-plane service is named after its kind, the others kind-i."""
     return kind if i == 0 else f"{kind}-{i}"
@@ -99,6 +102,7 @@ class ClusterSpec:
     prefill_chunk: int = 2048
     transport: str = "auto"  # point-to-point KV: auto | tcp | rdma (common/transport)
     tcp_streams: int = 1  # tcp connections per peer a large write is striped over
+    link_tls: bool = False  # TLS on the KV links: the cluster's link CA issues each process a certificate
     profile: str = ""  # "" = $home/profiles/<model>.json if it exists, else an analytic guess
     log_level: str = "INFO"
     metrics: bool = True  # each service serves Prometheus metrics on a free port (in cluster.json)
@@ -310,6 +314,8 @@ class Cluster:
             argv += ["--signing-key-file", str(self.signing_key(name, publishers(name, kind)))]
             argv += ["--nats-user", user, "--nats-password-file", str(self.secrets.password_file(user)),
                      "--cluster-secret-file", str(self.secrets.cluster_key)]
+        if self.spec.link_tls and kind in LINK_KINDS:
+            argv += self.link_tls_args(name)
         argv += self.spec.service_args.get(kind, []) + self.spec.service_args.get(name, [])
         metrics = ""
         if self.spec.metrics and kind != "gateway":  # the gateway serves /metrics on its API port
@@ -332,6 +338,13 @@ class Cluster:
     def transport_args(self) -> list[str]:
         insecure = ["--insecure"] if self.secrets is None else []  # an open cluster (auth off) has no link secret
         return ["--transport", self.spec.transport, "--tcp-streams", str(self.spec.tcp_streams), *insecure]
+
+    def link_tls_args(self, name: str) -> list[str]:
+        """The process's own certificate from the cluster's link CA (issued once, then kept)."""
+        from tools.moonbus.cluster import certs  # cryptography: loaded only when TLS is asked for
+
+        directory = self.spec.home / "secrets"
+        return ["--link-cert", str(certs.ensure_cert(directory, name)), "--link-ca", str(certs.ca_file(directory))]
 
     def messenger(self, name: str, node: str) -> None:
         spec = self.spec

@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="point-to-point KV transport: auto = rdma where both ends have an RDMA device, else tcp")
     parser.add_argument("--tcp-streams", type=int, default=1,
                         help="tcp connections per peer a write of 4 MiB or more is striped over (default 1)")
+    parser.add_argument("--link-tls", action="store_true",
+                        help="TLS on the KV links: every process that opens one gets a certificate of the cluster's "
+                             "link CA (under <home>/secrets); off by default, for a fabric you trust")
     parser.add_argument("--profile", default="", help="performance profile (default: measured on first start)")
     parser.add_argument("--log-level", default="INFO")
 
@@ -88,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
                        policy=args.policy, admission=args.admission, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
                        block_tokens=args.block_tokens, dtype=dtype, dram_bytes=args.dram_bytes, ssd_bytes=args.ssd_bytes,
                        eviction=args.eviction, profile=args.profile, pipeline_group=args.pipeline_group,
-                       prefill_chunk=args.prefill_chunk, transport=args.transport, tcp_streams=args.tcp_streams)
+                       prefill_chunk=args.prefill_chunk, transport=args.transport, tcp_streams=args.tcp_streams,
+                       link_tls=args.link_tls)
     cluster = Cluster(spec)
     stopping = False
 
