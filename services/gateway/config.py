@@ -33,6 +33,7 @@ class GatewayConfig:
     max_inflight: int  # requests this gateway holds at once; beyond, 429 (a backstop to admission)
     api_keys: str  # the key file (services/gateway/tenants.py); "" = open: no key needed
     max_body_bytes: int  # a bigger request body is answered 413
+    fair_share_floor: int = 8  # a tenant without max_concurrent may always hold this many; beyond, a fair share (tenants.py)
     signing_key_file: str = ""  # this process's own key for signing its audit events ('' = none)
 
     def __post_init__(self) -> None:
@@ -45,6 +46,8 @@ class GatewayConfig:
             raise ValueError("migration limits must be >= 0 and the migration timeout > 0")
         if self.max_body_bytes < 1024:
             raise ValueError("max body bytes must be >= 1024")
+        if self.fair_share_floor < 0:
+            raise ValueError("the fair share floor must be >= 0 (0 = no fair share)")
         if self.max_inflight < 1:
             raise ValueError("max in-flight must be >= 1")
         if self.default_chat_max_tokens < 1:
@@ -74,5 +77,8 @@ def load(argv: list[str] | None = None) -> GatewayConfig:
     common.flag(parser, "--max-body-bytes", "MOONBUS_MAX_BODY_BYTES", 4 << 20, int, help="larger bodies get 413")
     common.flag(parser, "--max-inflight", "MOONBUS_MAX_INFLIGHT", 256, int,
                 help="requests this gateway holds at once; more are answered 429 with Retry-After")
+    common.flag(parser, "--fair-share-floor", "MOONBUS_FAIR_SHARE_FLOOR", 8, int,
+                help="a tenant whose key sets no --max-concurrent may always hold this many requests; beyond, while "
+                     "other tenants hold some, at most an equal share of all in flight (0 = no fair share)")
     args = parser.parse_args(argv)
     return common.build(GatewayConfig, args, home=Path(args.home))

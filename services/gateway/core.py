@@ -112,7 +112,7 @@ class Gateway:
         self.states: dict[str, RequestState] = {}  # request_id -> RequestState
         self.ended: collections.OrderedDict[str, None] = collections.OrderedDict()  # the newest ENDED_KEPT ended here
         self.keys = KeyBook(cfg.api_keys)
-        self.limits = TenantLimits()
+        self.limits = TenantLimits(cfg.fair_share_floor)
         self.usage_shared_at, self.usage_changed = 0.0, False  # this gateway's tenants' usage, told the others
         # a prompt this many characters long cannot fit the context, whatever the tokenizer does
         self.max_prompt_chars = 32 * max_context

@@ -14,6 +14,12 @@ Limits per tenant: requests in flight (`max_concurrent`) and tokens per minute (
 either, 429 with Retry-After. They hold over every gateway replica: each gateway tells the others
 what its tenants hold (subjects.tenant_usage) and counts theirs in (TenantLimits).
 
+A tenant without its own `max_concurrent` (the default of `moonbus keys add`) gets a fair share:
+alone it may hold any number of requests (the conductor's admission decides), but while other
+tenants hold some too, at most an equal share of every request in flight (the most of `fair_floor`,
+`--fair-share-floor`, and all of them over the tenants holding any, the asker counted), so one
+tenant's flood cannot crowd the others out; the others' requests are admitted at once.
+
 Cache namespace: block keys are seeded per tenant ("tenant:<name>"), so equal prompts of two
 tenants never share a block, and neither `cached_tokens` nor TTFT tells one tenant anything
 about another's prompts. A tenant with `shared_cache` uses the common namespace; a request's
@@ -121,7 +127,8 @@ class TenantLimits:
     WINDOW_S = 60.0
     PEER_TTL_S = 3.0
 
-    def __init__(self) -> None:
+    def __init__(self, fair_floor: int = 8) -> None:
+        self.fair_floor = fair_floor  # a tenant without max_concurrent may always hold this many (0: no fair share)
         self.in_flight: collections.Counter[str] = collections.Counter()
         self.booked: dict[str, collections.deque[list]] = collections.defaultdict(collections.deque)  # [t, tokens]
         self.peers: dict[str, tuple[float, dict[str, list[int]]]] = {}  # gateway -> (heard at, its usage)
@@ -146,6 +153,24 @@ class TenantLimits:
     def _held(self, tenant: str, now: float) -> int:
         return self.in_flight[tenant] + self._peer(tenant, 0, now)
 
+    def _too_many(self, tenant: Tenant, now: float) -> str:
+        """Why the tenant may not have one more request in flight now ("" if it may)."""
+        held = self._held(tenant.name, now)
+        if tenant.max_concurrent is not None:
+            return f"tenant {tenant.name} already has {tenant.max_concurrent} requests in flight" \
+                if held >= tenant.max_concurrent else ""
+        if not self.fair_floor or held < self.fair_floor:
+            return ""
+        everyone = collections.Counter(self.in_flight)
+        for _, usage in self.peers.values():  # (_held above dropped the silent ones)
+            everyone.update({t: pair[0] for t, pair in usage.items()})
+        active = sum(1 for t, n in everyone.items() if n > 0 and t != tenant.name) + 1
+        share = max(self.fair_floor, math.ceil(sum(everyone.values()) / active))
+        if active > 1 and held >= share:
+            return (f"tenant {tenant.name} holds {held} requests in flight, its fair share while {active} tenants are "
+                    f"served (a key's --max-concurrent sets its own limit instead)")
+        return ""
+
     def _own_used(self, tenant: str, now: float) -> int:
         window = self.booked[tenant]
         while window and now - window[0][0] >= self.WINDOW_S:
@@ -158,8 +183,8 @@ class TenantLimits:
     def precheck(self, tenant: Tenant, now: float) -> tuple[str, float]:
         """What admit() would refuse whatever the request's size: ("", 0) if nothing yet, else (why,
         retry after seconds). Checked before a prompt is tokenized."""
-        if tenant.max_concurrent is not None and self._held(tenant.name, now) >= tenant.max_concurrent:
-            return f"tenant {tenant.name} already has {tenant.max_concurrent} requests in flight", 1.0
+        if why := self._too_many(tenant, now):
+            return why, 1.0
         if tenant.tokens_per_minute is not None and self._used(tenant.name, now) >= tenant.tokens_per_minute:
             return (f"tenant {tenant.name} used its {tenant.tokens_per_minute} tokens per minute",
                     self._retry_after(tenant, 1, now))
@@ -167,8 +192,8 @@ class TenantLimits:
 
     def admit(self, tenant: Tenant, tokens: int, now: float) -> tuple[list | None, str, float]:
         """(booking, "", 0) if admitted, else (None, why, retry after seconds)."""
-        if tenant.max_concurrent is not None and self._held(tenant.name, now) >= tenant.max_concurrent:
-            return None, f"tenant {tenant.name} already has {tenant.max_concurrent} requests in flight", 1.0
+        if why := self._too_many(tenant, now):
+            return None, why, 1.0
         if tenant.tokens_per_minute is not None:
             used = self._used(tenant.name, now)
             if used + tokens > tenant.tokens_per_minute:

@@ -154,18 +154,23 @@ async def while_one_is_in_flight(cluster, key: str, meanwhile):
 @pytest.fixture(scope="module")
 def two_doors(tmp_path_factory, tiny_profile):
     """Two gateway replicas in front of one cluster, its KV links on TLS (moonbus up --link-tls);
-    tenant tiny may have one request in flight."""
+    tenant tiny may have one request in flight, hog and fair set no limit (a fair share beyond 2:
+    --fair-share-floor). A frozen decode instance is not declared lost (the tests freeze it to hold
+    requests in flight, with no timer to race)."""
     home = tmp_path_factory.mktemp("two-doors")
-    key = add_key(home / "api-keys.json", "tiny", ["--max-concurrent", "1"])
+    keys = {"tiny": add_key(home / "api-keys.json", "tiny", ["--max-concurrent", "1"]),
+            "hog": add_key(home / "api-keys.json", "hog", []), "fair": add_key(home / "api-keys.json", "fair", [])}
     cluster = start_cluster(home, profile=tiny_profile, api_keys=str(home / "api-keys.json"), gateways=2,
-                            link_tls=True)
-    yield cluster, key
+                            link_tls=True, service_args={"gateway": ["--fair-share-floor", "2", "--probe-after", "600"],
+                                                         "conductor": ["--heartbeat-timeout", "600"]})
+    yield cluster, keys
     cluster.stop()
 
 
 async def test_a_tenants_limit_holds_across_gateway_replicas(two_doors):
     """Limits were counted per gateway process: N replicas gave a tenant N times its limit."""
-    cluster, key = two_doors
+    cluster, keys = two_doors
+    key = keys["tiny"]
     second_door = f"http://{cluster.spec.host}:{cluster.spec.port + 1}"
     admin = await nats.connect(cluster.spec.nats_url, allow_reconnect=False)
     told = await admin.subscribe(subjects.tenant_usage("gateway"))
@@ -189,13 +194,48 @@ async def test_a_tenants_limit_holds_across_gateway_replicas(two_doors):
     assert status == 200, body
 
 
+async def test_a_tenant_without_limits_cannot_crowd_out_another(two_doors):
+    """Reproduced: a tenant without limits (moonbus keys add's default) held 38 streams and another
+    tenant waited 79 s. Alone it may hold any number; while another tenant is served, its share."""
+    cluster, keys = two_doors
+    decode = cluster.procs["decode-0"].popen
+    url = cluster.spec.url + "/v1/completions"
+    streams = []
+
+    async def open_stream(session, tenant: str, prompt: str):
+        response = await session.post(url, json=completion(prompt, max_tokens=32, ignore_eos=True, stream=True),
+                                      headers={"Authorization": f"Bearer {keys[tenant]}"})
+        assert response.status == 200, await response.text()
+        await response.content.readline()  # its first token: admitted and prefilled
+        streams.append(response)
+
+    async with aiohttp.ClientSession() as session:
+        await open_stream(session, "hog", "hog 0")
+        decode.send_signal(signal.SIGSTOP)  # what was admitted stays in flight
+        try:
+            for i in (1, 2):  # alone, the hog may hold more than the floor
+                await open_stream(session, "hog", f"hog {i}")
+            await open_stream(session, "fair", "the other tenant")  # admitted at once
+            # (admitted, it would wait for the frozen decode instance: a bound, so that it fails, not hangs)
+            status, body, headers = await asyncio.wait_for(call(cluster, completion("hog 3"), keys["hog"]), 60)
+            assert status == 429 and "fair share while 2 tenants" in body["error"]["message"], body
+            assert int(headers["Retry-After"]) >= 1
+        finally:
+            decode.send_signal(signal.SIGCONT)
+        for response in streams:  # every admitted request completes
+            assert (await response.read()).decode().rstrip().endswith("data: [DONE]")
+    status, body, _ = await call(cluster, completion("hog again"), keys["hog"])  # alone again: served
+    assert status == 200, body
+
+
 async def test_the_kv_links_run_tls_when_asked(two_doors):
     """Reproduced: after the link's handshake the KV travelled with an unkeyed checksum only, so a
     relay on the path could rewrite it (tests/unit/test_link_tls.py shows a relay reading and
     rewriting nothing once TLS is on). With --link-tls every process that opens KV links has its
     own certificate of the cluster's link CA, handoffs go through TLS, and a peer holding the
     cluster secret but no certificate is refused."""
-    cluster, key = two_doors
+    cluster, keys = two_doors
+    key = keys["fair"]
     secrets_dir = cluster.spec.home / "secrets"
     issued = {p.name for p in secrets_dir.glob("link-*")}
     assert {"link-ca.pem", "link-ca.key", "link-messenger-d0.pem", "link-messenger-p0.pem", "link-prefill-0.pem"} <= issued

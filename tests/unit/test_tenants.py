@@ -82,6 +82,34 @@ def test_limits_hold_over_every_gateway_replica_and_forget_a_silent_one():
     assert two.admit(acme, 300, now=0.5 + TenantLimits.PEER_TTL_S + 0.1)[0] is not None
 
 
+def test_a_tenant_without_limits_gets_a_fair_share_while_others_are_served():
+    """Reproduced: a tenant without limits (moonbus keys add's default) held 38 streams and another
+    tenant waited 79 s. Alone it may hold any number; with others served, an equal share."""
+    limits = TenantLimits(fair_floor=4)
+    hog, other = Tenant("hog"), Tenant("other")
+    for i in range(38):  # alone: no share to keep to
+        assert limits.admit(hog, 10, now=0.0)[0] is not None, i
+    booking, why, _ = limits.admit(other, 10, now=0.0)  # the other tenant is admitted at once
+    assert booking is not None and not why
+    refused, why, retry = limits.admit(hog, 10, now=0.0)  # 38 of 39 held: over half
+    assert refused is None and "fair share while 2 tenants" in why and retry == 1.0
+    assert limits.precheck(hog, now=0.0)[0]  # refused before its prompt is tokenized too
+    for _ in range(3):
+        assert limits.admit(other, 10, now=0.0)[0] is not None  # below the floor: never refused
+    for _ in range(35):  # the hog's requests end: 3 held, below the floor again
+        limits.release(hog, [0.0, 10], 10)
+    assert limits.admit(hog, 10, now=0.0)[0] is not None
+    # the share counts the tenants of every gateway replica: 4 and 4 held at the first gateway
+    elsewhere = TenantLimits(fair_floor=4)
+    elsewhere.heard("gateway-0", limits.usage(0.0), now=0.0)
+    assert "fair share while 2 tenants" in elsewhere.admit(hog, 10, now=0.1)[1]
+    # a key's own --max-concurrent replaces the share; a floor of 0 turns it off
+    assert limits.admit(Tenant("hog", max_concurrent=100), 10, now=0.0)[0] is not None
+    off = TenantLimits(fair_floor=0)
+    off.admit(other, 10, now=0.0)
+    assert all(off.admit(hog, 10, now=0.0)[0] is not None for _ in range(50))
+
+
 def test_a_tenant_at_its_limits_is_refused_before_its_prompt_is_tokenized():
     limits = TenantLimits()
     busy, spent = Tenant("busy", max_concurrent=1), Tenant("spent", tokens_per_minute=100)
