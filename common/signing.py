@@ -6,16 +6,20 @@ a signing key of its own, a process also signs each event's digest; the auditor 
 signature against the public key registered for the event's publisher (`<service>/<instance>`), so
 a holder of one service's credentials and the cluster secret cannot write another's events.
 
-Files (made by `moonbus up`, 0600 like every secret; compose does not issue keys yet):
+Files (made by `moonbus up` per process and `moonbus compose-secrets` per compose service, 0600
+like every secret on the host):
     sign-<name>.key   the private key (its 32-byte seed, hex), read by that process alone
     signers.json      {"<service>/<instance>": {"key": "<public key, hex>", "since": <time>}, ...}:
                       whom the auditor trusts, and since when (the stream may hold older events of
-                      that publisher, written before it had a key: sealed only, and accepted so)
+                      that publisher, written before it had a key: sealed only, and accepted so).
+                      "<service>/*" stands for every instance of a service that has no entry of
+                      its own (compose's scaled replicas, whose ids are made when they start)
 """
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from common.security import SecretError, new_secret_file, read_secret
@@ -83,8 +87,13 @@ class Signers:
         """Must an event of this publisher, stored at `stored_at` (the stream's clock), be signed?
         Not one stored before its publisher had a key (`since`); any other, also of a publisher
         nobody registered."""
-        since = self._since.get(publisher.rsplit("/", 1)[0])
+        since = self._since.get(self._entry(publisher))
         return since is None or stored_at >= since
+
+    def _entry(self, publisher: str) -> str:
+        """Whose key signs for `<service>/<instance>/<incarnation>`: its own entry, else its service's `*`."""
+        own = publisher.rsplit("/", 1)[0]
+        return own if own in self._keys else f"{own.split('/', 1)[0]}/*"
 
     @classmethod
     def read(cls, path: str | Path) -> "Signers":
@@ -96,7 +105,7 @@ class Signers:
     def verify(self, publisher: str, data: bytes, signature: str) -> bool:
         """Whether `signature` over `data` is by the key registered for the publisher named
         `<service>/<instance>/<incarnation>` (its incarnation changes with every start)."""
-        key = self._keys.get(publisher.rsplit("/", 1)[0])
+        key = self._keys.get(self._entry(publisher))
         return key is not None and _verified(key, data, signature)
 
 
@@ -108,6 +117,19 @@ def _verified(public_key, data: bytes, signature: str) -> bool:
         return True
     except (InvalidSignature, ValueError):  # a wrong signature, or not hex at all
         return False
+
+
+def register(directory: Path, name: str, publishers: list[str]) -> Path:
+    """`name`'s signing key in `directory` (made once, then kept), its public half registered in
+    the directory's signers.json for each of `publishers` (since now, where it is new there)."""
+    path = key_file(directory, name)
+    public = new_key(path).public_hex
+    registry = directory / SIGNERS_FILE
+    keys = json.loads(registry.read_text()) if registry.exists() else {}
+    new = {p: {"key": public, "since": time.time()} for p in publishers if keys.get(p, {}).get("key") != public}
+    if new:
+        write_signers(registry, keys | new)
+    return path
 
 
 def write_signers(path: Path, keys: dict[str, dict]) -> None:

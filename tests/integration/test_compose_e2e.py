@@ -28,6 +28,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -130,6 +132,7 @@ def run_cluster(engine: docker_engine.Engine, tmp_path: Path, timings: dict[str,
         nats_url = ClusterSecrets(secrets_dir / "secrets").url(address, "auditor")
         asyncio.run(check_requests(gateway, nats_url, api_key, expected, hostnames))
         timings["requests"] = time.monotonic() - phase
+        check_audit(nats_url, secrets_dir / "secrets", tmp_path / "auditor")
     except BaseException:
         print(compose.logs(tail=60))
         raise
@@ -191,6 +194,17 @@ async def check_requests(gateway: str, nats_url: str, api_key: str, expected: di
             break
     assert served == hostnames, f"requests reached only {served} of {hostnames}"
     print(f"served by prefill containers {sorted(served['prefill'])}, decode containers {sorted(served['decode'])}")
+
+
+def check_audit(nats_url: str, secrets: Path, home: Path) -> None:
+    """`moonbus audit verify` as an operator runs it on the host: every event sealed with the
+    cluster secret and signed with its compose service's own key (secrets/signers.json)."""
+    out = subprocess.run([sys.executable, "-m", "tools.moonbus.cli", "audit", "verify", "--nats-url", nats_url,
+                          "--secret-file", str(secrets / "cluster.key"), "--home", str(home)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    print(f"audit verify: {out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr}")
+    assert out.returncode == 0 and "OK: every chain" in out.stdout, out.stdout + out.stderr
+    assert "note: no" not in out.stderr  # signers.json was found: signatures were required
 
 
 async def chat(gateway: str, api_key: str, question: str) -> tuple[dict, str]:

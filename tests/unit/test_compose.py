@@ -37,16 +37,17 @@ SCALED = ("prefill", "decode")  # run with --scale prefill=2 --scale decode=2
 # Environment names the services read: every service reads COMMON_ENV, plus its role's own.
 COMMON_ENV = {"MOONBUS_NATS_URL", "MOONBUS_INSTANCE_ID", "MOONBUS_LOG_LEVEL", "MOONBUS_HOME", "MOONBUS_HEALTH_FILE",
               "MOONBUS_METRICS_PORT", "MOONBUS_METRICS_HOST", "MOONBUS_CLUSTER_SECRET_FILE", "MOONBUS_NATS_USER",
-              "MOONBUS_NATS_PASSWORD_FILE"}
+              "MOONBUS_NATS_PASSWORD_FILE", "MOONBUS_SIGNING_KEY_FILE"}
 ROLE_ENV = {  # module -> names only that role reads
     "services.gateway": {"MOONBUS_HOST", "MOONBUS_PORT", "MOONBUS_MODEL", "MOONBUS_DTYPE", "MOONBUS_API_KEYS_FILE"},
     "services.conductor": {"MOONBUS_POLICY", "MOONBUS_ADMISSION", "MOONBUS_MODEL", "MOONBUS_DTYPE"},
     "services.cache_index": set(),
-    "services.prefill": {"MOONBUS_NODE", "MOONBUS_MODEL", "MOONBUS_DTYPE", "MOONBUS_SHM_DIR", "MOONBUS_STREAM_HOST"},
+    "services.prefill": {"MOONBUS_NODE", "MOONBUS_MODEL", "MOONBUS_DTYPE", "MOONBUS_SHM_DIR", "MOONBUS_STREAM_HOST",
+                         "MOONBUS_LINK_CERT", "MOONBUS_LINK_CA"},
     "services.decode": {"MOONBUS_NODE", "MOONBUS_MODEL", "MOONBUS_DTYPE", "MOONBUS_SHM_DIR"},
     "services.messenger": {
         "MOONBUS_MODEL", "MOONBUS_DTYPE", "MOONBUS_NODE", "MOONBUS_SHM_DIR", "MOONBUS_SSD_DIR", "MOONBUS_TRANSFER_HOST",
-        "MOONBUS_TRANSFER_PORT", "MOONBUS_ADVERTISE_HOST",
+        "MOONBUS_TRANSFER_PORT", "MOONBUS_ADVERTISE_HOST", "MOONBUS_LINK_CERT", "MOONBUS_LINK_CA",
     },
 }
 # messenger -> the worker service on the same node
@@ -154,13 +155,40 @@ ROLE_OF = {"gateway": "gateway", "conductor": "conductor", "cache_index": "cache
 
 
 @pytest.mark.parametrize("name", sorted(SERVICE_MODULES))
-def test_each_service_gets_the_cluster_key_and_its_own_role_password_only(services: dict, name: str) -> None:
+def test_each_service_gets_the_cluster_key_its_role_password_and_its_own_keys_only(services: dict, name: str) -> None:
+    from tools.moonbus.cluster import compose_secrets
+
     service, role = services[name], ROLE_OF[name]
     env = environment(service)
-    assert sorted(service["secrets"]) == sorted(["cluster-key", f"nats-{role}"])
+    links = [f"link-{name}", "link-ca"] if name in compose_secrets.LINKS else []
+    assert sorted(service["secrets"]) == sorted(["cluster-key", f"nats-{role}", f"sign-{name}", *links])
     assert env["MOONBUS_NATS_USER"] == role
     assert env["MOONBUS_NATS_PASSWORD_FILE"] == f"/run/secrets/nats-{role}"
     assert env["MOONBUS_CLUSTER_SECRET_FILE"] == "/run/secrets/cluster-key"
+    assert env["MOONBUS_SIGNING_KEY_FILE"] == f"/run/secrets/sign-{name}"
+    if links:  # the KV links run TLS in compose
+        assert env["MOONBUS_LINK_CERT"] == f"/run/secrets/link-{name}" and env["MOONBUS_LINK_CA"] == "/run/secrets/link-ca"
+    else:
+        assert "MOONBUS_LINK_CERT" not in env
+
+
+def test_compose_secrets_registers_each_services_key_and_no_container_gets_the_cas(compose: dict, tmp_path: Path) -> None:
+    """A scaled service's replicas share its key (registered as `<role>/*`); a messenger's is its own."""
+    from common import signing
+    from tools.moonbus.cluster import certs, compose_secrets
+
+    compose_secrets.prepare(tmp_path)
+    secrets_dir = tmp_path / "secrets"
+    signers = signing.Signers.read(secrets_dir / signing.SIGNERS_FILE)
+    prefill = signing.load(signing.key_file(secrets_dir, "prefill"))
+    messenger_a = signing.load(signing.key_file(secrets_dir, "messenger-a"))
+    digest = b"an event's digest"
+    assert signers.verify("prefill/prefill-0a1b-7/3", digest, prefill.sign(digest))  # any replica of prefill
+    assert not signers.verify("decode/decode-0a1b-7/3", digest, prefill.sign(digest))  # never another service
+    assert signers.verify("messenger/messenger-a/1", digest, messenger_a.sign(digest))
+    assert not signers.verify("messenger/messenger-b/1", digest, messenger_a.sign(digest))
+    handed_out = {Path(v["file"]).name for v in compose["secrets"].values()}
+    assert certs.CA_KEY not in handed_out and (secrets_dir / certs.CA_KEY).stat().st_mode & 0o077 == 0
 
 
 def test_compose_secrets_writes_every_file_compose_reads(compose: dict, tmp_path: Path) -> None:

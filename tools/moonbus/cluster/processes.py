@@ -235,14 +235,7 @@ class Cluster:
     def signing_key(self, name: str, publishers: list[str]) -> Path:
         """The process's own signing key (made once, kept across restarts), its public half
         registered in signers.json for the publishers it writes events as."""
-        path = signing.key_file(self.secrets.directory, name)
-        public = signing.new_key(path).public_hex
-        registry = self.secrets.directory / signing.SIGNERS_FILE
-        keys = json.loads(registry.read_text()) if registry.exists() else {}
-        new = {p: {"key": public, "since": time.time()} for p in publishers if keys.get(p, {}).get("key") != public}
-        if new:
-            signing.write_signers(registry, keys | new)
-        return path
+        return signing.register(self.secrets.directory, name, publishers)
 
     def planned_instances(self) -> dict[str, tuple[str, tuple[str, ...]]]:
         """name -> (kind, instance ids) of every process start_services starts that speaks for
