@@ -29,8 +29,10 @@ BLOCK = 16 * BPT
 PATTERNS = {"size:block": (BLOCK, 1), "size:1MiB": (1 << 20, 1), "size:8MiB": (8 << 20, 1),  # 8 MiB: striped by x2
             "handoff:64": (64 * BPT, 4), "handoff:256": (256 * BPT, 4), "pull:4": (4 * BLOCK, 4),
             "pull:16": (16 * BLOCK, 16)}  # name -> (bytes, messages)
-PUSH_CASES = ["ours_tcp", "ours_tcp_x2", "socket_verified", "socket", "mooncake_te_verified", "mooncake_te"]
-PULL_CASES = ["ours_tcp", "ours_tcp_unverified", "socket_verified", "socket", "mooncake_te_verified", "mooncake_te"]
+PUSH_CASES = ["ours_tcp", "ours_tcp_x2", "ours_tcp_tls", "socket_verified", "socket", "mooncake_te_verified",
+              "mooncake_te"]
+PULL_CASES = ["ours_tcp", "ours_tcp_unverified", "ours_tcp_tls", "ours_tcp_tls_unverified", "socket_verified", "socket",
+              "mooncake_te_verified", "mooncake_te"]
 TAIL_TOKENS = [32, 96]
 FIELDS = {"pattern", "kind", "case", "integrity", "bytes", "messages", "seconds", "gib_s", "runs", "runs_checked",
           "runs_verified", "intact", "vs_socket_verified", "vs_socket", "vs_mooncake_te_verified", "vs_mooncake_te"}
@@ -75,6 +77,14 @@ def test_every_pattern_has_a_row_per_case_with_the_promised_fields(report):
         if r["gib_s"] is not None:
             assert r["vs_socket_verified"] == pytest.approx(r["gib_s"] / speed[r["pattern"], "socket_verified"])
             assert r["vs_socket"] == pytest.approx(r["gib_s"] / speed[r["pattern"], "socket"])
+
+
+def test_tls_rows_state_their_cost_against_ours_without_it(report):
+    speed = {(r["pattern"], r["case"]): r["gib_s"] for r in rows_of(report)}
+    tls = [r for r in rows_of(report) if r["case"] == "ours_tcp_tls"]
+    assert {r["pattern"] for r in tls} == set(PATTERNS)
+    for r in tls:
+        assert r["vs_ours_tcp"] == pytest.approx(r["gib_s"] / speed[r["pattern"], "ours_tcp"])
 
 
 def test_each_row_says_what_integrity_work_it_does_and_the_fair_baseline_does_the_same(report):
