@@ -47,7 +47,7 @@ class ProbeReply(Wire):
 
 class TenantUsage(Wire):
     """gateway -> the other gateways (subjects.tenant_usage): what this gateway's tenants hold now,
-    so that a tenant's limits hold across every replica (services/gateway/tenants.py)."""
+    so that a tenant's limits hold across every replica (common/decide/tenancy.py)."""
 
     gateway_id: Token
     tenants: dict[str, list[int]] = {}  # tenant -> [requests in flight, tokens booked in the last minute]

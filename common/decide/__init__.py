@@ -7,6 +7,9 @@
     pool.py           a node's two tiers (DRAM, SSD): what is stored, demoted, promoted, evicted
     eviction.py       the eviction policies the pool uses (LRU, LFU, length-aware)
     perf.py           the predictors: prefill and decode step time, from a measured profile or analytically
+    learn.py          predictions that learn, per instance, from what actually happened
+    outputs.py        how many tokens a request will still generate
+    tenancy.py        tenants' limits and fair shares over every gateway replica
 
 Everything here is synchronous and pure: a snapshot (with the clock as a value) in, a decision out.
 No I/O, no clocks, no globals; nothing here imports services/ or tools/ (a test checks it).

@@ -36,6 +36,7 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
 from common import bus
+from common.decide.tenancy import TenantLimits
 from schemas import subjects
 from schemas.codec import WireError
 from schemas.route import RouteReply, RouteRequest
@@ -45,7 +46,7 @@ from services.gateway.chat import TemplateError, chat_prompt_ids, control_string
 from services.gateway.config import GatewayConfig
 from services.gateway.detokenize import Detokenizer
 from services.gateway.protocol import COMPLETION_DEFAULT_MAX_TOKENS, ApiError, GenerateRequest
-from services.gateway.tenants import OPEN, KeyBook, Tenant, TenantLimits, cache_seed
+from services.gateway.tenants import OPEN, KeyBook, Tenant, cache_seed
 
 log = logging.getLogger(__name__)
 

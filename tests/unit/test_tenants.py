@@ -1,4 +1,5 @@
-"""API keys, tenants, their limits and their cache namespaces (services/gateway/tenants.py)."""
+"""API keys, tenants, their cache namespaces (services/gateway/tenants.py) and their limits and fair
+shares (common/decide/tenancy.py)."""
 
 import json
 
@@ -6,7 +7,8 @@ import pytest
 
 from common.kv.blocks import DEFAULT_SEED, block_keys
 from common.security import hash_key
-from services.gateway.tenants import KeyBook, KeyFileError, Tenant, TenantLimits, cache_seed, parse_key_file
+from common.decide.tenancy import Tenant, TenantLimits
+from services.gateway.tenants import KeyBook, KeyFileError, cache_seed, parse_key_file
 
 
 def key_file(tmp_path, *entries):
