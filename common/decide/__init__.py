@@ -10,6 +10,7 @@
     learn.py          predictions that learn, per instance, from what actually happened
     outputs.py        how many tokens a request will still generate
     tenancy.py        tenants' limits and fair shares over every gateway replica
+    retry.py          a failed attempt's next: a migration or a re-dispatch, and whom it avoids
 
 Everything here is synchronous and pure: a snapshot (with the clock as a value) in, a decision out.
 No I/O, no clocks, no globals; nothing here imports services/ or tools/ (a test checks it).

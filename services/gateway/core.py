@@ -36,6 +36,7 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
 from common import bus
+from common.decide.retry import after_failure, spent
 from common.decide.tenancy import TenantLimits
 from schemas import subjects
 from schemas.codec import WireError
@@ -244,28 +245,15 @@ class Gateway:
         """Route the request again after a retryable error; False if its limits are spent or no
         instance took it in time (the caller then fails it with the error)."""
         started = bool(gen.token_ids)
-        # after the first token, or when its KV could not reach the decode node or its decode instance
-        # was lost, it is a migration (the prefill instance did its part); otherwise a re-dispatch of
-        # a prefill that failed
-        migrating = started or chunk.stage in ("transfer", "decode_lost")
-        if (migrating and gen.migrations >= self.cfg.max_migrations) or \
-                (not migrating and gen.redispatches >= self.cfg.prefill_retries):
+        retry = after_failure(chunk.stage, started, gen.prefill_id, gen.decode_id)
+        if spent(retry, gen.migrations, gen.redispatches, self.cfg.max_migrations, self.cfg.prefill_retries):
             log.warning("request %s: not resumed again (%d migrations, %d re-dispatches): %s", gen.request_id,
                         gen.migrations, gen.redispatches, chunk.error)
             return False
         await self.cancel(gen)  # the abandoned attempt stops wherever it still runs
-        # elsewhere first, if there is an elsewhere, away from the instance that failed: the decode instance
-        # after the first token or when it was lost, the prefill instance before, both when the KV could not
-        # travel between them. The other may well hold what the new attempt reuses (the prompt's prefix)
-        if chunk.stage == "transfer":
-            failed = (gen.prefill_id, gen.decode_id)
-        elif migrating:
-            failed = (gen.decode_id,)
-        else:
-            failed = (gen.prefill_id,)
-        gen.avoid |= {i for i in failed if i}
+        gen.avoid |= retry.avoid
         gen.attempt += 1
-        if migrating:
+        if retry.migrating:
             gen.migrations += 1
         else:
             gen.redispatches += 1
