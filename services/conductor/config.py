@@ -10,6 +10,8 @@ from common import config as common, models
 from common.decide.admission import MODES, AdmissionSettings
 from common.decide.policy import POLICIES
 
+PREFIX_INDEXES = ("local", "remote")  # where a route finds who holds its prefix
+
 
 @dataclass(frozen=True)
 class ConductorConfig:
@@ -34,7 +36,13 @@ class ConductorConfig:
     heartbeat_timeout_s: float  # forget an instance after this long without heartbeats
     lease_s: float  # forget a dispatched request after this long without an end
     sweep_interval_s: float
-    index_timeout_s: float  # no answer from the cache index in time: route as if nothing is cached
+    # local: this conductor follows the KV events into its own copy of the prefix index (no bus
+    # round trip per route; memory ~ the cache index's). remote: it asks the cache index per route
+    # (one copy for many conductors)
+    prefix_index: str
+    index_timeout_s: float  # remote: no answer from the cache index in time: route as if nothing is cached
+    index_node_timeout_s: float  # local: a node whose messenger stops sending heartbeats is dropped after this
+    index_resync_timeout_s: float  # local: how long a messenger's snapshot may take
     pipeline_group: int  # >= 2: long prompts with no reuse are prefilled by this many instances in a pipeline
     prefill_chunk: int  # the prefill instances' chunk size (a pipeline stage computes whole chunks)
     events_replicas: int  # copies of the events stream on a NATS cluster (1 = a single server)
@@ -42,8 +50,11 @@ class ConductorConfig:
 
     def __post_init__(self) -> None:
         common.check_subject_token("instance id", self.instance_id)
-        if min(self.heartbeat_timeout_s, self.lease_s, self.sweep_interval_s, self.index_timeout_s) <= 0:
+        if min(self.heartbeat_timeout_s, self.lease_s, self.sweep_interval_s, self.index_timeout_s,
+               self.index_node_timeout_s, self.index_resync_timeout_s) <= 0:
             raise ValueError("timeouts and intervals must be > 0")
+        if self.prefix_index not in PREFIX_INDEXES:
+            raise ValueError(f"prefix index must be one of {', '.join(PREFIX_INDEXES)}; got {self.prefix_index!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {self.policy!r}")
         if not 1 <= self.events_replicas <= 5:
@@ -70,7 +81,16 @@ def load(argv: list[str] | None = None) -> ConductorConfig:
     common.flag(parser, "--heartbeat-timeout", "MOONBUS_HEARTBEAT_TIMEOUT", 3.0, float, help="seconds", dest="heartbeat_timeout_s")
     common.flag(parser, "--lease", "MOONBUS_LEASE", 900.0, float, help="seconds a dispatched request may stay without an end", dest="lease_s")
     common.flag(parser, "--sweep-interval", "MOONBUS_SWEEP_INTERVAL", 0.5, float, help="seconds", dest="sweep_interval_s")
-    common.flag(parser, "--index-timeout", "MOONBUS_INDEX_TIMEOUT", 0.5, float, help="seconds", dest="index_timeout_s")
+    common.flag(parser, "--prefix-index", "MOONBUS_PREFIX_INDEX", "local",
+                help="local: keep an own copy of the prefix index, fed by the KV events (no round trip per "
+                     "route); remote: ask the cache index per route (one copy, for many conductors)")
+    common.flag(parser, "--index-timeout", "MOONBUS_INDEX_TIMEOUT", 0.5, float,
+                help="seconds to wait for the cache index (remote)", dest="index_timeout_s")
+    common.flag(parser, "--index-node-timeout", "MOONBUS_INDEX_NODE_TIMEOUT", 5.0, float,
+                help="seconds without a messenger's heartbeat before its node leaves the local index",
+                dest="index_node_timeout_s")
+    common.flag(parser, "--index-resync-timeout", "MOONBUS_INDEX_RESYNC_TIMEOUT", 10.0, float,
+                help="seconds a messenger's snapshot may take (local)", dest="index_resync_timeout_s")
     common.flag(parser, "--events-replicas", "MOONBUS_EVENTS_REPLICAS", 1, int,
                 help="replicas of the events stream when it is created (<= the NATS cluster's servers)")
     args = parser.parse_args(argv)

@@ -1,10 +1,12 @@
 """Conductor: the global scheduler. Routes each request to a (prefill, decode) pair.
 
-Per route request: the prompt's block keys -> the cache index (who holds how long a prefix) ->
-a snapshot of every instance (queued prefill seconds, decode batches, bytes being pulled from
-each node) -> the pure policy (common/decide/policy.py) and admission
-(common/decide/admission.py) -> a PrefillTask (with a pull plan when the chosen instance
-should fetch a remote prefix) and a `routed` event carrying every candidate and cost term.
+Per route request: the prompt's block keys -> who holds how long a prefix (this conductor's own
+copy of the prefix index, followed from the KV events by common/index_follow.py; or, with
+`--prefix-index remote`, a query to the cache index) -> a snapshot of every instance (queued
+prefill seconds, decode batches, bytes being pulled from each node) -> the pure policy
+(common/decide/policy.py) and admission (common/decide/admission.py) -> a PrefillTask (with a
+pull plan when the chosen instance should fetch a remote prefix) and a `routed` event carrying
+every candidate and cost term.
 The load comes from the instances themselves (common/decide/cluster_state.py): heartbeats every
 ~150 ms and a progress message at each change of state carry what each holds, and this
 conductor adds only its own dispatches that have not arrived yet, so any number of conductors
@@ -31,6 +33,7 @@ from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 from prometheus_client import Counter, Gauge, Histogram
 
 from common import bus, health, metrics, models, profiles, runner, worker
+from common.index_follow import IndexFollower, Resynced
 from common.kv.blocks import DEFAULT_SEED, block_keys
 from common.decide.perf import Profile
 from schemas import subjects
@@ -52,7 +55,7 @@ RECOVERY_RETRY_S = 5.0  # Retry-After while the only instance of a kind is being
 
 
 class ConductorMetrics:
-    def __init__(self) -> None:
+    def __init__(self, follower: IndexFollower | None = None) -> None:
         self.registry = metrics.registry()
         r = self.registry
         self.decisions = Counter("moonbus_conductor_decisions", "route decisions by outcome "
@@ -60,7 +63,7 @@ class ConductorMetrics:
         self.decide_s = Histogram("moonbus_conductor_decision_seconds", "the pure decision: snapshot, policy, admission",
                                   buckets=metrics.FAST_BUCKETS, registry=r)
         self.route_s = Histogram("moonbus_conductor_route_seconds", "a route request end to end at the conductor "
-                                 "(hashing, the cache index round trip, the decision, dispatch)",
+                                 "(hashing, the prefix lookup, the decision, dispatch)",
                                  buckets=metrics.FAST_BUCKETS, registry=r)
         self.prefill_queue = Gauge("moonbus_conductor_prefill_queue_seconds", "predicted queued prefill work",
                                    ["instance"], registry=r)
@@ -76,16 +79,28 @@ class ConductorMetrics:
                                "subject (their sender's own credentials) does not name", ["kind"], registry=r)
         self.threshold = Gauge("moonbus_conductor_balancing_threshold", "the kvcache-centric policy's balancing "
                                "threshold as learned from pulls' TTFT against recomputes'", registry=r)
+        if follower is not None:  # --prefix-index local: this conductor's own copy of the index
+            index = follower.index
+            Gauge("moonbus_conductor_index_holdings", "(block, node) pairs in this conductor's copy of the prefix "
+                  "index", registry=r).set_function(index.num_holdings)
+            Gauge("moonbus_conductor_index_nodes", "nodes synced into this conductor's copy of the prefix index",
+                  registry=r).set_function(lambda: len(index.nodes))
+            self.index_resyncs = Counter("moonbus_conductor_index_resyncs", "nodes reloaded from their messenger's "
+                                         "snapshot into this conductor's index", ["reason"], registry=r)
 
 
 class ConductorService:
-    def __init__(self, cfg: ConductorConfig, nc, perf: Profile, kv_bytes_per_token: int, layout: Layout | None = None) -> None:
+    def __init__(self, cfg: ConductorConfig, nc, tasks: runner.TaskGroup, perf: Profile, kv_bytes_per_token: int,
+                 layout: Layout | None = None) -> None:
         self.cfg = cfg
         self.nc = nc
         self.perf = perf
         self.events = bus.EventPublisher.of(nc, "conductor", cfg)
         self.state = ClusterState(cfg.heartbeat_timeout_s, cfg.lease_s, layout, perf, cfg.kvcache_balancing_threshold)
-        self.metrics = ConductorMetrics()
+        # NOTE: no `resynced` audit events from here: the cache index writes them, once per cluster
+        self.follower = IndexFollower(nc, tasks, cfg.index_resync_timeout_s, cfg.index_node_timeout_s,
+                                      on_resynced=self.index_resynced) if cfg.prefix_index == "local" else None
+        self.metrics = ConductorMetrics(self.follower)
         self.refused: set[str] = set()  # instance ids told so, not to repeat it every heartbeat
         self.spoofs_audited: dict[tuple[str, str], float] = {}  # (subject, claimed id) -> when last audited
         self.settings = policy.PolicySettings(cfg.policy, cfg.kvcache_balancing_threshold, cfg.link_bytes_s,
@@ -98,7 +113,12 @@ class ConductorService:
         info = WorkerInfo.from_bytes(msg.data)  # a malformed one raises: logged and dropped
         if not subjects.speaks_for(msg.subject, info.role, info.instance_id):
             return await self.spoof("heartbeat", msg.subject, info.instance_id)
+        if self.follower is not None:
+            self.follower.heard(info)  # a messenger's: its node is synced into the local index
         await self.heard(info)
+
+    async def index_resynced(self, done: Resynced) -> None:
+        self.metrics.index_resyncs.labels(done.kind).inc()
 
     async def on_progress(self, msg: Msg) -> None:
         """A request changed state at an instance: its report, and the change itself."""
@@ -295,9 +315,12 @@ class ConductorService:
         return PipelineSpec(list(stages), addrs, self.cfg.prefill_chunk)
 
     async def prefix_holders(self, request_id: str, keys: list[int]) -> dict[str, int]:
-        """node -> leading blocks of `keys` it holds; empty (recompute) if the index does not answer."""
+        """node -> leading blocks of `keys` it holds: from the local index (a node not synced yet
+        holds nothing), or asked of the cache index; empty (recompute) if that does not answer."""
         if not keys:
             return {}
+        if self.follower is not None:
+            return self.follower.holders(keys)
         try:
             msg = await self.nc.request(subjects.INDEX_QUERY, IndexQuery(keys).to_bytes(), timeout=self.cfg.index_timeout_s)
             reply = IndexReply.from_bytes(msg.data)
@@ -339,6 +362,8 @@ class ConductorService:
 
     async def sweep(self) -> None:
         now = time.monotonic()
+        if self.follower is not None:
+            self.follower.sweep()
         if not self.nc.is_connected:  # our silence, not theirs: nobody is lost while we are away
             self.offline = True
             return
@@ -374,8 +399,10 @@ async def serve(cfg: ConductorConfig, stop: asyncio.Event) -> bool:
     await bus.ensure_events_stream(nc, replicas=cfg.events_replicas)
     shape = models.read_shape(ref)
     layout = Layout(ref.name, cfg.block_tokens, cfg.prefill_chunk, shape.kv_layout(cfg.block_tokens, cfg.dtype).signature)
-    service = ConductorService(cfg, nc, perf, shape.kv_bytes_per_token(cfg.dtype), layout)
     tasks = runner.TaskGroup(stop)
+    service = ConductorService(cfg, nc, tasks, perf, shape.kv_bytes_per_token(cfg.dtype), layout)
+    if service.follower is not None:  # before the heartbeats: no event after a node's first snapshot is missed
+        await bus.subscribe(nc, subjects.KV_EVENTS_ALL, service.follower.on_kv_event)
     await bus.subscribe(nc, subjects.WORKER_HEARTBEAT_ALL, service.on_heartbeat)
     await bus.subscribe(nc, subjects.CONDUCTOR_ROUTE, service.on_route, queue=subjects.CONDUCTOR_QUEUE)
     await bus.subscribe(nc, subjects.CONDUCTOR_STATUS, service.on_status)
@@ -387,8 +414,9 @@ async def serve(cfg: ConductorConfig, stop: asyncio.Event) -> bool:
     tasks.spawn(bus.watchdog(nc), "broker-watchdog")
     tasks.spawn(health.beacon(cfg.health_file, nc, stop), "health", essential=False)
     metrics.serve(cfg.metrics_port, service.metrics.registry, cfg.metrics_host)
-    log.info("conductor %s ready: policy %s%s, admission %s (ttft slo %gs, tbt slo %gs), profile %s",
-             cfg.instance_id, cfg.policy, " (colocated)" if cfg.colocate else "", cfg.admission.mode, cfg.admission.ttft_slo_s, cfg.admission.tbt_slo_s, source)
+    log.info("conductor %s ready: policy %s%s, admission %s (ttft slo %gs, tbt slo %gs), profile %s, %s prefix index",
+             cfg.instance_id, cfg.policy, " (colocated)" if cfg.colocate else "", cfg.admission.mode,
+             cfg.admission.ttft_slo_s, cfg.admission.tbt_slo_s, source, cfg.prefix_index)
     await stop.wait()
     await tasks.cancel_all()
     await bus.shutdown(nc)

@@ -6,21 +6,29 @@ Setup, all on loopback, in a temporary home:
     --block-tokens 16 --profile <fixed profile>`, policy kvcache-centric, predictive admission with
     the default SLOs. The profile has fixed coefficients of the order of tiny-random on a CPU (the
     timing does not depend on them), so nothing is profiled.
+  - side by side (--live-prefix-index, the first is ours): for each conductor count, conductors
+    that keep their own copy of the prefix index (`--prefix-index local`, fed by the KV events:
+    no bus round trip per route), then conductors that ask the cache index per route (`remote`),
+    each started fresh for its phase and stopped after it, so that only one kind answers at a
+    time and both meet the machine at about the same moment.
   - this process plays the fleet (tools/moonbus/bench/fleet.py): 16 prefill + 16 decode instances
     on 32 nodes, heartbeats with load reports every 150 ms, and one messenger per node whose
     snapshot gives the real cache index the blocks: the first rows of the conversation trace,
     prompts and keys as `moonbus replay` and the conductor make them, stored on the prefill nodes
     round robin until --live-blocks (node, key) entries. The later rows are the queries.
-  - timing starts once the cache index holds every block (INDEX_DUMP per node) and every conductor
-    sees every instance (CONDUCTOR_STATUS, one reply per conductor).
+  - timing starts once the cache index holds every block (INDEX_DUMP per node), every conductor
+    sees every instance (CONDUCTOR_STATUS, one reply per conductor) and, with a local index, every
+    conductor's copy holds every block (its moonbus_conductor_index_holdings metric).
 
 Timed here (time.perf_counter_ns): a RouteRequest on CONDUCTOR_ROUTE until its RouteReply is
 decoded; that is, this client's send, the broker, the conductor's decode and key hashing, its
-cache index query (another round trip), policy, admission, the `routed` event and the dispatch,
-and the reply back. After each reply a Cancel ends the request's load at its conductor (the fake
-instances never report it). Latency: one route in flight; routes/s: --live-concurrency in flight.
+prefix lookup (local: in memory; remote: a cache index query, another round trip), policy,
+admission, the `routed` event and the dispatch, and the reply back. After each reply a Cancel ends
+the request's load at its conductor (the fake instances never report it). Latency: one route in
+flight; routes/s: --live-concurrency in flight.
 Afterwards the `routed` events in the stream tell which conductor answered each timed route and
-how long a prefix the index found. Every process shares this machine's cores; the report says so.
+how long a prefix the index found. Every process shares this machine's cores (those this process
+may run on: os.sched_getaffinity); the report says how many.
 """
 
 from __future__ import annotations
@@ -29,8 +37,10 @@ import argparse
 import asyncio
 import gc
 import os
+import subprocess
 import tempfile
 import time
+import urllib.request
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +59,7 @@ from schemas.index import IndexDumpReply, IndexDumpRequest
 from schemas.route import RouteReply, RouteRequest, SamplingParams
 from schemas.tokens import Cancel
 from schemas.workers import Layout, StatusReply
+from services.conductor.config import PREFIX_INDEXES
 from tools.moonbus.bench.fleet import BLOCK_TOKENS, FakeFleet, PromptBuilder, store_blocks
 from tools.moonbus.bench.route_report import Phase, cpu_per_route, events_summary, phase_row, summary
 from tools.moonbus.cluster.processes import Cluster, ClusterError, ClusterSpec, free_port
@@ -83,10 +94,15 @@ class LiveConfig:
     concurrency: int = 32
     model_home: Path = default_home()  # where tiny-random is built once and reused
     index_timeout_s: float = 0.5  # the conductors' --index-timeout (their default)
+    prefix_indexes: tuple[str, ...] = ("local", "remote")  # the conductors' --prefix-index, ours first
 
     def __post_init__(self) -> None:
         if not self.conductors or min(self.conductors) < 1 or list(self.conductors) != sorted(set(self.conductors)):
-            raise ValueError(f"conductor counts must be >= 1 and increasing (conductors are added), got {self.conductors}")
+            raise ValueError(f"conductor counts must be >= 1 and increasing, got {self.conductors}")
+        if not self.prefix_indexes or len(set(self.prefix_indexes)) != len(self.prefix_indexes) \
+                or not set(self.prefix_indexes) <= set(PREFIX_INDEXES):
+            raise ValueError(f"prefix indexes must be distinct, from {', '.join(PREFIX_INDEXES)}; "
+                             f"got {self.prefix_indexes}")
         if min(self.prefill, self.decode, self.blocks, self.queries, self.latency_routes,
                self.throughput_routes, self.concurrency) < 1 or self.warmup < 0 or self.index_timeout_s <= 0:
             raise ValueError("instance, block, query and route counts must be >= 1 (warmup >= 0, index timeout > 0)")
@@ -95,7 +111,8 @@ class LiveConfig:
     def from_args(cls, args: argparse.Namespace) -> LiveConfig:
         return cls(tuple(int(n) for n in args.live_conductors.split(",")), args.live_prefill, args.live_decode,
                    args.live_blocks, args.live_queries, args.live_warmup, args.live_latency_routes,
-                   args.live_throughput_routes, args.live_concurrency, args.live_model_home, args.live_index_timeout)
+                   args.live_throughput_routes, args.live_concurrency, args.live_model_home, args.live_index_timeout,
+                   tuple(m.strip() for m in args.live_prefix_index.split(",") if m.strip()))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -117,6 +134,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--live-index-timeout", type=float, default=d.index_timeout_s,
                         help="the conductors' --index-timeout, seconds: a route whose index query takes longer goes "
                              "on as if nothing were cached (counted in index_timeouts)")
+    parser.add_argument("--live-prefix-index", default=",".join(d.prefix_indexes),
+                        help="the conductors' --prefix-index, side by side; the first is ours (its rows are judged "
+                             "against the goals), the others are compared with it")
 
 
 def run_live(cfg: LiveConfig, rows: list[TraceRow]) -> dict:
@@ -169,41 +189,72 @@ async def _drive(cfg: LiveConfig, cluster: Cluster, layout: Layout, perf: Profil
                  blocks: dict[str, list[int]], queries: list[list[int]]) -> dict:
     nc = await bus.connect(cluster.spec.nats_url, "bench-route", first_connect_timeout_s=20)
     fleet = FakeFleet(nc, layout, perf, cfg.prefill, cfg.decode, blocks)
+    rows: dict[str, list[dict]] = {mode: [] for mode in cfg.prefix_indexes}  # --prefix-index -> a row per count
     try:
         await fleet.start()
         indexed = await _wait_indexed(nc, cluster, blocks)
         client = RouteClient(nc, queries)
-        rows, started, timeouts = [], 0, 0
         for n in cfg.conductors:
-            for i in range(started, n):
-                cluster.service(f"conductor-{i}", "conductor", "--model", MODEL, "--block-tokens", str(BLOCK_TOKENS),
-                                "--profile", cluster.spec.profile, "--policy", "kvcache-centric",
-                                "--admission", "predictive", "--prefill-chunk", str(PREFILL_CHUNK),
-                                "--index-timeout", str(cfg.index_timeout_s))
-            started = max(started, n)
-            await _wait_conductors(nc, cluster, started, fleet.num_instances)
-            load = os.getloadavg()[0]
-            await client.phase(f"c{n}-warm", cfg.warmup, 1)
-            latency = await client.phase(f"c{n}-lat", cfg.latency_routes, 1)
-            cpu_before = _cpu_seconds(cluster)
-            throughput = await client.phase(f"c{n}-tput", cfg.throughput_routes, cfg.concurrency)
-            cpu = cpu_per_route(cpu_before, _cpu_seconds(cluster), len(throughput.ns))
-            seen = _index_timeouts(cluster)  # this count's routes, warmup included
-            row = phase_row(n, indexed, latency, throughput, load)
-            rows.append(row | {"cpu_us_per_route": cpu, "index_timeouts": seen - timeouts})
-            timeouts = seen
+            for mode in cfg.prefix_indexes:  # side by side: the same count, one kind after the other
+                names = _start_conductors(cluster, cfg, n, mode)
+                try:
+                    await _wait_conductors(nc, cluster, n, fleet.num_instances)
+                    if mode == "local":
+                        await _wait_local_index(cluster, names, indexed)
+                    row = await _measure(cfg, cluster, client, f"{mode}-c{n}", n, indexed)
+                finally:
+                    _stop_conductors(cluster, names)
+                rows[mode].append(row | {"prefix_index": mode})
         routed = await _routed_events(nc, client.sent)
     finally:
         await fleet.stop()
         await bus.shutdown(nc)
-    for row in rows:
-        row |= events_summary(routed, row["conductors"])
+    for mode, mode_rows in rows.items():
+        for row in mode_rows:
+            row |= events_summary(routed, f"{mode}-c{row['conductors']}")
     setup = {"prefill_instances": cfg.prefill, "decode_instances": cfg.decode, "nodes": cfg.prefill + cfg.decode,
              "blocks_indexed": indexed, "block_tokens": BLOCK_TOKENS, "model": MODEL, "policy": "kvcache-centric",
              "admission": "predictive", "concurrency": cfg.concurrency, "warmup_routes": cfg.warmup,
-             "index_timeout_s": cfg.index_timeout_s,
-             "heartbeats_per_s": round(fleet.heartbeats_per_s, 1), "cpu_cores": os.cpu_count() or 1}
-    return summary(rows, setup, started)
+             "index_timeout_s": cfg.index_timeout_s, "prefix_indexes": list(cfg.prefix_indexes),
+             "heartbeats_per_s": round(fleet.heartbeats_per_s, 1), "cpu_cores": len(os.sched_getaffinity(0))}
+    return summary(rows, setup, cfg.conductors[-1])
+
+
+def _start_conductors(cluster: Cluster, cfg: LiveConfig, n: int, mode: str) -> list[str]:
+    """n fresh conductors with `--prefix-index mode`; their names (conductor-0, ...)."""
+    names = [f"conductor-{i}" for i in range(n)]
+    for name in names:
+        cluster.service(name, "conductor", "--model", MODEL, "--block-tokens", str(BLOCK_TOKENS),
+                        "--profile", cluster.spec.profile, "--policy", "kvcache-centric",
+                        "--admission", "predictive", "--prefill-chunk", str(PREFILL_CHUNK),
+                        "--index-timeout", str(cfg.index_timeout_s), "--prefix-index", mode)
+    return names
+
+
+def _stop_conductors(cluster: Cluster, names: list[str]) -> None:
+    """Stop a phase's conductors (they drain and leave the route queue group) before the next starts."""
+    procs = [cluster.procs.pop(name) for name in names if name in cluster.procs]
+    for proc in procs:
+        proc.popen.terminate()
+    for proc in procs:
+        try:
+            proc.popen.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.popen.kill()
+            proc.popen.wait()
+
+
+async def _measure(cfg: LiveConfig, cluster: Cluster, client: RouteClient, tag: str, n: int, indexed: int) -> dict:
+    """Warm up, time one route in flight, then --live-concurrency in flight: one `live_route` row."""
+    load = os.getloadavg()[0]
+    timeouts = _index_timeouts(cluster)  # the logs of reused names hold earlier phases' lines
+    await client.phase(f"{tag}-warm", cfg.warmup, 1)
+    latency = await client.phase(f"{tag}-lat", cfg.latency_routes, 1)
+    cpu_before = _cpu_seconds(cluster)
+    throughput = await client.phase(f"{tag}-tput", cfg.throughput_routes, cfg.concurrency)
+    cpu = cpu_per_route(cpu_before, _cpu_seconds(cluster), len(throughput.ns))
+    row = phase_row(n, indexed, latency, throughput, load)
+    return row | {"cpu_us_per_route": cpu, "index_timeouts": _index_timeouts(cluster) - timeouts}  # warmup included
 
 
 async def _wait_indexed(nc, cluster: Cluster, blocks: dict[str, list[int]]) -> int:
@@ -224,6 +275,33 @@ async def _wait_indexed(nc, cluster: Cluster, blocks: dict[str, list[int]]) -> i
                                  f"{READY_TIMEOUT_S:.0f} s; logs in {cluster.log_dir}")
         await asyncio.sleep(0.2 if missing else 0)
     return sum(len(keys) for keys in blocks.values())
+
+
+async def _wait_local_index(cluster: Cluster, names: list[str], indexed: int) -> None:
+    """Until each conductor's own copy of the index holds every (node, key) entry (its metric)."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    waiting = {name: cluster.procs[name].metrics for name in names}
+    held: dict[str, float] = {}
+    while waiting:
+        cluster.check_alive()
+        for name, url in list(waiting.items()):
+            held[name] = await asyncio.to_thread(_metric, url, "moonbus_conductor_index_holdings")
+            if held[name] == indexed:
+                del waiting[name]
+        if waiting and time.monotonic() > deadline:
+            raise LiveBenchError(f"the local indexes of {sorted(waiting)} did not load the {indexed:,} blocks in "
+                                 f"{READY_TIMEOUT_S:.0f} s (held: {held}); logs in {cluster.log_dir}")
+        await asyncio.sleep(0.2 if waiting else 0)
+
+
+def _metric(url: str, name: str) -> float:
+    """One unlabelled metric from a Prometheus endpoint; -1 while it does not answer or lacks it."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return -1.0
+    return next((float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " ")), -1.0)
 
 
 async def _wait_conductors(nc, cluster: Cluster, conductors: int, instances: int) -> None:

@@ -1,5 +1,6 @@
 """The live-route rows of `moonbus bench conductor` (tools/moonbus/bench/route.py runs them): what
-one phase measured, a row per conductor count, the `live` section of the report, and its table."""
+one phase measured, a row per conductor count and prefix index (local, remote), the `live`
+section of the report with ours against the other, and its table."""
 
 from __future__ import annotations
 
@@ -50,9 +51,10 @@ def cpu_per_route(before: dict[str, float], after: dict[str, float], routes: int
     return out
 
 
-def events_summary(routed: dict[str, dict], conductors: int) -> dict:
-    """What the timed routes' events say: which conductor answered how many, and index hits."""
-    prefixes = (f"c{conductors}-lat-", f"c{conductors}-tput-")
+def events_summary(routed: dict[str, dict], tag: str) -> dict:
+    """What the timed routes of phase `tag` (e.g. "local-c3") say in their events: which conductor
+    answered how many, and index hits."""
+    prefixes = (f"{tag}-lat-", f"{tag}-tput-")
     mine = [e for rid, e in routed.items() if rid.startswith(prefixes)]
     n = max(1, len(mine))
     return {"routed_events": len(mine), "answered_by": dict(sorted(Counter(e["by"] for e in mine).items())),
@@ -61,21 +63,40 @@ def events_summary(routed: dict[str, dict], conductors: int) -> dict:
             "mean_reused_blocks": sum(e["prefix_blocks"] for e in mine) / n}
 
 
-def summary(rows: list[dict], setup: dict, conductors: int) -> dict:
-    """The `live` section: the rows, the ratio of the last conductor count's routes/s to the first's,
-    the goals, the setup, and what else shares the cores."""
+def versus(ours: dict, theirs: dict) -> dict:
+    """Ours over theirs at one conductor count, as every bench ratio (lower is better for times,
+    higher for routes/s)."""
+    return {"conductors": ours["conductors"], "ratio_p50": ours["p50_us"] / theirs["p50_us"],
+            "ratio_p99": ours["p99_us"] / theirs["p99_us"],
+            "ratio_routes_per_s": ours["routes_per_s"] / theirs["routes_per_s"]}
+
+
+def compared(ours: list[dict], theirs: list[dict]) -> dict:
+    """Another prefix index's rows, its own ratio of routes/s, and ours over it per conductor count."""
+    return {"rows": theirs, "ratio_routes_per_s": theirs[-1]["routes_per_s"] / theirs[0]["routes_per_s"],
+            "ours_vs": [versus(o, t) for o, t in zip(ours, theirs)]}
+
+
+def summary(rows_by_index: dict[str, list[dict]], setup: dict, conductors: int) -> dict:
+    """The `live` section: our rows (the first --prefix-index) with the ratio of the last conductor
+    count's routes/s to the first's and the goals; every other prefix index's rows and ratios to
+    ours; the setup, and what else shares the cores."""
+    ours, *others = rows_by_index
+    rows = rows_by_index[ours]
     first, last = rows[0], rows[-1]
     cores, beats = setup["cpu_cores"], setup["heartbeats_per_s"]
     return {
+        "prefix_index": ours,
         "rows": rows,
         "ratio_routes_per_s": last["routes_per_s"] / first["routes_per_s"],
         "ratio_of": f"{last['conductors']} vs {first['conductors']} conductors",
         "goal_p99_us": GOAL_P99_US, "goal_p99_met": all(r["p99_us"] <= GOAL_P99_US for r in rows),
         "goal_ratio": GOAL_RATIO, "goal_ratio_met": last["routes_per_s"] / first["routes_per_s"] >= GOAL_RATIO,
+        "compared": {mode: compared(rows, rows_by_index[mode]) for mode in others},
         "setup": setup,
-        "shares_cores_with": (f"all on this machine's {cores} cores: nats-server (JetStream writes every routed "
-                              f"event to disk), the cache index, up to {conductors} conductors, and this Python "
-                              f"process (the timing client and the fake fleet's "
+        "shares_cores_with": (f"all on the {cores} cores this process may use (os.sched_getaffinity): nats-server "
+                              f"(JetStream writes every routed event to disk), the cache index, up to {conductors} "
+                              f"conductors, and this Python process (the timing client and the fake fleet's "
                               f"{beats:.0f} heartbeats/s, which every conductor and the cache "
                               f"index decode), besides whatever else runs here (load_average_1m per row)"),
     }
@@ -86,41 +107,52 @@ def print_rows(live: dict) -> None:
     if "error" in live:
         print(f"\n  live route: FAILED: {live['error']}")
         return
-    s = live["setup"]
-    print(f"\n  live route, end to end: RouteRequest -> nats-server -> conductor -> cache index -> conductor "
-          f"-> RouteReply, then a Cancel")
+    s, ours = live["setup"], live["prefix_index"]
+    every = [*live["rows"], *(r for c in live["compared"].values() for r in c["rows"])]
+    every.sort(key=lambda r: (r["conductors"], s["prefix_indexes"].index(r["prefix_index"])))
+    print("\n  live route, end to end: RouteRequest -> nats-server -> conductor (-> cache index -> conductor, "
+          "with a remote prefix index) -> RouteReply, then a Cancel")
     print(f"  {s['prefill_instances']} prefill + {s['decode_instances']} decode fake instances on {s['nodes']} "
-          f"nodes; the cache index holds {s['blocks_indexed']:,} blocks ({s['trace_rows_stored']:,} trace rows, "
-          f"{s['block_tokens']}-token blocks); {s['query_prompts']:,} query prompts of "
-          f"{s['mean_query_tokens']:.0f} tokens on average")
+          f"nodes; the cache index (and each local index) holds {s['blocks_indexed']:,} blocks "
+          f"({s['trace_rows_stored']:,} trace rows, {s['block_tokens']}-token blocks); {s['query_prompts']:,} query "
+          f"prompts of {s['mean_query_tokens']:.0f} tokens on average")
     print(f"  latency with 1 route in flight; routes/s and loaded latency with {s['concurrency']} in flight; "
-          f"best pfx = mean longest prefix (blocks) the index found\n")
-    head = (f"  {'conductors':>10}{'routes/s':>10}{'p50 us':>9}{'p99 us':>9}{'loaded p50/p99 us':>20}"
+          f"best pfx = mean longest prefix (blocks) the index found; index = the conductors' --prefix-index\n")
+    head = (f"  {'conductors':>10}{'index':>8}{'routes/s':>10}{'p50 us':>9}{'p99 us':>9}{'loaded p50/p99 us':>20}"
             f"{'admitted':>10}{'idx hits':>10}{'best pfx':>10}{'load 1m':>9}   answered by")
     print(head)
     print("  " + "-" * (len(head) - 2))
-    for r in live["rows"]:
+    for r in every:
         loaded = f"{r['loaded_p50_us']:.0f}/{r['loaded_p99_us']:.0f}"
         by = ", ".join(f"{k} {v}" for k, v in r["answered_by"].items()) or "(no routed events)"
-        print(f"  {r['conductors']:>10}{r['routes_per_s']:>10,.0f}{r['p50_us']:>9.0f}{r['p99_us']:>9.0f}{loaded:>20}"
-              f"{r['admitted_share']:>10.1%}{r['index_hit_share']:>10.1%}{r['mean_best_prefix_blocks']:>10.1f}"
-              f"{r['load_average_1m']:>9.2f}   {by}")
+        print(f"  {r['conductors']:>10}{r['prefix_index']:>8}{r['routes_per_s']:>10,.0f}{r['p50_us']:>9.0f}"
+              f"{r['p99_us']:>9.0f}{loaded:>20}{r['admitted_share']:>10.1%}{r['index_hit_share']:>10.1%}"
+              f"{r['mean_best_prefix_blocks']:>10.1f}{r['load_average_1m']:>9.2f}   {by}")
     kinds = ("conductor", "cache_index", "nats", "bench")
     print(f"\n  CPU us per route while {s['concurrency']} in flight (heartbeats and stream writes included)")
-    print(f"  {'conductors':>10}" + "".join(f"{k:>13}" for k in kinds) + f"{'total':>9}   ceiling on {s['cpu_cores']} cores")
-    for r in live["rows"]:
+    print(f"  {'conductors':>10}{'index':>8}" + "".join(f"{k:>13}" for k in kinds)
+          + f"{'total':>9}   ceiling on {s['cpu_cores']} cores")
+    for r in every:
         cpu = r["cpu_us_per_route"]
         ceiling = s["cpu_cores"] * 1e6 / cpu["total"] if cpu["total"] else float("nan")
-        print(f"  {r['conductors']:>10}" + "".join(f"{cpu.get(k, 0.0):>13.0f}" for k in kinds)
+        print(f"  {r['conductors']:>10}{r['prefix_index']:>8}" + "".join(f"{cpu.get(k, 0.0):>13.0f}" for k in kinds)
               + f"{cpu['total']:>9.0f}   {ceiling:,.0f} routes/s")
+    for mode, compared in live["compared"].items():
+        print(f"\n  {ours} / {mode} prefix index (lower is better for times, higher for routes/s)")
+        for v in compared["ours_vs"]:
+            print(f"  {v['conductors']:>10} conductor(s): p50 x{v['ratio_p50']:.2f}, p99 x{v['ratio_p99']:.2f}, "
+                  f"routes/s x{v['ratio_routes_per_s']:.2f}")
     met = "MET" if live["goal_ratio_met"] else "NOT MET"
-    print(f"\n  routes/s, {live['ratio_of']}: x{live['ratio_routes_per_s']:.2f} (goal >= x{live['goal_ratio']:.1f}: {met})")
+    print(f"\n  routes/s, {live['ratio_of']} on {s['cpu_cores']} cores: {ours} x{live['ratio_routes_per_s']:.2f} "
+          f"(goal >= x{live['goal_ratio']:.1f}: {met})"
+          + "".join(f", {mode} x{c['ratio_routes_per_s']:.2f}" for mode, c in live["compared"].items()))
     p99 = ", ".join(f"{r['conductors']}: {r['p99_us']:.0f} us" for r in live["rows"])
-    print(f"  goal live p99 <= {live['goal_p99_us']:.0f} us: {'MET' if live['goal_p99_met'] else 'NOT MET'} ({p99})")
+    print(f"  goal live p99 <= {live['goal_p99_us']:.0f} us ({ours} index): "
+          f"{'MET' if live['goal_p99_met'] else 'NOT MET'} ({p99})")
     print(f"  {live['shares_cores_with']}")
-    timeouts = sum(r["index_timeouts"] for r in live["rows"])
+    timeouts = sum(r["index_timeouts"] for r in every)
     if timeouts:
         print(f"  {timeouts} routes were sent on as if nothing were cached: the cache index did not answer in time")
-    unanswered = sum(r["unanswered"] for r in live["rows"])
+    unanswered = sum(r["unanswered"] for r in every)
     if unanswered:
         print(f"  {unanswered} routes got no answer in time")

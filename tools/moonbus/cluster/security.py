@@ -9,7 +9,9 @@ each with the permissions its role needs (ROLES below). Who may do what on the b
   gateway      route, status, cancel, probe; reads its tokens; writes the events it owns
                (received, first_token, migrated and the terminal ones). No heartbeats, no KV events.
   conductor    reads heartbeats, progress, cancels, route requests; dispatches prefill tasks;
-               answers status; asks the index; creates the events stream; writes routed events
+               answers status; asks the index; creates the events stream; writes routed events;
+               for its own copy of the index (--prefix-index local) reads KV events and asks
+               messengers for snapshots
   cache_index  reads KV events and heartbeats; answers queries; asks messengers for snapshots
   messenger    the only role that writes KV events; answers its node's pool ops
   prefill      reads its tasks, cancels, probes; sends tokens, progress, decode tasks, pool ops
@@ -61,10 +63,10 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
     ),
     "conductor": (
         ["moonbus.prefill.*.tasks", "moonbus.tokens.*", "moonbus.control.refused.*", "moonbus.index.query",
-         *_events("routed", "pipelined"), "moonbus.events.instance.*.*",
+         "moonbus.messenger.*.snapshot", *_events("routed", "pipelined"), "moonbus.events.instance.*.*",
          "$JS.API.INFO", "$JS.API.STREAM.CREATE.MOONBUS_EVENTS", "$JS.API.STREAM.INFO.MOONBUS_EVENTS"],
         [_HEARTBEAT, "moonbus.conductor.route", "moonbus.conductor.status", "moonbus.control.progress.*",
-         "moonbus.control.alive.*", "moonbus.control.exited.*", "moonbus.requests.cancel"],
+         "moonbus.control.alive.*", "moonbus.control.exited.*", "moonbus.requests.cancel", "moonbus.events.kv.>"],
     ),
     "cache_index": (
         [_beat("cache_index"), "moonbus.messenger.*.snapshot", "moonbus.events.instance.resynced.*"],
