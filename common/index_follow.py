@@ -91,6 +91,9 @@ class IndexFollower:
             return  # e.g. "corrupt": audit only
         data = KvEventData.from_dict(event.data)
         check_token("node", data.node)
+        if not subjects.speaks_for(msg.subject, data.node):  # only a node's own messenger may publish there
+            log.warning("KV event for node %s on subject %s dropped: not that node's subject", data.node, msg.subject)
+            return
         kv_event = KvEvent(data.node, data.seq, event.kind, tuple(data.keys), data.tier)
         if data.node in self.syncing:
             self.syncing[data.node].append(kv_event)  # applied after the snapshot, if newer than it

@@ -24,6 +24,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from common.security import LINK_NONCE_BYTES, link_proof, read_secret
 from common.transport import Transports, TransportError, checksum
 from schemas import subjects
+from schemas.events import Event
+from schemas.index import IndexDumpReply, IndexDumpRequest
+from schemas.pool import KvEventData, SnapshotReply
 from schemas.transfer import CallFrame, WriteFrame
 from schemas.workers import WorkerInfo
 from tests.integration.conftest import start_cluster
@@ -342,6 +345,47 @@ async def test_an_instance_speaks_only_for_itself(guarded):
     assert spoofed and spoofed[0]["data"]["subject"] == own, spoofed
     assert await instance_events(cluster, "refused", "decode-0", wait_s=1.0) == []
     assert cluster.procs["decode-0"].popen.poll() is None  # it never heard a refusal
+    status, reply, _ = await call(cluster, completion("still served?"), issued["acme"])
+    assert status == 200, reply
+
+
+async def test_a_messenger_speaks_only_for_its_own_nodes_pool(guarded):
+    """A KV event says which blocks a node holds; any messenger's user could once publish them for
+    any node, so one node's messenger could make the index (and every route) believe another node
+    holds a prefix. Now the bus takes a messenger's KV events only on its own node's subjects, and
+    the cache index and conductors take an event only from the subject of the node it names."""
+    cluster, issued = guarded
+    admin = await nats.connect(cluster.spec.nats_url)
+    snap = SnapshotReply.from_bytes((await admin.request(subjects.messenger_control("node-d0", "snapshot"), b"{}",
+                                                         timeout=10)).data)
+    forged_keys = [0x7EA5E0000 + i for i in range(4)]
+    forged = Event("stored", 0.0, "messenger", "messenger-p0",
+                   data=KvEventData("node-d0", snap.epoch, snap.seq + 1, forged_keys, "dram").to_dict()).to_bytes()
+    user = instance_user("messenger-p0")
+    errors: list[str] = []
+
+    async def on_error(exc):
+        errors.append(str(exc))
+
+    nc = await nats.connect(cluster.spec.nats_addr, user=user, password=cluster.secrets.password(user),
+                            error_cb=on_error, allow_reconnect=False, inbox_prefix=f"_INBOX_{user}")
+    theirs, own = subjects.kv_event("stored", "node-d0"), subjects.kv_event("stored", "node-p0")
+    await nc.publish(theirs, forged)  # on node-d0's subject: the bus refuses
+    await nc.publish(own, forged)  # on its own subject, in node-d0's name: the followers drop it
+    await nc.flush()
+    await asyncio.sleep(0.5)
+    await nc.close()
+    assert any(theirs in e for e in errors), errors
+    index = cluster.log_dir / "cache_index.log"
+    for _ in range(100):
+        if "not that node's subject" in index.read_text():
+            break
+        await asyncio.sleep(0.1)
+    dump = IndexDumpReply.from_bytes((await admin.request(subjects.INDEX_DUMP, IndexDumpRequest("node-d0").to_bytes(),
+                                                          timeout=10)).data)
+    await admin.close()
+    assert not set(forged_keys) & set(dump.keys)
+    assert f"KV event for node node-d0 on subject {own} dropped" in index.read_text()
     status, reply, _ = await call(cluster, completion("still served?"), issued["acme"])
     assert status == 200, reply
 

@@ -31,8 +31,9 @@ def test_a_cluster_server_has_authenticated_routes_and_the_same_users(tmp_path):
 
 def test_a_process_of_its_own_may_speak_only_for_its_instances(tmp_path):
     secrets = ClusterSecrets.create(tmp_path / "secrets")
-    processes = {"decode-0": ("decode", ("decode-0",)),
-                 "coupled-0": ("coupled", ("coupled-0-prefill", "coupled-0-decode"))}
+    processes = {"decode-0": ("decode", ("decode-0",), ()),
+                 "coupled-0": ("coupled", ("coupled-0-prefill", "coupled-0-decode"), ()),
+                 "messenger-d0": ("messenger", ("messenger-d0",), ("node-d0",))}
     for name in processes:
         secrets.ensure_user(instance_user(name))
     users = {u["user"]: u for u in json.loads(nats_config(secrets, "127.0.0.1", 4222, tmp_path / "js", "n",
@@ -45,9 +46,14 @@ def test_a_process_of_its_own_may_speak_only_for_its_instances(tmp_path):
     coupled = users["instance-coupled-0"]["permissions"]["publish"]["allow"]
     assert {subjects.worker_heartbeat("prefill", "coupled-0-prefill"), subjects.worker_heartbeat("decode", "coupled-0-decode"),
             subjects.control_alive("coupled-0-decode")} <= set(coupled)
+    # a messenger's KV events only as its own node's (a KV event claims blocks on a node)
+    messenger = users["instance-messenger-d0"]["permissions"]["publish"]["allow"]
+    assert "moonbus.events.kv.*.node-d0" in messenger and not [s for s in messenger if s.startswith("moonbus.events.kv") and
+                                                              s != "moonbus.events.kv.*.node-d0"]
     # a role's shared user (compose) speaks for any instance of its role, never for another role's
     role = users["decode"]["permissions"]["publish"]["allow"]
     assert "moonbus.workers.heartbeat.decode.*" in role and not [s for s in role if ".heartbeat.prefill" in s]
+    assert "moonbus.events.kv.*.*" in users["messenger"]["permissions"]["publish"]["allow"]
     assert "moonbus.workers.heartbeat.cache_index.*" in users["cache_index"]["permissions"]["publish"]["allow"]
 
 

@@ -174,7 +174,7 @@ class Cluster:
         self.log_dir = spec.home / "logs"
         self.secrets = ClusterSecrets.create(spec.home / "secrets") if spec.auth else None
         self.shm_root = Path("/dev/shm") / f"moonbus-{spec.nats_port}"
-        self.own_users: dict[str, tuple[str, tuple[str, ...]]] = {}  # processes with a NATS user of their own
+        self.own_users: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {}  # processes with a NATS user of their own
 
     # --- start ----------------------------------------------------------------------------
     def start(self, ready_timeout_s: float = 600.0) -> None:
@@ -237,22 +237,23 @@ class Cluster:
         registered in signers.json for the publishers it writes events as."""
         return signing.register(self.secrets.directory, name, publishers)
 
-    def planned_instances(self) -> dict[str, tuple[str, tuple[str, ...]]]:
-        """name -> (kind, instance ids) of every process start_services starts that speaks for
-        instances: each gets a NATS user of its own, allowed to speak only as itself."""
+    def planned_instances(self) -> dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]]:
+        """name -> (kind, instance ids, nodes) of every process start_services starts that speaks for
+        instances: each gets a NATS user of its own, allowed to speak only as itself (a messenger,
+        only for its node's pool)."""
         spec, planned = self.spec, {}
         for i in range(spec.cache_indexes):
             name = replica("cache_index", i)
-            planned[name] = ("cache_index", (instance_id_of(name, "cache_index"),))
+            planned[name] = ("cache_index", (instance_id_of(name, "cache_index"),), ())
         if spec.coupled:
             for i in range(spec.coupled):
-                planned[f"messenger-c{i}"] = ("messenger", (f"messenger-c{i}",))
-                planned[f"coupled-{i}"] = ("coupled", (f"coupled-{i}-prefill", f"coupled-{i}-decode"))
+                planned[f"messenger-c{i}"] = ("messenger", (f"messenger-c{i}",), (f"node-c{i}",))
+                planned[f"coupled-{i}"] = ("coupled", (f"coupled-{i}-prefill", f"coupled-{i}-decode"), ())
         else:
             for kind, letter, count in (("prefill", "p", spec.prefill), ("decode", "d", spec.decode)):
                 for i in range(count):
-                    planned[f"messenger-{letter}{i}"] = ("messenger", (f"messenger-{letter}{i}",))
-                    planned[f"{kind}-{i}"] = (kind, (f"{kind}-{i}",))
+                    planned[f"messenger-{letter}{i}"] = ("messenger", (f"messenger-{letter}{i}",), (f"node-{letter}{i}",))
+                    planned[f"{kind}-{i}"] = (kind, (f"{kind}-{i}",), ())
         return planned
 
     def start_services(self) -> None:

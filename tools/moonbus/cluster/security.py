@@ -41,6 +41,7 @@ from common.security import new_secret_file
 _HEARTBEAT = "moonbus.workers.heartbeat.*.*"  # every instance's heartbeats (subscribe)
 _STARTED = "moonbus.events.instance.started.{id}"
 ID = "{id}"  # in a subject: the publisher's own instance id (its own user), or any (a role's user)
+NODE = "{node}"  # in a subject: the node of the publisher's own instances (its own user), or any
 
 
 def _beat(role: str) -> str:
@@ -73,7 +74,7 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
         ["moonbus.events.kv.>", _HEARTBEAT, "moonbus.index.query", "moonbus.index.dump"],
     ),
     "messenger": (
-        [_beat("messenger"), "moonbus.events.kv.>", _STARTED, f"moonbus.events.instance.link_refused.{ID}"],
+        [_beat("messenger"), f"moonbus.events.kv.*.{NODE}", _STARTED, f"moonbus.events.instance.link_refused.{ID}"],
         [_HEARTBEAT, "moonbus.messenger.*.*", "moonbus.control.refused.*", "moonbus.control.alive.*"],
     ),
     "prefill": (
@@ -114,12 +115,16 @@ def instance_user(name: str) -> str:
     return f"instance-{name}"
 
 
-def permissions(role: str, ids: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
+def permissions(role: str, ids: tuple[str, ...] = (), nodes: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
     """(publish, subscribe) of a role's user: with `ids`, a process's own user, which may publish
-    heartbeats, progress, liveness and instance events only as those instances; without, any
-    instance of the role (a user the role's processes share, as compose gives them)."""
+    heartbeats, progress, liveness and instance events only as those instances (and, with `nodes`,
+    a messenger's KV events only as its node); without, any instance of the role (a user the role's
+    processes share, as compose gives them)."""
     def expand(subject: str) -> list[str]:
-        return [subject.replace(ID, i) for i in ids] if ID in subject and ids else [subject.replace(ID, "*")]
+        for template, own in ((ID, ids), (NODE, nodes)):
+            if template in subject:
+                return [subject.replace(template, i) for i in own] if own else [subject.replace(template, "*")]
+        return [subject]
     publish, subscribe = ROLES[role]
     return sorted({e for s in publish for e in expand(s)}), list(subscribe)
 
@@ -188,19 +193,19 @@ class NatsRoutes:
 
 def nats_config(secrets: ClusterSecrets, host: str, port: int, store_dir: Path, name: str,
                 http_port: int | None = None, routes: NatsRoutes | None = None,
-                processes: dict[str, tuple[str, tuple[str, ...]]] | None = None) -> str:
+                processes: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] | None = None) -> str:
     """The nats-server configuration: JetStream on, and only the cluster's users, each limited
     (`http_port`: the monitoring endpoint, e.g. for a health check's /healthz; `routes`: this
     server's place in a cluster of servers, its routes authenticated by their own secret;
-    `processes`: name -> (role, instance ids) of the processes that get a user of their own,
-    `instance_user(name)`, allowed to speak only for those instances)."""
+    `processes`: name -> (role, instance ids, nodes) of the processes that get a user of their own,
+    `instance_user(name)`, allowed to speak only for those instances and, a messenger, its node)."""
     users = []
-    own = {instance_user(n): (role, ids) for n, (role, ids) in (processes or {}).items()}
+    own = {instance_user(n): spoken for n, spoken in (processes or {}).items()}
     for user in (*ALL_USERS, *own):
         entry: dict = {"user": user, "password": secrets.password(user)}
         if user != "admin":
-            role, ids = own.get(user, (user, ()))
-            publish, subscribe = permissions(role, ids)
+            role, ids, nodes = own.get(user, (user, (), ()))
+            publish, subscribe = permissions(role, ids, nodes)
             allowed: dict = {"publish": {"allow": publish}, "subscribe": {"allow": subscribe}}
             if role in SERVICE_ROLES or role in ("auditor", "supervisor"):  # replies: requests, JetStream acks
                 # its own inbox only (common.bus.connect asks replies there): no user reads another's replies
