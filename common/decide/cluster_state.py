@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Collection
+from typing import Collection, Iterable
 
 from schemas.workers import DecodeReport, Layout, PrefillReport, WorkerInfo
 from common.decide.admission import DecodeLoad
@@ -115,6 +115,9 @@ class ClusterState:
         self._coming: dict[str, list[tuple[float, int, int, int]]] | None = None  # decode_id -> sorted (finish, context, max, hint)
         self._transit_s: dict[str, float] | None = None  # prefill_id -> predicted work of ours not reported yet
         self._decode_loads: dict[str, DecodeLoad] = {}  # decode_id -> admission's view, until the next change
+        # decode_id -> the tokens each request it reported will still generate (ascending) and their
+        # contexts: its admission view's costly part, kept until its own next report
+        self._outputs_of: dict[str, tuple[tuple[float, ...], tuple[int, ...]]] = {}
         # nodes whose messenger stopped heartbeating: their workers can neither send nor receive KV
         # (a messenger that was never heard of, as in the simulator, marks nothing)
         self.lost_nodes: set[str] = set()
@@ -126,9 +129,40 @@ class ClusterState:
         self._unheld: dict[str, float] = {}  # request_id -> since when its last holder stopped reporting it
 
     def changed(self) -> None:
+        """Every derived view is stale (an instance gone, requests lost: rare)."""
         self._coming = None
         self._transit_s = None
         self._decode_loads = {}
+        self._outputs_of = {}
+
+    def touched(self, decode_ids: Iterable[str]) -> None:
+        """A report or one of our requests changed: who will join which decode instance and our work
+        in transit are rebuilt (one pass over the reports and our requests), and admission's view
+        of only the decode instances it concerns (the costly part: each sorts every request the
+        instance holds)."""
+        self._coming = None
+        self._transit_s = None
+        for decode_id in decode_ids:
+            self._decode_loads.pop(decode_id, None)
+
+    def _concerns(self, *infos: WorkerInfo | None) -> set[str]:
+        """The decode instances whose admission view these reports of one instance shape: its own
+        (a decode instance), those its prefill report says its requests go to, and those our own
+        requests that it names are bound for (a request it holds is not counted as coming there
+        from us, and a retried one may be bound elsewhere than its report says)."""
+        out: set[str] = set()
+        for info in infos:
+            if info is None:
+                continue
+            if info.role == "decode":
+                out.add(info.instance_id)
+            if info.prefill is not None:
+                for c in info.prefill.coming:
+                    out.add(c.decode_id)
+                    ours = self.routed.get(c.request_id)
+                    if ours is not None:
+                        out.add(ours.decode_id)
+        return out
 
     # --- what instances say ------------------------------------------------------------------------
     def heard(self, info: WorkerInfo, now: float) -> str | Refusal | None:
@@ -136,7 +170,9 @@ class ClusterState:
         "restarted" for a new process under a known id (its predecessor died: what it held is
         lost, though no silence was ever long enough to say so), a Refusal for one whose
         invariants differ from the cluster's, else None."""
-        self.changed()
+        known = self.instances.get(info.instance_id)
+        self.touched(self._concerns(known.info if known is not None else None, info))
+        self._outputs_of.pop(info.instance_id, None)
         self.lost.pop(info.instance_id, None)  # back (or leaving on purpose): no longer capacity lost
         if info.leaving:  # a clean exit: a new instance under this id starts from the profile
             self.learned.forget(info.instance_id)
@@ -147,7 +183,6 @@ class ClusterState:
             if differences:
                 self.instances.pop(info.instance_id, None)
                 return Refusal(info, tuple(differences))
-        known = self.instances.get(info.instance_id)
         instance = self.instances[info.instance_id] = Instance(info, now)
         if known is not None and known.info.incarnation == info.incarnation:
             instance.alive_at, instance.gaps = known.alive_at, known.gaps
@@ -244,9 +279,10 @@ class ClusterState:
 
     # --- what this conductor did, and what ended ------------------------------------------------------
     def route(self, request: Routed) -> None:
+        before = self.routed.get(request.request_id)  # its earlier attempt, bound for another instance maybe
         self.routed[request.request_id] = request
         self._unheld.pop(request.request_id, None)  # a new attempt: whoever held the last one does not matter
-        self.changed()
+        self.touched((request.decode_id, before.decode_id) if before is not None else (request.decode_id,))
 
     def policy_settings(self, settings: PolicySettings) -> PolicySettings:
         """`settings` with the balancing threshold learned so far (the same object until it moves)."""
@@ -262,14 +298,14 @@ class ClusterState:
                 self.threshold.observe(bool(request.pull_source), request.ttft_s, now - request.routed_at)
             request.prefilled = True
             request.pull_bytes = 0
-            self.changed()
+            self.touched((request.decode_id,))
 
     def end(self, request_id: str, up_to_attempt: int | None = None) -> Routed | None:
         """The request ended (or, with up_to_attempt, those of its attempts were abandoned)."""
         request = self.routed.get(request_id)
         if request is None or (up_to_attempt is not None and request.attempt > up_to_attempt):
             return None
-        self.changed()
+        self.touched((request.decode_id,))
         return self.routed.pop(request_id)
 
     def lost_with(self, instance_id: str) -> list[Routed]:
@@ -391,16 +427,23 @@ class ClusterState:
         coming = self.coming_to(decode_id)
         step_s = self._step_s(decode_id, report, coming)
         remaining = self.outputs.remaining
-        decoding: list[tuple[float, int]] = []
-        if report is not None:  # waiting ones count as decoding now
-            decoding = sorted((seen_at + step_s * (remaining(j.generated, j.max_tokens, j.expected_tokens)
-                                                   if j.max_tokens else UNKNOWN_OUTPUT_TOKENS), j.tokens)
-                              for j in report.joined)
+        outputs, contexts = self._outputs_of.get(decode_id) or self._reported_outputs(decode_id, report)
         joining = [(finish, finish + step_s * (remaining(1, max_tokens, hint) if max_tokens else UNKNOWN_OUTPUT_TOKENS),
                     tokens) for finish, tokens, max_tokens, hint in coming]
-        return DecodeLoad(decode_id, tuple(t for t, _ in decoding), tuple(c for _, c in decoding),
+        return DecodeLoad(decode_id, tuple(seen_at + step_s * n for n in outputs), contexts,
                           tuple(j[0] for j in joining), tuple(j[1] for j in joining), tuple(j[2] for j in joining),
                           self.learned.factor(decode_id, "step"))
+
+    def _reported_outputs(self, decode_id: str, report: DecodeReport | None) -> tuple[tuple[float, ...], tuple[int, ...]]:
+        """What each request of the instance's report will still generate, ascending (they leave in
+        that order, whatever its step time), and their contexts; waiting ones count as decoding.
+        Kept until the instance's next report: what completed requests teach about output lengths
+        (self.outputs) reaches it then."""
+        remaining = self.outputs.remaining
+        pairs = sorted(((remaining(j.generated, j.max_tokens, j.expected_tokens) if j.max_tokens
+                         else UNKNOWN_OUTPUT_TOKENS), j.tokens) for j in (report.joined if report is not None else ()))
+        kept = self._outputs_of[decode_id] = (tuple(n for n, _ in pairs), tuple(c for _, c in pairs))
+        return kept
 
     def _step_s(self, decode_id: str, report: DecodeReport | None, coming: list) -> float:
         """One step of the instance with everything it holds and everything coming to it."""

@@ -256,3 +256,52 @@ def test_a_request_held_again_or_routed_again_is_not_taken_for_ended():
     state.heard(decode(joined=[Joined("a", 0.1, 100)]), now=3.0)
     state.heard(decode(joined=[Joined("a", 0.1, 100)]), now=3.0 + UNHELD_S)
     assert state.expire_unheld(now=3.0 + 2 * UNHELD_S) == [] and "a" in state.routed
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_views_kept_between_changes_equal_views_built_afresh(seed):
+    """A report or a request of ours drops only the views it concerns (a decode instance's
+    admission view is rebuilt only when its own report, a prefill report naming it, or a request
+    bound for it changed): after every step of a random run, every kept view equals one built
+    from nothing."""
+    import random
+
+    rng = random.Random(seed)
+    decodes, prefills = [f"d{i}" for i in range(4)], [f"p{i}" for i in range(3)]
+    state, now, ours = cluster(), 0.0, []
+
+    def views():
+        return ([state.decode_load(d, now) for d in decodes], state.decode_candidates(now),
+                [state.prefill_queue_s(p, now) for p in prefills], {d: list(state.coming_to(d)) for d in decodes})
+
+    for step in range(1500):
+        now += rng.uniform(0.0, 0.2)
+        action = rng.random()
+        if action < 0.35:
+            coming = [Coming(f"r{rng.randint(0, 30)}", rng.choice(decodes), rng.uniform(0, 3), rng.randint(10, 900),
+                             rng.randint(0, 64)) for _ in range(rng.randint(0, 4))]
+            state.heard(prefill(rng.choice(prefills), queue_s=rng.uniform(0, 2), coming=coming,
+                                held=[c.request_id for c in coming]), now)
+        elif action < 0.7:
+            joined = [Joined(f"r{rng.randint(0, 30)}", rng.uniform(0, 5), rng.randint(10, 900), rng.randint(1, 20),
+                             rng.randint(0, 64)) for _ in range(rng.randint(0, 5))]
+            state.heard(decode(rng.choice(decodes), joined=joined), now)
+        elif action < 0.78:
+            state.heard(WorkerInfo(f"m{rng.randint(0, 2)}", "messenger", "n0"), now)
+        elif action < 0.8:  # an instance leaves, or is lost with what it held
+            gone = rng.choice(decodes + prefills)
+            if rng.random() < 0.5:
+                state.heard(WorkerInfo(gone, "decode" if gone in decodes else "prefill", "n0", leaving=True), now)
+            else:
+                state.lost_with(gone)
+        elif action < 0.9:
+            rid = f"r{rng.randint(0, 30)}"
+            state.route(Routed(rid, (rng.choice(prefills),), rng.choice(decodes), "s", rng.randint(10, 900), now,
+                               rng.uniform(0.1, 1), rng.uniform(0.1, 2), max_tokens=rng.randint(0, 64)))
+            ours.append(rid)
+        elif ours:
+            rid = rng.choice(ours)
+            (state.prefilled(rid, 0) if rng.random() < 0.5 else state.end(rid))
+        kept = views()
+        state.changed()
+        assert kept == views(), step
