@@ -115,6 +115,7 @@ class ClusterState:
         self._coming: dict[str, list[tuple[float, int, int, int]]] | None = None  # decode_id -> sorted (finish, context, max, hint)
         self._transit_s: dict[str, float] | None = None  # prefill_id -> predicted work of ours not reported yet
         self._decode_loads: dict[str, DecodeLoad] = {}  # decode_id -> admission's view, until the next change
+        self._decode_candidates: dict[str, DecodeCandidate] = {}  # decode_id -> the policy's view, likewise
         # decode_id -> the tokens each request it reported will still generate (ascending) and their
         # contexts: its admission view's costly part, kept until its own next report
         self._outputs_of: dict[str, tuple[tuple[float, ...], tuple[int, ...]]] = {}
@@ -133,6 +134,7 @@ class ClusterState:
         self._coming = None
         self._transit_s = None
         self._decode_loads = {}
+        self._decode_candidates = {}
         self._outputs_of = {}
 
     def touched(self, decode_ids: Iterable[str]) -> None:
@@ -144,6 +146,7 @@ class ClusterState:
         self._transit_s = None
         for decode_id in decode_ids:
             self._decode_loads.pop(decode_id, None)
+            self._decode_candidates.pop(decode_id, None)
 
     def _concerns(self, *infos: WorkerInfo | None) -> set[str]:
         """The decode instances whose admission view these reports of one instance shape: its own
@@ -397,19 +400,25 @@ class ClusterState:
         """`avoid`: as for prefill_candidates."""
         out = []
         for d in self.of_role("decode"):
-            report: DecodeReport | None = d.decode
-            coming = self.coming_to(d.instance_id)
-            coming_tokens = sum(c[1] for c in coming)
-            coming_room = sum(c[1] + c[2] for c in coming)  # what decode will reserve for them: prompt + max_tokens
-            held, context, kv_free = 0, 0, None
-            if report is not None:  # the batch, then those waiting for room in it
-                held = len(report.joined)
-                context = report.context_tokens + sum(j.tokens for j in report.joined[report.running:])
-                if report.kv_free_tokens is not None:
-                    kv_free = report.kv_free_tokens - coming_room
-            out.append(DecodeCandidate(d.instance_id, d.node, held + len(coming), context + coming_tokens, kv_free,
-                                       self.learned.factor(d.instance_id, "step")))
+            candidate = self._decode_candidates.get(d.instance_id)
+            if candidate is None:
+                candidate = self._decode_candidates[d.instance_id] = self._build_decode_candidate(d)
+            out.append(candidate)
         return _elsewhere(tuple(out), avoid)
+
+    def _build_decode_candidate(self, d: WorkerInfo) -> DecodeCandidate:
+        report: DecodeReport | None = d.decode
+        coming = self.coming_to(d.instance_id)
+        coming_tokens = sum(c[1] for c in coming)
+        coming_room = sum(c[1] + c[2] for c in coming)  # what decode will reserve for them: prompt + max_tokens
+        held, context, kv_free = 0, 0, None
+        if report is not None:  # the batch, then those waiting for room in it
+            held = len(report.joined)
+            context = report.context_tokens + sum(j.tokens for j in report.joined[report.running:])
+            if report.kv_free_tokens is not None:
+                kv_free = report.kv_free_tokens - coming_room
+        return DecodeCandidate(d.instance_id, d.node, held + len(coming), context + coming_tokens, kv_free,
+                               self.learned.factor(d.instance_id, "step"))
 
     def decode_load(self, decode_id: str, now: float) -> DecodeLoad:
         """Admission's view: who decodes there since when, who will join and when (times are
