@@ -175,6 +175,8 @@ def print_ready(spec: ClusterSpec, model: str, cluster: Cluster) -> None:
         doors = ("NO API KEYS: anyone who can reach the port can use it, and all callers share one prefix cache "
                  "(start with --api-keys FILE to require keys)")
         auth = ""
+    links = ("TLS, each process with its own certificate of the cluster's link CA" if spec.link_tls else
+             "the cluster secret's handshake, no TLS: a fabric you trust (--link-tls to encrypt them)")
     print(f"""
 moonbus is ready: {spec.url}   (model {model})
   processes: {', '.join(cluster.procs)}
@@ -182,6 +184,7 @@ moonbus is ready: {spec.url}   (model {model})
   events:    moonbus tap --home {spec.home}   (as the read-only auditor)
   doors:     {doors}
              the bus is closed: its own NATS user for every worker, messenger and cache index, every process signing its own events, secrets in {spec.home / "secrets"}
+             KV links: {links}
 
 try:
   curl {spec.url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\
