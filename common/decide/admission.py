@@ -19,7 +19,10 @@ that prefill, so the conductor predicts. Modes (AdmissionSettings.mode):
                 Each request leaves after its own predicted remaining output (the paper assumed
                 one uniform decode time; common/decide/outputs.py estimates each request's from
                 its max_tokens, a client hint and the lengths of recent completions), at the
-                instance's learned step time. This damps the oscillation.
+                instance's learned step time. This damps the oscillation. Its TTFT check
+                multiplies the predicted TTFT by the learned margin (common/decide/learn.py
+                TtftMargin: how much later than predicted first tokens came, near the SLO), so
+                that what it admits is served within the SLO, not just predicted within it.
 
 Retry-After on a rejection: for TTFT, the excess (ttft - slo), since a queue drains one second
 of work per second; for TBT, the time from the evaluated moment until departures alone bring
@@ -50,10 +53,15 @@ class AdmissionSettings:
     tbt_slo_s: float = 0.25
     min_retry_after_s: float = 1.0
     max_retry_after_s: float = 60.0
+    # predictive: the share of admitted requests whose first token should come within the TTFT SLO;
+    # the learned margin is that quantile of actual / predicted TTFT (0: no margin)
+    ttft_quantile: float = 0.9
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"admission mode {self.mode!r} is not one of {MODES}")
+        if not 0 <= self.ttft_quantile < 1:
+            raise ValueError("ttft_quantile must be within [0, 1)")
         for name in ("ttft_slo_s", "tbt_slo_s", "min_retry_after_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
@@ -129,16 +137,20 @@ class Verdict:
 
 
 def admit(ttft_s: float, context_tokens: int, load: DecodeLoadSnapshot, settings: AdmissionSettings, perf: Profile,
-          chosen: str = "") -> Verdict:
+          chosen: str = "", ttft_margin: float = 1.0) -> Verdict:
     """Judge a request whose prefill is predicted to end `ttft_s` from now (the policy's p*), at arrival.
     `chosen`: the policy's decode instance; when it meets the TBT SLO at the evaluated moment, the
-    verdict names it, else the instance with the lowest TBT then."""
+    verdict names it, else the instance with the lowest TBT then. `ttft_margin` (predictive only):
+    the predicted TTFT is judged times it (learned: TtftMargin)."""
     mode = settings.mode
     if mode == "none":
         return Verdict(True, "admission off", ttft_s=ttft_s)
-    if ttft_s > settings.ttft_slo_s:
-        retry = _clamp(ttft_s - settings.ttft_slo_s, settings)
-        return Verdict(False, f"ttft {ttft_s:.3f}s > slo {settings.ttft_slo_s:g}s", retry_after_s=retry, ttft_s=ttft_s)
+    judged = ttft_s * ttft_margin if mode == "predictive" else ttft_s
+    if judged > settings.ttft_slo_s:
+        retry = _clamp(judged - settings.ttft_slo_s, settings)
+        margin = f" (x{ttft_margin:.2f} margin: {judged:.3f}s)" if judged != ttft_s else ""
+        return Verdict(False, f"ttft {ttft_s:.3f}s{margin} > slo {settings.ttft_slo_s:g}s", retry_after_s=retry,
+                       ttft_s=ttft_s)
     if mode == "baseline":
         return Verdict(True, f"ttft {ttft_s:.3f}s within slo; decode checks tbt on kv arrival", ttft_s=ttft_s)
     if not load.decode:
@@ -167,7 +179,7 @@ _by_tbt_then_id = itemgetter(0, 1)
 
 
 def judge(decision: Decision, context_tokens: int, load: DecodeLoadSnapshot, settings: AdmissionSettings,
-          perf: Profile, colocate: bool = False, resumed: bool = False) -> tuple[Verdict, Decision]:
+          perf: Profile, colocate: bool = False, resumed: bool = False, ttft_margin: float = 1.0) -> tuple[Verdict, Decision]:
     """Admission of the policy's decision, and where the request goes if admitted: the policy's decode
     instance when it meets the TBT SLO at the moment judged (the prefill's end, predictively), else
     the one with the lowest TBT then. Only instances with KV room for the request are judged (and,
@@ -182,7 +194,8 @@ def judge(decision: Decision, context_tokens: int, load: DecodeLoadSnapshot, set
     eligible = {c.instance_id for c in decision.decode_costs
                 if c.fits and (not colocate or c.node == decision.prefill_node)}
     judged = DecodeLoadSnapshot(load.now, tuple(d for d in load.decode if d.decode_id in eligible))
-    verdict = admit(decision.ttft_s, context_tokens, judged, settings, perf, chosen=decision.decode_id)
+    verdict = admit(decision.ttft_s, context_tokens, judged, settings, perf, chosen=decision.decode_id,
+                    ttft_margin=ttft_margin)
     if verdict.admit and verdict.decode_id and verdict.decode_id != decision.decode_id:
         cost = next(c for c in decision.decode_costs if c.instance_id == verdict.decode_id)
         decision = replace(decision, decode_id=cost.instance_id, decode_node=cost.node, tbt_s=cost.tbt_s,

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field, replace
 from typing import Collection, Iterable
 
 from schemas.workers import DecodeReport, Layout, PrefillReport, WorkerInfo
-from common.decide.admission import DecodeLoad
-from common.decide.learn import Learned, Threshold
+from common.decide.admission import AdmissionSettings, DecodeLoad
+from common.decide.learn import Learned, Threshold, TtftMargin
 from common.decide.outputs import OutputLengths
 from common.decide.perf import Profile
 from common.decide.policy import DecodeCandidate, PolicySettings, PrefillCandidate
@@ -99,13 +99,17 @@ class Refusal:
 
 class ClusterState:
     def __init__(self, timeout_s: float, lease_s: float, layout: Layout | None = None,
-                 perf: Profile | None = None, balancing_threshold: float = 1.25) -> None:
+                 perf: Profile | None = None, balancing_threshold: float = 1.25,
+                 admission: AdmissionSettings | None = None) -> None:
         self.timeout_s = timeout_s
         self.lease_s = lease_s
         self.layout = layout  # the cluster's invariants; None = not checked
         self.perf = perf  # the profile the measurements are judged against; None = nothing learned
         self.learned = Learned()
         self.threshold = Threshold(balancing_threshold)  # the policy's, learned from pulls' TTFT against recomputes'
+        # predictive admission's: how much later than predicted first tokens come (none without settings)
+        self.ttft_margin = TtftMargin(admission.ttft_slo_s / 4, admission.ttft_quantile) if admission is not None \
+            else TtftMargin(quantile=0.0)
         self.outputs = OutputLengths()  # lengths of completed requests: how long each decoding one will stay
         self._measured: dict[str, int] = {}  # instance_id -> seq of the last measurement learned from
         self.instances: dict[str, Instance] = {}  # instance_id -> Instance
@@ -294,11 +298,12 @@ class ClusterState:
         return replace(settings, kvcache_balancing_threshold=self.threshold.value)
 
     def prefilled(self, request_id: str, attempt: int, now: float | None = None) -> None:
-        """Its prefill ended (at `now`: an outcome the balancing threshold learns from)."""
+        """Its prefill ended (at `now`: an outcome the balancing threshold and the TTFT margin learn from)."""
         request = self.routed.get(request_id)
         if request is not None and request.attempt == attempt:
             if now is not None and not request.prefilled and request.attempt == 0:
                 self.threshold.observe(bool(request.pull_source), request.ttft_s, now - request.routed_at)
+                self.ttft_margin.observe(request.ttft_s, now - request.routed_at)
             request.prefilled = True
             request.pull_bytes = 0
             self.touched((request.decode_id,))

@@ -127,3 +127,38 @@ class Threshold:
         if len(self.pulled.ratios) >= MIN_SAMPLES and len(self.recomputed.ratios) >= MIN_SAMPLES:
             ratio = self.pulled.value / self.recomputed.value
             self.value = round(min(max(self.base * ratio, 1.0), MAX_THRESHOLD), 4)
+
+
+MARGIN_WINDOW = 64
+MARGIN_MIN_SAMPLES = 8
+MAX_MARGIN = 2.0
+
+
+@dataclass
+class TtftMargin:
+    """How much later than predicted a request's first token comes, near the TTFT SLO: what
+    admission multiplies a predicted TTFT by before it compares it with the SLO.
+
+    A prediction is right on the median at best, so admitting every request predicted within the
+    SLO serves about half of those predicted just under it late; a request admitted and then served
+    late is the failure admission exists to prevent. So each routed request's prefill end is an
+    outcome, actual / predicted TTFT, kept when the prediction was at least `min_predicted_s` (a
+    quarter of the SLO: short ones carry fixed overheads that say nothing about a long queue), and
+    the margin is their `quantile` (the share of admitted requests whose first token should come
+    within the SLO; 0: no margin) over the last MARGIN_WINDOW, clamped to [1, MAX_MARGIN] (never
+    below 1: what is predicted late is not admitted). Until MARGIN_MIN_SAMPLES, 1.0.
+    """
+
+    min_predicted_s: float = 0.0
+    quantile: float = 0.9
+    ratios: deque = field(default_factory=lambda: deque(maxlen=MARGIN_WINDOW))
+    value: float = 1.0
+
+    def observe(self, predicted_s: float, actual_s: float) -> None:
+        if predicted_s <= 0 or actual_s <= 0 or predicted_s < self.min_predicted_s or not self.quantile:
+            return
+        self.ratios.append(min(max(actual_s / predicted_s, MIN_FACTOR), MAX_FACTOR))
+        if len(self.ratios) >= MARGIN_MIN_SAMPLES:
+            ranked = sorted(self.ratios)
+            at = ranked[min(len(ranked) - 1, int(self.quantile * len(ranked)))]
+            self.value = round(min(max(at, 1.0), MAX_MARGIN), 4)

@@ -91,9 +91,13 @@ def load(argv: list[str] | None = None) -> ConductorConfig:
                 dest="index_node_timeout_s")
     common.flag(parser, "--index-resync-timeout", "MOONBUS_INDEX_RESYNC_TIMEOUT", 10.0, float,
                 help="seconds a messenger's snapshot may take (local)", dest="index_resync_timeout_s")
+    common.flag(parser, "--ttft-quantile", "MOONBUS_TTFT_QUANTILE", 0.9, float,
+                help="predictive admission: the share of admitted requests whose first token should come within the "
+                     "TTFT SLO; predicted TTFTs are judged times that quantile of actual / predicted, learned (0 = off)")
     common.flag(parser, "--events-replicas", "MOONBUS_EVENTS_REPLICAS", 1, int,
                 help="replicas of the events stream when it is created (<= the NATS cluster's servers)")
     args = parser.parse_args(argv)
-    admission = AdmissionSettings(mode=args.admission, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo)
+    admission = AdmissionSettings(mode=args.admission, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
+                                  ttft_quantile=args.ttft_quantile)
     return common.build(ConductorConfig, args, home=Path(args.home), admission=admission,
                         dtype=models.resolve_dtype(args.dtype))

@@ -77,6 +77,8 @@ class ConductorMetrics:
                              ["instance", "kind"], registry=r)
         self.spoofed = Counter("moonbus_conductor_spoofed", "reports ignored because they speak for an instance their "
                                "subject (their sender's own credentials) does not name", ["kind"], registry=r)
+        self.ttft_margin = Gauge("moonbus_conductor_ttft_margin", "what predictive admission multiplies a predicted "
+                                 "TTFT by: how much later than predicted first tokens came, near the SLO", registry=r)
         self.threshold = Gauge("moonbus_conductor_balancing_threshold", "the kvcache-centric policy's balancing "
                                "threshold as learned from pulls' TTFT against recomputes'", registry=r)
         if follower is not None:  # --prefix-index local: this conductor's own copy of the index
@@ -96,7 +98,8 @@ class ConductorService:
         self.nc = nc
         self.perf = perf
         self.events = bus.EventPublisher.of(nc, "conductor", cfg)
-        self.state = ClusterState(cfg.heartbeat_timeout_s, cfg.lease_s, layout, perf, cfg.kvcache_balancing_threshold)
+        self.state = ClusterState(cfg.heartbeat_timeout_s, cfg.lease_s, layout, perf, cfg.kvcache_balancing_threshold,
+                                  cfg.admission)
         # NOTE: no `resynced` audit events from here: the cache index writes them, once per cluster
         self.follower = IndexFollower(nc, tasks, cfg.index_resync_timeout_s, cfg.index_node_timeout_s,
                                       on_resynced=self.index_resynced) if cfg.prefix_index == "local" else None
@@ -250,7 +253,8 @@ class ConductorService:
         loads = admission.DecodeLoadSnapshot(now, tuple(self.state.decode_load(d.instance_id, now)
                                                         for d in snapshot.decode))
         verdict, decision = admission.judge(decision, len(ids), loads, self.cfg.admission, self.perf,
-                                            self.settings.colocate, resumed=request.attempt > 0)
+                                            self.settings.colocate, resumed=request.attempt > 0,
+                                            ttft_margin=self.state.ttft_margin.value)
         self.metrics.decide_s.observe(time.perf_counter() - decide_started)
         self.metrics.decisions.labels("admitted" if verdict.admit else "rejected").inc()
         terms = decision.to_event()
@@ -260,7 +264,7 @@ class ConductorService:
             verdict=verdict.reason, predicted_tbt_s=verdict.tbt_s, retry_after_s=verdict.retry_after_s,
             policy_version=POLICY_VERSION, prompt_blocks=len(keys), attempt=request.attempt,
             resumed_tokens=request.num_generated, tenant=request.tenant,
-            balancing_threshold=self.settings.kvcache_balancing_threshold,
+            balancing_threshold=self.settings.kvcache_balancing_threshold, ttft_margin=self.state.ttft_margin.value,
         )
         if not verdict.admit:
             return RouteReply(False, 429, f"rejected at arrival: {verdict.reason}", retry_after_s=verdict.retry_after_s)
@@ -346,6 +350,7 @@ class ConductorService:
         now, m = time.monotonic(), self.metrics
         m.in_flight.set(len(self.state.routed))
         m.threshold.set(self.state.threshold.value)
+        m.ttft_margin.set(self.state.ttft_margin.value)
         roles: dict[str, int] = {}
         for known in self.state.instances.values():
             info = known.info

@@ -120,3 +120,40 @@ def test_the_conductor_learns_the_threshold_from_prefill_ends_and_hands_it_to_th
         state.prefilled(f"r{i}", 0, now=9.0)  # a duplicate report teaches nothing
     assert state.threshold.value == 1.875
     assert state.policy_settings(settings).kvcache_balancing_threshold == 1.875
+
+
+def test_the_ttft_margin_is_how_late_first_tokens_came_near_the_slo():
+    from common.decide.learn import MARGIN_MIN_SAMPLES, TtftMargin
+
+    margin = TtftMargin(min_predicted_s=7.5, quantile=0.9)  # a quarter of a 30 s SLO
+    for _ in range(50):  # short predictions, far later than predicted: fixed overheads, not a queue
+        margin.observe(0.2, 1.0)
+    assert margin.value == 1.0 and not margin.ratios
+    for i in range(MARGIN_MIN_SAMPLES - 1):
+        margin.observe(20.0, 24.0)
+    assert margin.value == 1.0  # too few yet: the prediction stands
+    for i in range(40):  # 1.0x to 1.39x late, evenly: the 90th percentile is about 1.35
+        margin.observe(20.0, 20.0 * (1.0 + (i % 40) / 100))
+    assert 1.3 <= margin.value <= 1.4
+    early = TtftMargin(7.5)
+    for _ in range(20):
+        early.observe(20.0, 10.0)  # first tokens came early: never below 1 (what is predicted late stays out)
+    assert early.value == 1.0
+    off = TtftMargin(7.5, quantile=0.0)
+    for _ in range(20):
+        off.observe(20.0, 30.0)
+    assert off.value == 1.0
+
+
+def test_predictive_admission_judges_the_predicted_ttft_times_the_margin():
+    from common.decide.admission import AdmissionSettings, DecodeLoadSnapshot, admit
+    from common.decide.perf import A800_X8, LLAMA3_70B, analytic_profile
+
+    perf = analytic_profile(LLAMA3_70B, A800_X8)
+    load = DecodeLoadSnapshot(0.0, ())
+    predictive = AdmissionSettings("predictive", ttft_slo_s=30.0, tbt_slo_s=1.0)
+    late = admit(25.0, 100, load, predictive, perf, ttft_margin=1.3)  # 32.5 s once corrected
+    assert not late.admit and "x1.30 margin" in late.reason and late.retry_after_s == pytest.approx(2.5)
+    assert "no decode instance" in admit(25.0, 100, load, predictive, perf, ttft_margin=1.1).reason  # 27.5: past TTFT
+    baseline = AdmissionSettings("baseline", ttft_slo_s=30.0, tbt_slo_s=1.0)
+    assert admit(25.0, 100, load, baseline, perf, ttft_margin=1.3).admit  # the paper's baseline stays as it was

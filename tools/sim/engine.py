@@ -107,7 +107,8 @@ class Simulator:
         self.handlers = (self.on_prefill_done, self.on_kv_arrive, self.on_segment_end)
         # the live conductor's bookkeeping; reports are taken, like heartbeats, before each decision
         self.state = ClusterState(float("inf"), float("inf"), perf=profile,
-                                  balancing_threshold=cfg.kvcache_balancing_threshold)
+                                  balancing_threshold=cfg.kvcache_balancing_threshold,
+                                  admission=self.admission)
         self.dirty: set = set(self.prefills) | set(self.decodes)  # instances whose report is due
         for d in self.decodes:
             d.on_change = self.dirty.add
@@ -195,7 +196,8 @@ class Simulator:
             return
         if self.cfg.admission != "none":
             load = DecodeLoadSnapshot(t, tuple(state.decode_load(d.instance_id, t) for d in snapshot.decode))
-            verdict, decision = judge(decision, r.input_tokens, load, self.admission, self.perf, self.policy.colocate)
+            verdict, decision = judge(decision, r.input_tokens, load, self.admission, self.perf, self.policy.colocate,
+                                      ttft_margin=self.state.ttft_margin.value)
             if not verdict.admit:
                 self.end(r, t, REJECTED_ARRIVAL, verdict.reason)
                 return
