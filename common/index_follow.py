@@ -4,6 +4,8 @@ cache index service and by every conductor that keeps its own index (`--prefix-i
 Each messenger numbers its KV events 1, 2, 3, ... within an epoch (a new one every time it
 starts). A node is (re)loaded from its messenger's snapshot (messenger_control(node, "snapshot"))
   - when it is first seen (heard or sent an event, and never synced: e.g. this process is new),
+    and at each of its heartbeats after that until a snapshot has come (one whose snapshot
+    failed, e.g. a messenger not answering yet, is asked again at its next heartbeat),
   - when its epoch changes (the messenger restarted and numbers from 1 again),
   - on a gap in its numbers (an event was lost),
   - when its messenger is heard again after a silence (a node cut off, or this process): its
@@ -116,8 +118,8 @@ class IndexFollower:
             return
         now, last = time.monotonic(), self.last_seen.get(info.node)
         self.last_seen[info.node] = now
-        if last is None and info.node not in self.epochs:
-            self.start_resync(info.node, "first seen")
+        if info.node not in self.epochs:  # never synced, or its last resync failed: ask (again)
+            self.start_resync(info.node, "first seen" if last is None else "not synced yet")
         elif last is not None and now - last > SILENCE_RESYNC_S:
             # cut off (or we were: then every node is heard again after a silence): its KV events
             # of that time may never have reached us, and a gap would show only at its next event,

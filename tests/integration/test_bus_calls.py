@@ -61,7 +61,7 @@ async def test_a_lost_reply_costs_one_attempt_and_the_handler_runs_once(nats_url
 
     try:
         await responder.subscribe("test.reserve", cb=on_call)
-        await responder.flush()
+        await bus.flush(responder)
         # the whole call may take 30 s; each attempt waits 0.3 s
         reply = await bus.request(asker, "test.reserve", b"reserve 4 blocks", timeout=30.0, attempt_s=0.3)
         assert reply.data == b"slot-7"
@@ -88,7 +88,7 @@ async def test_a_repeat_that_arrives_while_the_call_runs_waits_for_it(nats_url):
 
     try:
         await responder.subscribe("test.accept", cb=on_call)
-        await responder.flush()
+        await bus.flush(responder)
         call = asyncio.ensure_future(bus.request(asker, "test.accept", b"accept", timeout=30.0, attempt_s=0.2))
         while replies.repeats < 2:  # two repeats arrived while the first still runs
             await asyncio.sleep(0.05)
@@ -142,3 +142,24 @@ async def test_an_event_the_bus_refuses_holds_back_no_later_one(tmp_path):
     finally:
         server.kill()
         server.wait()
+
+
+async def test_a_subscription_flushed_with_bus_flush_is_in_place_for_every_other_connection(nats_url):
+    """nats-py's own flush can return before the server has read a SUB made just before it (its
+    PING overtakes the buffer); bus.flush must not: each new responder is asked at once, from
+    another connection, and must be found."""
+    asker = await bus.connect(nats_url, "asker")
+    responder = await bus.connect(nats_url, "responder")
+
+    async def echo(msg) -> None:
+        await msg.respond(msg.data)
+
+    try:
+        for i in range(200):
+            await responder.subscribe(f"test.fresh.{i}", cb=echo)
+            await bus.flush(responder)
+            reply = await asker.request(f"test.fresh.{i}", str(i).encode(), timeout=10.0)  # not bus.request: no retry
+            assert reply.data == str(i).encode()
+    finally:
+        await asker.close()
+        await responder.close()

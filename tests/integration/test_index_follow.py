@@ -52,7 +52,7 @@ class Messenger:
     async def heartbeat(self, leaving: bool = False) -> None:
         info = WorkerInfo("messenger-x", "messenger", NODE, leaving=leaving)
         await self.nc.publish(subjects.worker_heartbeat("messenger", "messenger-x"), info.to_bytes())
-        await self.nc.flush()
+        await bus.flush(self.nc)
 
     async def store(self, keys: list[int], lost: bool = False) -> None:
         """Store `keys` in DRAM: the next event number, published unless `lost`."""
@@ -62,7 +62,7 @@ class Messenger:
             data = KvEventData(NODE, self.epoch, self.seq, keys, "dram").to_dict()
             event = Event("stored", time.time(), "messenger", "messenger-x", "", data)
             await self.nc.publish(subjects.kv_event("stored", NODE), event.to_bytes())
-            await self.nc.flush()
+            await bus.flush(self.nc)
 
     def restart(self) -> None:
         """A new process: a new epoch, numbers from 1 again, its DRAM gone."""
@@ -93,7 +93,7 @@ async def follower():
     await bus.subscribe(mine, subjects.KV_EVENTS_ALL, following.on_kv_event)
     messenger = Messenger(theirs)
     await theirs.subscribe(subjects.messenger_control(NODE, "snapshot"), cb=messenger.on_snapshot)
-    await theirs.flush()
+    await bus.flush(theirs)
     try:
         yield following, messenger, resyncs
     finally:
@@ -165,6 +165,23 @@ async def test_a_messenger_that_leaves_takes_its_node_out(follower):
     heard(following)  # back: first seen again, reloaded
     await until(lambda: following.holders([51]) == {NODE: 1}, "the reload")
     assert [r.reason for r in resyncs] == ["first seen", "first seen"]
+
+
+async def test_a_node_whose_snapshot_failed_is_asked_again_at_its_next_heartbeat(follower):
+    following, messenger, resyncs = follower
+    late = WorkerInfo("messenger-y", "messenger", "node-y")
+    following.heard(late)  # its messenger heartbeats before it answers snapshots: no responders
+    await until(lambda: "node-y" not in following.syncing, "the failed snapshot")
+    assert following.holders([61]) == {} and "node-y" not in following.epochs and not resyncs
+
+    async def answer(msg) -> None:
+        await msg.respond(SnapshotReply("node-y", "epoch-1", 0, [61], ["dram"]).to_bytes())
+
+    await messenger.nc.subscribe(subjects.messenger_control("node-y", "snapshot"), cb=answer)
+    await bus.flush(messenger.nc)
+    following.heard(late)  # its next heartbeat, a second later
+    await until(lambda: following.holders([61]) == {"node-y": 1}, "the snapshot asked again")
+    assert [(r.node, r.reason) for r in resyncs] == [("node-y", "not synced yet")]
 
 
 # --- a real cluster --------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import nats
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from common import bus
 from common.security import LINK_NONCE_BYTES, link_proof, read_secret
 from common.transport import Transports, TransportError, checksum
 from schemas import subjects
@@ -272,7 +273,7 @@ async def test_the_bus_refuses_strangers_and_keeps_each_role_to_its_subjects(gua
             seen.append(msg.subject)
 
     await admin.subscribe("moonbus.>", cb=record)
-    await admin.flush()
+    await bus.flush(admin)
     attempts = {  # role -> what it must not publish
         "gateway": [subjects.worker_heartbeat("decode", "decode-0"), subjects.kv_event("stored", "node-p0"), subjects.gateway_tokens("x")],
         "decode": [subjects.request_event("completed", "cmpl-forged"), subjects.kv_event("evicted", "node-d0")],
@@ -290,7 +291,7 @@ async def test_the_bus_refuses_strangers_and_keeps_each_role_to_its_subjects(gua
                                 error_cb=on_error, allow_reconnect=False)
         for subject in forbidden:
             await nc.publish(subject, b'{"forged": true}')
-        await nc.flush()
+        await bus.flush(nc)
         await asyncio.sleep(0.5)
         denied[role] = [str(e) for e in errors]
         await nc.close()
@@ -311,7 +312,7 @@ async def test_the_bus_refuses_strangers_and_keeps_each_role_to_its_subjects(gua
     for theirs in ("_INBOX.>", "_INBOX_gateway.>", "_INBOX_conductor.>"):
         await nc.subscribe(theirs)
     await nc.subscribe("_INBOX_decode.>")
-    await nc.flush()
+    await bus.flush(nc)
     await asyncio.sleep(0.5)
     await nc.close()
     refused = [e for e in errors if "subscription" in e.lower()]
@@ -337,7 +338,7 @@ async def test_an_instance_speaks_only_for_itself(guarded):
         await nc.publish(theirs, forged)
         await nc.publish(own, forged)
         await nc.publish(subjects.control_alive("decode-0"), b"{}")
-        await nc.flush()
+        await bus.flush(nc)
         await asyncio.sleep(0.2)
     await nc.close()
     assert any(theirs in e for e in errors) and any(subjects.control_alive("decode-0") in e for e in errors), errors
@@ -372,7 +373,7 @@ async def test_a_messenger_speaks_only_for_its_own_nodes_pool(guarded):
     theirs, own = subjects.kv_event("stored", "node-d0"), subjects.kv_event("stored", "node-p0")
     await nc.publish(theirs, forged)  # on node-d0's subject: the bus refuses
     await nc.publish(own, forged)  # on its own subject, in node-d0's name: the followers drop it
-    await nc.flush()
+    await bus.flush(nc)
     await asyncio.sleep(0.5)
     await nc.close()
     assert any(theirs in e for e in errors), errors
