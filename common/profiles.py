@@ -24,6 +24,12 @@ def read(path: str | Path) -> Profile:
     return Profile.from_dict(json.loads(Path(path).read_text()))
 
 
+def measured_threads(path: str | Path) -> dict[str, int]:
+    """The torch threads a measured profile was timed with, per role ({} where it does not say)."""
+    threads = json.loads(Path(path).read_text()).get("meta", {}).get("threads", {})
+    return {role: int(n) for role, n in threads.items()} if isinstance(threads, dict) else {}
+
+
 def profile_path(home: Path, model_name: str, dtype: str) -> Path:
     """One profile per model and dtype: bfloat16 prefill runs 2.5x float32's here."""
     return home / "profiles" / f"{model_name}-{dtype}.json"

@@ -129,13 +129,13 @@ class HostsCluster(Cluster):
         raise ClusterError(f"{name} did not listen on {self.net.address[host]}:{port}; see {self.log_dir}")
 
     # --- services -------------------------------------------------------------------------
-    def start_disaggregated(self, threads: str) -> None:
+    def start_disaggregated(self) -> None:
         counts = {"prefill": 0, "decode": 0}
         for node, kinds in self.spec.nodes:
             self.messenger(f"messenger-{node.removeprefix('node-')}", node)
             for kind in kinds:
                 start = self.prefill_worker if kind == "prefill" else self.decode_worker
-                start(counts[kind], node, threads)
+                start(counts[kind], node)
                 counts[kind] += 1
 
     def service(self, name: str, kind: str, *args: str, node: str = "") -> None:

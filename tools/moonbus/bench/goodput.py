@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         for mode in modes:
             spec = moonbus_spec(work / mode, args.prefill, args.decode, dtype, args.ttft_slo, args.tbt_slo)
             spec.admission = mode
-            spec.profile = str(ensure_profile(home, ref.name, dtype, spec.worker_threads(), cache_dir(), say))
+            spec.profile = str(ensure_profile(home, ref.name, dtype, spec, cache_dir(), say))
             try:
                 result["modes"][mode] = measure(MoonbusServer(mode, spec), plan, args, cores)
             except ServerError as exc:

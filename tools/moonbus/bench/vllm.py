@@ -178,7 +178,7 @@ def _server(name: str, args: argparse.Namespace, ref: models.ModelRef, home: Pat
             result: dict):
     if name == "moonbus":
         spec = moonbus_spec(home, args.prefill, args.decode, dtype, args.ttft_slo, args.tbt_slo)
-        spec.profile = str(ensure_profile(home, ref.name, dtype, spec.worker_threads(), cache_dir(), say))
+        spec.profile = str(ensure_profile(home, ref.name, dtype, spec, cache_dir(), say))
         return MoonbusServer(name, spec)
     result["vllm"] = ensure_venv(args.vllm_venv, say)  # raises ServerError where it cannot install
     launch = VllmLaunch(python=args.vllm_venv / "bin" / "python", model_dir=ref.path, dtype=dtype, port=free_port(),

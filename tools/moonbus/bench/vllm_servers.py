@@ -212,16 +212,18 @@ def profile_key(root: Path = ROOT) -> str:
     return digest.hexdigest()[:12]
 
 
-def ensure_profile(home: Path, model: str, dtype: str, threads: int, cache: Path, say=print) -> Path:
-    """`moonbus up`'s first-start profile (`moonbus profile --quick`), measured once per engine, dtype and threads."""
-    out = cache / "profiles" / f"{model}-{dtype}-t{threads}-{profile_key()}.json"
+def ensure_profile(home: Path, model: str, dtype: str, spec: ClusterSpec, cache: Path, say=print) -> Path:
+    """`moonbus up`'s first-start profile (`moonbus profile --quick`), measured once per engine, dtype and
+    the threads `spec` gives prefill and decode instances."""
+    prefill, decode = spec.role_threads("prefill"), spec.role_threads("decode")
+    out = cache / "profiles" / f"{model}-{dtype}-p{prefill}d{decode}-{profile_key()}.json"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     say(f"measuring moonbus's profile once (moonbus profile --quick) into {out} ...")
     tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
     argv = [sys.executable, "-m", "tools.moonbus.cli", "profile", "--quick", "--model", model, "--home", str(home),
-            "--dtype", dtype, "--threads", str(threads), "--out", str(tmp)]
+            "--dtype", dtype, "--prefill-threads", str(prefill), "--decode-threads", str(decode), "--out", str(tmp)]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         raise ServerError(f"moonbus profile exited {done.returncode}:\n{(done.stdout + done.stderr)[-2000:]}")
@@ -253,7 +255,9 @@ class MoonbusServer:
         return [p.popen.pid for p in self.cluster.procs.values()] if self.cluster is not None else []
 
     def binding(self) -> str:
-        return f"{self.spec.num_workers} workers, {self.spec.worker_threads()} torch thread(s) each, unpinned"
+        spec = self.spec
+        return (f"{spec.num_prefill} prefill x {spec.role_threads('prefill')} torch thread(s), "
+                f"{spec.num_decode} decode x {spec.role_threads('decode')}, unpinned")
 
     def stop(self) -> None:
         if self.cluster is not None:

@@ -88,7 +88,9 @@ class ClusterSpec:
     host: str = "127.0.0.1"
     port: int = 8000
     nats_port: int = 4333
-    threads: int = 0  # torch threads per worker; 0 = share the cores among workers
+    threads: int = 0  # torch threads per worker; 0 = divide the cores by role (role_threads)
+    prefill_threads: int = 0  # per prefill instance; 0 = --threads, else role_threads' default
+    decode_threads: int = 0  # per decode instance; likewise
     block_tokens: int = 16
     dtype: str = "auto"  # compute and KV dtype of every model-aware service (auto: bfloat16 where the CPU has it)
     dram_bytes: int = 512 << 20  # per node
@@ -128,8 +130,22 @@ class ClusterSpec:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def worker_threads(self) -> int:
-        return self.threads or max(1, (os.cpu_count() or 1) // max(1, self.num_workers))
+    def role_threads(self, role: str) -> int:
+        """Torch threads of each `role` instance ("prefill", "decode" or "coupled").
+
+        By default the prefill instances together get every core, and each decode instance its
+        share of the cores among all workers: prefill is compute-bound and comes in bursts, while
+        a decode step reads the weights once and leaves its core idle between requests. Measured on
+        2 cores with 1 prefill + 1 decode (a prefill on 2 threads, the decode on 1): the replay
+        of README "Cores by role" served its TTFT p50 in 16 s instead of 25, the machine 95% busy
+        instead of 78%, decode's TBT within its SLO. A coupled instance does both: its share."""
+        cores = os.cpu_count() or 1
+        explicit = {"prefill": self.prefill_threads, "decode": self.decode_threads}.get(role, 0)
+        if explicit or self.threads:
+            return explicit or self.threads
+        if role == "prefill":
+            return max(1, cores // max(1, self.num_prefill))
+        return max(1, cores // max(1, self.num_workers))
 
     @property
     def num_workers(self) -> int:
@@ -258,7 +274,6 @@ class Cluster:
 
     def start_services(self) -> None:
         spec = self.spec
-        threads = str(spec.worker_threads())
         for i in range(spec.conductors):
             self.service(replica("conductor", i), "conductor", *self.model_args(), "--policy", spec.policy,
                          "--ttft-slo", str(spec.ttft_slo_s), *self.slo_args(), *(["--colocate"] if spec.coupled else []),
@@ -266,38 +281,41 @@ class Cluster:
         for i in range(spec.cache_indexes):
             self.service(replica("cache_index", i), "cache_index")
         if spec.coupled:
-            self.start_coupled(threads)
+            self.start_coupled()
         else:
-            self.start_disaggregated(threads)
+            self.start_disaggregated()
         for i in range(spec.gateways):
             self.service(replica("gateway", i), "gateway", "--model", spec.model, "--host", spec.host,
                          "--port", str(spec.port + i), *(["--api-keys", spec.api_keys] if spec.api_keys else []))
 
-    def start_disaggregated(self, threads: str) -> None:
+    def start_disaggregated(self) -> None:
         for i in range(self.spec.prefill):
             self.messenger(f"messenger-p{i}", f"node-p{i}")
-            self.prefill_worker(i, f"node-p{i}", threads)
+            self.prefill_worker(i, f"node-p{i}")
         for i in range(self.spec.decode):
             self.messenger(f"messenger-d{i}", f"node-d{i}")
-            self.decode_worker(i, f"node-d{i}", threads)
+            self.decode_worker(i, f"node-d{i}")
 
-    def prefill_worker(self, i: int, node: str, threads: str) -> None:
+    def prefill_worker(self, i: int, node: str) -> None:
         """prefill-i on `node` (whose messenger is started apart: a node may hold several workers)."""
         spec = self.spec
-        self.service(f"prefill-{i}", "prefill", *self.node_args(node), "--threads", threads, *self.model_args(),
+        self.service(f"prefill-{i}", "prefill", *self.node_args(node), "--threads", str(spec.role_threads("prefill")),
+                     *self.model_args(),
                      "--prefill-chunk", str(spec.prefill_chunk), *self.transport_args(),
                      *(["--pipeline-listener"] if spec.pipeline_group >= 2 else []), node=node)
 
-    def decode_worker(self, i: int, node: str, threads: str) -> None:
-        self.service(f"decode-{i}", "decode", *self.node_args(node), "--threads", threads, *self.model_args(),
+    def decode_worker(self, i: int, node: str) -> None:
+        self.service(f"decode-{i}", "decode", *self.node_args(node), "--threads", str(self.spec.role_threads("decode")),
+                     *self.model_args(),
                      *self.slo_args(), node=node)
 
-    def start_coupled(self, threads: str) -> None:
+    def start_coupled(self) -> None:
         """Each coupled instance announces `coupled-i-prefill` and `coupled-i-decode` on node-ci."""
         for i in range(self.spec.coupled):
             node = f"node-c{i}"
             self.messenger(f"messenger-c{i}", node)
-            self.service(f"coupled-{i}", "coupled", *self.node_args(node), "--threads", threads, *self.model_args(),
+            self.service(f"coupled-{i}", "coupled", *self.node_args(node), "--threads", str(self.spec.role_threads("coupled")),
+                         *self.model_args(),
                          *self.transport_args(), *self.slo_args(), node=node)
 
     def service(self, name: str, kind: str, *args: str, node: str = "") -> None:

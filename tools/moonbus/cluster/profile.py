@@ -33,6 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="as the workers run (auto: bfloat16 where the CPU has it)")
     parser.add_argument("--max-input", type=int, default=2048, help="longest prompt measured")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default), as the workers run")
+    parser.add_argument("--prefill-threads", type=int, default=0,
+                        help="torch threads while prefill is timed, as prefill instances run (0 = --threads)")
+    parser.add_argument("--decode-threads", type=int, default=0,
+                        help="torch threads while decode steps are timed, as decode instances run (0 = --threads)")
     parser.add_argument("--repeats", type=int, default=2, help="timings per point (the fastest is kept)")
     parser.add_argument("--quick", action="store_true", help="a small grid (what `moonbus up` runs the first time)")
     parser.add_argument("--json", action="store_true")
@@ -85,6 +89,8 @@ def time_decode_step(prefill: LayerwisePrefill, model, batch: int, context: int,
 def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
+    threads = {role: n or torch.get_num_threads() for role, n in (("prefill", args.prefill_threads),
+                                                                  ("decode", args.decode_threads))}
     ref = models.prepare(args.model, args.home.resolve())
     shape = models.read_shape(ref)
     dtype = models.resolve_dtype(args.dtype)
@@ -92,9 +98,11 @@ def run(args: argparse.Namespace) -> int:
     prefill = LayerwisePrefill(model)
     max_input = min(args.max_input, shape.max_context - 1)
     prefill_samples, decode_samples = [], []
+    torch.set_num_threads(threads["prefill"])
     for n, p in prefill_grid(max_input, args.quick):
         prefill_samples.append(PrefillSample(n, p, time_prefill(prefill, n, p, args.repeats, shape.vocab_size)))
         print(f"prefill n={n:5d} p={p:5d}  {prefill_samples[-1].seconds * 1000:9.2f} ms", file=sys.stderr, flush=True)
+    torch.set_num_threads(threads["decode"])
     for b, c in decode_grid(shape.max_context // 2, args.quick):
         decode_samples.append(DecodeSample(b, b * c, time_decode_step(prefill, model, b, c, args.repeats, shape.vocab_size)))
         print(f"decode  batch={b:3d} context={b * c:6d}  {decode_samples[-1].seconds * 1000:9.2f} ms", file=sys.stderr, flush=True)
@@ -102,9 +110,12 @@ def run(args: argparse.Namespace) -> int:
     decode_fit = DecodeModel.fit(s for i, s in enumerate(decode_samples) if i % 3 != 2)
     prefill_err = prefill_fit.error_report(s for i, s in enumerate(prefill_samples) if i % 3 == 2)
     decode_err = decode_fit.error_report(s for i, s in enumerate(decode_samples) if i % 3 == 2)
-    profile = Profile(prefill_fit, decode_fit, model=ref.name, device=f"cpu x{torch.get_num_threads()} threads",
+    device = (f"cpu x{threads['prefill']} threads" if threads["prefill"] == threads["decode"]
+              else f"cpu, prefill x{threads['prefill']} threads, decode x{threads['decode']}")
+    profile = Profile(prefill_fit, decode_fit, model=ref.name, device=device,
                       kv_bytes_per_token=shape.kv_bytes_per_token(dtype),
                       meta={"source": "moonbus profile", "dtype": dtype, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                            "threads": threads,
                             "held_out_error": {"prefill": _err(prefill_err), "decode": _err(decode_err)}})
     out = args.out or profiles.profile_path(args.home.resolve(), ref.name, dtype)
     out.parent.mkdir(parents=True, exist_ok=True)

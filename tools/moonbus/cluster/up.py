@@ -36,7 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="gateway port")
     parser.add_argument("--nats-port", type=int, default=4333, help="port of the embedded nats-server")
     parser.add_argument("--home", type=Path, default=default_home(), help="state directory (logs, NATS store, model cache)")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads per worker (0 = share the cores)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads per worker (0 = by role: the prefill instances together get every core, "
+                             "each decode instance its share of the cores among all workers)")
+    parser.add_argument("--prefill-threads", type=int, default=0, help="torch threads per prefill instance (0 = as above)")
+    parser.add_argument("--decode-threads", type=int, default=0, help="torch threads per decode instance (0 = as above)")
     parser.add_argument("--policy", default="kvcache-centric", help="random, load-balancing, cache-aware, kvcache-centric")
     parser.add_argument("--admission", default="predictive", help="none, baseline, early, predictive")
     parser.add_argument("--ttft-slo", type=float, default=30.0, help="seconds")
@@ -73,13 +77,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"moonbus up: {exc}", file=sys.stderr)
         return 2
     dtype = models.resolve_dtype(args.dtype)
-    if not args.profile and not profiles.profile_path(home, ref.name, dtype).exists():
-        print("measuring the model's prefill and decode times once (moonbus profile --quick) ...", flush=True)
-        code = subprocess.call([sys.executable, "-m", "tools.moonbus.cli", "profile", "--quick", "--model", args.model,
-                                "--home", str(home), "--dtype", dtype,
-                                "--threads", str(max(1, (os.cpu_count() or 2) // 2))])
-        if code != 0:
-            print("moonbus up: profiling failed; the conductor will use an analytic guess", file=sys.stderr)
     if min(args.conductors, args.cache_indexes, args.gateways) < 1:
         print("moonbus up: --conductors, --cache-indexes and --gateways must be at least 1", file=sys.stderr)
         return 2
@@ -87,12 +84,24 @@ def run(args: argparse.Namespace) -> int:
                        conductors=args.conductors, cache_indexes=args.cache_indexes, gateways=args.gateways,
                        api_keys=str(Path(args.api_keys).resolve()) if args.api_keys else "",
                        host=args.host, port=args.port, nats_port=args.nats_port, threads=args.threads,
-                       log_level=args.log_level,
+                       prefill_threads=args.prefill_threads, decode_threads=args.decode_threads, log_level=args.log_level,
                        policy=args.policy, admission=args.admission, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
                        block_tokens=args.block_tokens, dtype=dtype, dram_bytes=args.dram_bytes, ssd_bytes=args.ssd_bytes,
                        eviction=args.eviction, profile=args.profile, pipeline_group=args.pipeline_group,
                        prefill_chunk=args.prefill_chunk, transport=args.transport, tcp_streams=args.tcp_streams,
                        link_tls=args.link_tls)
+    threads = {role: spec.role_threads("coupled" if args.coupled else role) for role in ("prefill", "decode")}
+    path = profiles.profile_path(home, ref.name, dtype)
+    measured = profiles.measured_threads(path) if path.exists() else None
+    if not args.profile and measured != threads:
+        why = ("once" if measured is None else f"again, with {threads} torch threads: the profile was measured with "
+               + (str(measured) if measured else "a number it does not record"))
+        print(f"measuring the model's prefill and decode times {why} (moonbus profile --quick) ...", flush=True)
+        code = subprocess.call([sys.executable, "-m", "tools.moonbus.cli", "profile", "--quick", "--model", args.model,
+                                "--home", str(home), "--dtype", dtype, "--prefill-threads", str(threads["prefill"]),
+                                "--decode-threads", str(threads["decode"])])
+        if code != 0:
+            print("moonbus up: profiling failed; the conductor will use an analytic guess", file=sys.stderr)
     cluster = Cluster(spec)
     stopping = False
 

@@ -1,0 +1,49 @@
+"""How `moonbus up` divides the cores among roles, and when its profile must be measured again."""
+
+from pathlib import Path
+
+import pytest
+
+from common import profiles
+from common.decide.perf import A800_X8, LLAMA3_70B, analytic_profile
+from tools.moonbus.cluster import processes
+from tools.moonbus.cluster.processes import ClusterSpec
+
+
+@pytest.fixture
+def cores(monkeypatch):
+    def set_cores(n: int) -> None:
+        monkeypatch.setattr(processes.os, "cpu_count", lambda: n)
+    return set_cores
+
+
+def threads(spec: ClusterSpec) -> tuple[int, int, int]:
+    return spec.role_threads("prefill"), spec.role_threads("decode"), spec.role_threads("coupled")
+
+
+def test_prefill_instances_share_every_core_and_each_decode_its_share_of_all_workers(cores, tmp_path):
+    cores(2)
+    assert threads(ClusterSpec(home=tmp_path)) == (2, 1, 1)  # 1 prefill + 1 decode
+    assert threads(ClusterSpec(home=tmp_path, prefill=2, decode=2)) == (1, 1, 1)
+    cores(16)
+    assert threads(ClusterSpec(home=tmp_path)) == (16, 8, 8)
+    assert threads(ClusterSpec(home=tmp_path, prefill=2, decode=6)) == (8, 2, 2)
+    assert ClusterSpec(home=tmp_path, coupled=4).role_threads("coupled") == 4
+
+
+def test_explicit_threads_win_per_role_then_for_all(cores, tmp_path):
+    cores(16)
+    assert threads(ClusterSpec(home=tmp_path, threads=3)) == (3, 3, 3)
+    assert threads(ClusterSpec(home=tmp_path, threads=3, prefill_threads=5)) == (5, 3, 3)
+    assert threads(ClusterSpec(home=tmp_path, decode_threads=1)) == (16, 1, 8)
+
+
+def test_a_profile_says_with_how_many_threads_each_role_was_timed(tmp_path: Path):
+    profile = analytic_profile(LLAMA3_70B, A800_X8)
+    path = tmp_path / "old.json"
+    profiles.save(profile, path)
+    assert profiles.measured_threads(path) == {}  # made before it was recorded: measured again
+    profile.meta["threads"] = {"prefill": 2, "decode": 1}
+    profiles.save(profile, path)
+    assert profiles.measured_threads(path) == {"prefill": 2, "decode": 1}
+    assert profiles.read(path).meta["threads"] == {"prefill": 2, "decode": 1}
