@@ -6,7 +6,7 @@ import pytest
 
 from common import profiles
 from common.decide.perf import A800_X8, LLAMA3_70B, analytic_profile
-from tools.moonbus.cluster import processes
+from tools.moonbus.cluster import processes, up
 from tools.moonbus.cluster.processes import ClusterSpec
 
 
@@ -43,7 +43,11 @@ def test_a_profile_says_with_how_many_threads_each_role_was_timed(tmp_path: Path
     path = tmp_path / "old.json"
     profiles.save(profile, path)
     assert profiles.measured_threads(path) == {}  # made before it was recorded: measured again
+    assert "does not record" in up.profile_stale(path, {"prefill": 2, "decode": 1})
     profile.meta["threads"] = {"prefill": 2, "decode": 1}
     profiles.save(profile, path)
     assert profiles.measured_threads(path) == {"prefill": 2, "decode": 1}
     assert profiles.read(path).meta["threads"] == {"prefill": 2, "decode": 1}
+    assert up.profile_stale(path, {"prefill": 2, "decode": 1}) == ""
+    assert "measured with {'prefill': 2, 'decode': 1}" in up.profile_stale(path, {"prefill": 1, "decode": 1})
+    assert up.profile_stale(tmp_path / "missing.json", {"prefill": 2, "decode": 1}) == "once"

@@ -35,6 +35,7 @@ import psutil
 from filelock import FileLock
 
 from common import models
+from tools.moonbus.cluster import up
 from tools.moonbus.cluster.processes import Cluster, ClusterSpec, free_port
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -213,21 +214,13 @@ def profile_key(root: Path = ROOT) -> str:
 
 
 def ensure_profile(home: Path, model: str, dtype: str, spec: ClusterSpec, cache: Path, say=print) -> Path:
-    """`moonbus up`'s first-start profile (`moonbus profile --quick`), measured once per engine, dtype and
-    the threads `spec` gives prefill and decode instances."""
-    prefill, decode = spec.role_threads("prefill"), spec.role_threads("decode")
-    out = cache / "profiles" / f"{model}-{dtype}-p{prefill}d{decode}-{profile_key()}.json"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    say(f"measuring moonbus's profile once (moonbus profile --quick) into {out} ...")
-    tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
-    argv = [sys.executable, "-m", "tools.moonbus.cli", "profile", "--quick", "--model", model, "--home", str(home),
-            "--dtype", dtype, "--prefill-threads", str(prefill), "--decode-threads", str(decode), "--out", str(tmp)]
-    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode != 0:
+    """`moonbus up`'s first-start profile, kept per engine (`profile_key`), dtype and the threads
+    `spec` gives prefill and decode instances; measured by `moonbus up`'s own rule."""
+    threads = {role: spec.role_threads(role) for role in ("prefill", "decode")}
+    out = cache / "profiles" / f"{model}-{dtype}-p{threads['prefill']}d{threads['decode']}-{profile_key()}.json"
+    done = up.ensure_profile(out, home, model, dtype, threads, say=say, capture=True)
+    if done is not None and done.returncode != 0:
         raise ServerError(f"moonbus profile exited {done.returncode}:\n{(done.stdout + done.stderr)[-2000:]}")
-    os.replace(tmp, out)
     return out
 
 

@@ -135,10 +135,8 @@ class ClusterSpec:
 
         By default the prefill instances together get every core, and each decode instance its
         share of the cores among all workers: prefill is compute-bound and comes in bursts, while
-        a decode step reads the weights once and leaves its core idle between requests. Measured on
-        2 cores with 1 prefill + 1 decode (a prefill on 2 threads, the decode on 1): the replay
-        of README "Cores by role" served its TTFT p50 in 16 s instead of 25, the machine 95% busy
-        instead of 78%, decode's TBT within its SLO. A coupled instance does both: its share."""
+        a decode step reads the weights once and leaves its core idle between requests (README
+        "Cores by role" has the measurements). A coupled instance does both: its share."""
         cores = os.cpu_count() or 1
         explicit = {"prefill": self.prefill_threads, "decode": self.decode_threads}.get(role, 0)
         if explicit or self.threads:
@@ -299,24 +297,21 @@ class Cluster:
     def prefill_worker(self, i: int, node: str) -> None:
         """prefill-i on `node` (whose messenger is started apart: a node may hold several workers)."""
         spec = self.spec
-        self.service(f"prefill-{i}", "prefill", *self.node_args(node), "--threads", str(spec.role_threads("prefill")),
-                     *self.model_args(),
-                     "--prefill-chunk", str(spec.prefill_chunk), *self.transport_args(),
+        self.service(f"prefill-{i}", "prefill", *self.node_args(node), *self.threads_args("prefill"),
+                     *self.model_args(), "--prefill-chunk", str(spec.prefill_chunk), *self.transport_args(),
                      *(["--pipeline-listener"] if spec.pipeline_group >= 2 else []), node=node)
 
     def decode_worker(self, i: int, node: str) -> None:
-        self.service(f"decode-{i}", "decode", *self.node_args(node), "--threads", str(self.spec.role_threads("decode")),
-                     *self.model_args(),
-                     *self.slo_args(), node=node)
+        self.service(f"decode-{i}", "decode", *self.node_args(node), *self.threads_args("decode"),
+                     *self.model_args(), *self.slo_args(), node=node)
 
     def start_coupled(self) -> None:
         """Each coupled instance announces `coupled-i-prefill` and `coupled-i-decode` on node-ci."""
         for i in range(self.spec.coupled):
             node = f"node-c{i}"
             self.messenger(f"messenger-c{i}", node)
-            self.service(f"coupled-{i}", "coupled", *self.node_args(node), "--threads", str(self.spec.role_threads("coupled")),
-                         *self.model_args(),
-                         *self.transport_args(), *self.slo_args(), node=node)
+            self.service(f"coupled-{i}", "coupled", *self.node_args(node), *self.threads_args("coupled"),
+                         *self.model_args(), *self.transport_args(), *self.slo_args(), node=node)
 
     def service(self, name: str, kind: str, *args: str, node: str = "") -> None:
         argv = [sys.executable, "-m", f"services.{kind}", "--nats-url", self.spec.nats_addr,
@@ -341,6 +336,9 @@ class Cluster:
 
     def model_args(self) -> list[str]:
         return ["--model", self.spec.model, "--block-tokens", str(self.spec.block_tokens), "--dtype", self.spec.dtype]
+
+    def threads_args(self, role: str) -> list[str]:
+        return ["--threads", str(self.spec.role_threads(role))]
 
     def slo_args(self) -> list[str]:
         spec = self.spec

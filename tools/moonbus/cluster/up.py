@@ -19,6 +19,8 @@ from common.security import read_secret
 from tools.moonbus.cluster.processes import Cluster, ClusterError, ClusterSpec
 from tools.moonbus.cluster.supervisor import Action, RestartPolicy, SupervisorEvents
 
+ROOT = Path(__file__).resolve().parents[3]
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=models.SMOLLM2, help="SmolLM2-135M-Instruct (default), tiny-random, or a local checkpoint dir")
@@ -91,16 +93,9 @@ def run(args: argparse.Namespace) -> int:
                        prefill_chunk=args.prefill_chunk, transport=args.transport, tcp_streams=args.tcp_streams,
                        link_tls=args.link_tls)
     threads = {role: spec.role_threads("coupled" if args.coupled else role) for role in ("prefill", "decode")}
-    path = profiles.profile_path(home, ref.name, dtype)
-    measured = profiles.measured_threads(path) if path.exists() else None
-    if not args.profile and measured != threads:
-        why = ("once" if measured is None else f"again, with {threads} torch threads: the profile was measured with "
-               + (str(measured) if measured else "a number it does not record"))
-        print(f"measuring the model's prefill and decode times {why} (moonbus profile --quick) ...", flush=True)
-        code = subprocess.call([sys.executable, "-m", "tools.moonbus.cli", "profile", "--quick", "--model", args.model,
-                                "--home", str(home), "--dtype", dtype, "--prefill-threads", str(threads["prefill"]),
-                                "--decode-threads", str(threads["decode"])])
-        if code != 0:
+    if not args.profile:
+        done = ensure_profile(profiles.profile_path(home, ref.name, dtype), home, args.model, dtype, threads)
+        if done is not None and done.returncode != 0:
             print("moonbus up: profiling failed; the conductor will use an analytic guess", file=sys.stderr)
     cluster = Cluster(spec)
     stopping = False
@@ -200,3 +195,37 @@ try:
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}'
 
 Ctrl-C stops every process.""", flush=True)
+
+
+def profile_stale(path: Path, threads: dict[str, int]) -> str:
+    """Why the profile at `path` must be measured (again) for instances run with `threads` torch
+    threads per role ("prefill", "decode"); "" when it fits them."""
+    if not path.exists():
+        return "once"
+    measured = profiles.measured_threads(path)
+    if measured == threads:
+        return ""
+    return (f"again, with {threads} torch threads: the profile was measured with "
+            + (str(measured) if measured else "a number it does not record"))
+
+
+def ensure_profile(path: Path, home: Path, model: str, dtype: str, threads: dict[str, int], say=say,
+                   capture: bool = False) -> subprocess.CompletedProcess | None:
+    """Measure the profile at `path` (`moonbus profile --quick`) unless it fits `threads`: the one
+    rule for when `moonbus up` and the benches measure. None when it fit; else how the run ended
+    (the file is replaced only by a run that succeeded)."""
+    why = profile_stale(path, threads)
+    if not why:
+        return None
+    say(f"measuring the model's prefill and decode times {why} (moonbus profile --quick) into {path} ...")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    done = subprocess.run([sys.executable, "-m", "tools.moonbus.cli", "profile", "--quick", "--model", model,
+                           "--home", str(home), "--dtype", dtype, "--prefill-threads", str(threads["prefill"]),
+                           "--decode-threads", str(threads["decode"]), "--out", str(tmp)],
+                          cwd=ROOT, capture_output=capture, text=True)
+    if done.returncode == 0:
+        os.replace(tmp, path)
+    else:
+        tmp.unlink(missing_ok=True)
+    return done
