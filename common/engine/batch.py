@@ -76,10 +76,12 @@ class StepStats:
 
 
 class BatchEngine:
-    def __init__(self, model: Llama, max_batch: int, kv_budget_tokens: int, grow_tokens: int = 256) -> None:
+    def __init__(self, model: Llama, max_batch: int, kv_budget_tokens: int, grow_tokens: int = 256,
+                 packed: bool = True) -> None:
         if max_batch < 1 or kv_budget_tokens < 1 or grow_tokens < 1:
             raise ValueError("max_batch, kv_budget_tokens and grow_tokens must be >= 1")
         self.model = model
+        self.packed = model.packed() if packed else None  # the projections on oneDNN's packed weights
         self.max_batch = max_batch
         self.kv_budget_tokens = kv_budget_tokens
         self.grow_tokens = grow_tokens
@@ -216,9 +218,11 @@ class BatchEngine:
         hidden = model.embed_tokens(tokens)
         cos, sin = model.rope(positions)
         cache = _RowsCache(self.kv, batch, positions[:, 0])
+        # NOTE: one row on one thread is the one case where MKL's dense GEMV beat the packed weights here
+        packed = self.packed if batch > 1 or torch.get_num_threads() > 1 else None
         for idx in range(model.num_layers):
-            hidden = model.layer(idx, hidden, cos, sin, cache)
-        return model.logits(hidden)  # [B, vocab], float32
+            hidden = model.layer(idx, hidden, cos, sin, cache, packed)
+        return model.logits(hidden, packed)  # [B, vocab], float32
 
     def _sample(self, logits: torch.Tensor) -> StepResult:
         greedy = torch.argmax(logits, dim=-1).tolist()

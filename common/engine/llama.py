@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 SUPPORTED = ("llama", "mistral", "qwen2")
+PACK_ROWS = 64  # the rows oneDNN's packed layout is chosen for (a decode batch; 1-64 ran alike here)
 
 
 class UnsupportedModel(ValueError):
@@ -77,6 +78,25 @@ class Config:
                    float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))), bool(cfg.get("tie_word_embeddings")))
 
 
+@dataclass(frozen=True)
+class PackedLayer:
+    """A layer's projections in oneDNN's blocked layout (`Llama.packed`); None: the dense weight."""
+
+    qkv: torch.Tensor | None
+    o: torch.Tensor | None
+    gate_up: torch.Tensor | None
+    down: torch.Tensor | None
+
+
+DENSE = PackedLayer(None, None, None, None)
+
+
+@dataclass(frozen=True)
+class Packed:
+    layers: list[PackedLayer]
+    lm_head: torch.Tensor
+
+
 @dataclass
 class Layer:
     input_norm: torch.Tensor
@@ -110,6 +130,7 @@ class Llama:
         freqs = torch.arange(config.max_context, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)  # [max_context, head_dim]
+        self._packed: Packed | None | bool = False  # False: not tried yet
 
     @staticmethod
     def _layer(w: dict[str, torch.Tensor], p: str) -> Layer:
@@ -144,6 +165,22 @@ class Llama:
         param = next(model.parameters())
         return cls(config, {k: v.detach() for k, v in model.state_dict().items()}, param.dtype)
 
+    def packed(self) -> Packed | None:
+        """The projections packed for oneDNN's matmul, made once per process; None where it does
+        not apply (not float32, or this torch has no oneDNN).
+
+        What a decode step multiplies is a few rows by every weight. MKL's dense path, which
+        `F.linear` takes in float32, runs such a product on one thread and, at 2-16 rows, no
+        faster per row than at one (`moonbus bench engine`'s decode rows have the measurements);
+        oneDNN over weights packed once uses every thread and reads each weight once per step.
+        Its rows also do not depend on the batch (a row's result is the same at 1 row or 64,
+        which MKL's is not at 1-2 rows). It costs a second copy of the projections' weights in
+        the processes that decode. NOTE: float32 only: bfloat16's packing needs AVX-512 or
+        AVX-NE-CONVERT here, and its results against transformers' bf16 path were not measured."""
+        if self._packed is False:
+            self._packed = _pack(self) if self.dtype == torch.float32 and torch.backends.mkldnn.is_available() else None
+        return self._packed
+
     # --- the forward, in pieces the engines call ----------------------------------------------------
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, n, D] for position ids [B, n]."""
@@ -152,9 +189,10 @@ class Llama:
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(token_ids, self.embed)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, packed: Packed | None = None) -> torch.Tensor:
         """Float32 logits of the last position of every row: hidden [B, n, d] -> [B, vocab]."""
-        return F.linear(_rms_norm(hidden[:, -1], self.norm, self.config.rms_eps), self.lm_head).float()
+        normed = _rms_norm(hidden[:, -1], self.norm, self.config.rms_eps)
+        return _linear(normed, self.lm_head, None, packed.lm_head if packed else None).float()
 
     def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                   mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -162,12 +200,15 @@ class Llama:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and q.shape[2] > 1,
                                               scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
 
-    def layer(self, idx: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KvWriter) -> torch.Tensor:
+    def layer(self, idx: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KvWriter,
+              packed: Packed | None = None) -> torch.Tensor:
         """One decoder layer over hidden [B, n, d], at positions whose cos, sin [B, n, D] are given;
-        the cache stores the new K, V and attends (`KvWriter.attend`)."""
+        the cache stores the new K, V and attends (`KvWriter.attend`). With `packed` (`Llama.packed`)
+        the projections run on the packed weights."""
         w, eps = self.layers[idx], self.config.rms_eps
+        p = packed.layers[idx] if packed else DENSE
         batch, n, _ = hidden.shape
-        qkv = F.linear(_rms_norm(hidden, w.input_norm, eps), w.qkv, w.qkv_bias)
+        qkv = _linear(_rms_norm(hidden, w.input_norm, eps), w.qkv, w.qkv_bias, p.qkv)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(batch, n, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(batch, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -176,9 +217,25 @@ class Llama:
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         out = cache.attend(q, k, v, idx, self)
-        hidden = hidden + F.linear(out.transpose(1, 2).reshape(batch, n, self.q_size), w.o, w.o_bias)
-        gate, up = F.linear(_rms_norm(hidden, w.post_norm, eps), w.gate_up).chunk(2, dim=-1)
-        return hidden + F.linear(F.silu(gate) * up, w.down)
+        hidden = hidden + _linear(out.transpose(1, 2).reshape(batch, n, self.q_size), w.o, w.o_bias, p.o)
+        gate, up = _linear(_rms_norm(hidden, w.post_norm, eps), w.gate_up, None, p.gate_up).chunk(2, dim=-1)
+        return hidden + _linear(F.silu(gate) * up, w.down, None, p.down)
+
+
+def _pack(model: Llama) -> Packed | None:
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    try:
+        layers = [PackedLayer(*(reorder(t, PACK_ROWS) for t in (w.qkv, w.o, w.gate_up, w.down))) for w in model.layers]
+        return Packed(layers, reorder(model.lm_head, PACK_ROWS))
+    except RuntimeError:  # a oneDNN without this dtype's packing on this CPU: the dense path stays
+        return None
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            packed: torch.Tensor | None) -> torch.Tensor:
+    if packed is None:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -226,3 +226,23 @@ def test_a_span_of_a_rows_kv_is_a_copy_of_those_tokens(model):
     assert not torch.equal(span, batch.kv_of("a")[:, :, :, 16:32])
     with pytest.raises(ValueError):
         batch.kv_span("a", 32, 48)
+
+
+def test_on_packed_weights_a_rows_logits_do_not_depend_on_its_batch(model):
+    """The decode step's projections on oneDNN's packed weights (float32): a row gets the same
+    logits, bit for bit, in a batch of 2 as in a batch of 6, and the dense weights' within rounding."""
+    llama = Llama.from_hf(model)
+    if llama.packed() is None:
+        pytest.skip(f"no packed weights for {llama.dtype} on this torch and CPU")
+
+    def logits_of(rows: int, packed: bool) -> torch.Tensor:
+        batch = BatchEngine(llama, max_batch=8, kv_budget_tokens=10_000, packed=packed)
+        for i, (n, params) in enumerate(MIXED[:rows]):
+            kv, first = make_start(model, make_prompt(n, i), params)
+            batch.add(f"r{i}", kv, first, params, num_generated=1)
+        with torch.inference_mode():
+            return batch._forward(rows)
+
+    small, large = logits_of(2, packed=True), logits_of(6, packed=True)
+    assert torch.equal(small, large[:2])
+    torch.testing.assert_close(large, logits_of(6, packed=False), rtol=1e-4, atol=1e-4)

@@ -5,7 +5,8 @@ decode   BatchEngine tokens/s (one forward per iteration for the whole batch) at
          Both sides are timed from the first generated token to the last (prefill excluded),
          every row produces --new-tokens tokens. Also shown: a per-request forward loop (one
          forward per request per iteration, what continuous batching replaces). Goal: ours >= 0.9
-         of generate().
+         of generate(). And: the same engine on the dense weights (`packed=False`, what it ran
+         before `Llama.packed`), so each row also shows the packed weights' speed-up.
 prefill  LayerwisePrefill with a FileSink in /dev/shm (each layer's KV written by a background
          thread while the next layer computes; timed until every layer is in the file)
   vs     compute-only prefill (the plain transformers forward; goal: ours <= 1.10x)
@@ -107,6 +108,9 @@ def summary(result: dict) -> list[dict]:
     rows = [{"row": f"decode, batch {r['batch']}: BatchEngine vs generate()", "ours": f"{r['ours_tps']:.0f} tok/s",
              "baseline": f"{r['generate_tps']:.0f} tok/s", "ratio": r["ratio"], "goal": f">= {DECODE_GOAL}x",
              "met": r["goal_met"]} for r in result["decode"]]
+    rows += [{"row": f"decode, batch {r['batch']}: packed weights vs dense (speed-up)", "ours": f"{r['ours_tps']:.0f} tok/s",
+              "baseline": f"{r['dense_tps']:.0f} tok/s", "ratio": r["ours_tps"] / r["dense_tps"], "goal": None,
+              "met": None} for r in result["decode"]]
     base = next((r for r in result["prefill"] if r["case"].startswith("compute-only")), None)
     rows += [{"row": f"prefill {r['tokens']} tokens: {r['case']} vs compute-only", "ours": f"{r['seconds']:.3f} s",
               "baseline": f"{base['seconds']:.3f} s" if base else None, "ratio": r["vs_compute_only"],
@@ -186,17 +190,20 @@ def _bench_decode(model, batch: int, args: argparse.Namespace) -> dict:
     prompts = _prompts(batch, args.prompt_tokens, model.config.vocab_size)
     starts = _starts(model, prompts)
     tokens = batch * (args.new_tokens - 1)
-    gen, ours, add, loop = [], [], [], []
-    engine_ = BatchEngine(Llama.from_hf(model), max_batch=batch, kv_budget_tokens=1 << 30)
+    gen, ours, dense, add, loop = [], [], [], [], []
+    llama = Llama.from_hf(model)
+    engine_ = BatchEngine(llama, max_batch=batch, kv_budget_tokens=1 << 30)
+    dense_ = BatchEngine(llama, max_batch=batch, kv_budget_tokens=1 << 30, packed=False)  # before Llama.packed
     for _ in range(args.repeats):
         gen.append(_time_generate(model, prompts, args.new_tokens))
         s, a = _time_batch(engine_, starts, args.new_tokens)
         ours.append(s)
         add.append(a)
+        dense.append(_time_batch(dense_, starts, args.new_tokens)[0])
     loop.append(_time_loop(model, starts, args.new_tokens))
     row = {"batch": batch, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
            "ours_tps": tokens / min(ours), "generate_tps": tokens / min(gen), "loop_tps": tokens / min(loop),
-           "add_ms_per_request": 1e3 * min(add) / batch}
+           "dense_tps": tokens / min(dense), "add_ms_per_request": 1e3 * min(add) / batch}
     row["ratio"] = row["ours_tps"] / row["generate_tps"]
     row["goal_met"] = row["ratio"] >= DECODE_GOAL
     return row
@@ -274,10 +281,12 @@ def _print(result: dict, args: argparse.Namespace) -> None:
           f"{result['cpus']} cpus, best of {args.repeats}")
     if result["decode"]:
         print(f"\ndecode: tokens/s over {args.new_tokens - 1} steps after the first token, prompt {args.prompt_tokens} tokens")
-        print(f"{'batch':>5} {'ours':>9} {'generate':>9} {'ratio':>6} {'goal>=0.9':>9} {'per-request':>11} {'add ms/req (warm)':>17}")
+        print(f"{'batch':>5} {'ours':>9} {'generate':>9} {'ratio':>6} {'goal>=0.9':>9} {'per-request':>11} "
+              f"{'add ms/req (warm)':>17} {'dense':>9} {'packed/dense':>12}")
         for r in result["decode"]:
             print(f"{r['batch']:>5} {r['ours_tps']:>9.1f} {r['generate_tps']:>9.1f} {r['ratio']:>6.2f} "
-                  f"{str(r['goal_met']):>9} {r['loop_tps']:>11.1f} {r['add_ms_per_request']:>17.2f}")
+                  f"{str(r['goal_met']):>9} {r['loop_tps']:>11.1f} {r['add_ms_per_request']:>17.2f} "
+                  f"{r['dense_tps']:>9.1f} {r['ours_tps'] / r['dense_tps']:>12.2f}")
     if result["prefill"]:
         r0 = result["prefill"][0]
         print(f"\nprefill: {r0['tokens']} tokens, KV {r0['kv_MB']} MB")
