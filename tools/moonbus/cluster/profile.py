@@ -23,6 +23,7 @@ from schemas.route import SamplingParams
 from common.engine.batch import BatchEngine
 from common.engine.layerwise import LayerwisePrefill
 from common.engine.llama import Llama
+from tools.moonbus.cluster import up
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     profile = Profile(prefill_fit, decode_fit, model=ref.name, device=device,
                       kv_bytes_per_token=shape.kv_bytes_per_token(dtype),
                       meta={"source": "moonbus profile", "dtype": dtype, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                            "threads": threads,
+                            "threads": threads, "engine": up.engine_key(),
                             "held_out_error": {"prefill": _err(prefill_err), "decode": _err(decode_err)}})
     out = args.out or profiles.profile_path(args.home.resolve(), ref.name, dtype)
     out.parent.mkdir(parents=True, exist_ok=True)

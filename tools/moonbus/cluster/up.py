@@ -6,6 +6,7 @@ A process that exits is restarted (tools/moonbus/cluster/supervisor.py); only Ct
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from tools.moonbus.cluster.processes import Cluster, ClusterError, ClusterSpec
 from tools.moonbus.cluster.supervisor import Action, RestartPolicy, SupervisorEvents
 
 ROOT = Path(__file__).resolve().parents[3]
+ENGINE_SOURCES = ("common/engine", "common/roles", "tools/moonbus/cluster/profile.py")  # what a profile times
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -197,11 +199,23 @@ try:
 Ctrl-C stops every process.""", flush=True)
 
 
+def engine_key(root: Path = ROOT) -> str:
+    """A hash of the sources a profile times (ENGINE_SOURCES): a changed engine is measured again."""
+    digest = hashlib.sha256()
+    for rel in ENGINE_SOURCES:
+        path = root / rel
+        for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            digest.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def profile_stale(path: Path, threads: dict[str, int]) -> str:
     """Why the profile at `path` must be measured (again) for instances run with `threads` torch
-    threads per role ("prefill", "decode"); "" when it fits them."""
+    threads per role ("prefill", "decode") on this engine; "" when it fits them."""
     if not path.exists():
         return "once"
+    if profiles.read(path).meta.get("engine") != engine_key():
+        return "again: the engine changed since it was measured"
     measured = profiles.measured_threads(path)
     if measured == threads:
         return ""
