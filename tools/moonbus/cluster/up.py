@@ -240,6 +240,7 @@ def ensure_profile(path: Path, home: Path, model: str, dtype: str, threads: dict
                           cwd=ROOT, capture_output=capture, text=True)
     if done.returncode == 0:
         os.replace(tmp, path)
+        say(f"the profile is in {path}")
     else:
         tmp.unlink(missing_ok=True)
     return done
