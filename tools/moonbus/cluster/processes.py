@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -57,7 +58,26 @@ def instance_id_of(name: str, kind: str) -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now, for a listener that binds it later.
+
+    NOTE: chosen below the kernel's ephemeral range. A port bind(0) gives comes from that range,
+    which every outgoing connection draws its local port from too: between this call and the
+    listener's bind, a client's connection (to NATS, say) could take it. That happened: a
+    messenger failed to bind the port a test had picked for it."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randint(max(1024, low - 16384), low - 1)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every try taken: the ephemeral range, as before
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
