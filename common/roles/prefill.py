@@ -18,8 +18,10 @@ run at once: a prefill pauses the decode batch, as in one vLLM instance. Alone, 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import contextlib
+import itertools
 import logging
 import socket
 import time
@@ -46,6 +48,34 @@ from common.roles.handoff import Handoff, HandoffFailed
 from common.engine.layerwise import LayerwisePrefill, LayerStreamer
 
 log = logging.getLogger(__name__)
+
+
+class ArrivalQueue(asyncio.Queue):
+    """Prefill tasks in the order their requests arrived at a gateway, not the order they came here.
+
+    A request handed back because its decode instance was lost while it waited here comes back as
+    a new attempt; at the back of the line it would wait the whole queue again and miss the TTFT
+    its admission promised (README "Reliability" has the replay that showed it). Here it takes
+    its request's place. A pipeline stage always goes to the back: stages of two requests must run
+    in the same order on every instance of the group, or each could wait on the other's.
+    """
+
+    def _init(self, maxsize: int) -> None:
+        self._queue: list[tuple[float, int, PrefillTask]] = []
+        self._seq = itertools.count()
+
+    def _put(self, task: PrefillTask) -> None:
+        key = task.arrival_ts
+        if task.pipeline is not None and self._queue:
+            key = max(key, self._queue[-1][0])
+        bisect.insort(self._queue, (key, next(self._seq), task), key=lambda entry: entry[:2])
+
+    def _get(self) -> PrefillTask:
+        return self._queue.pop(0)[2]
+
+    def tasks(self) -> list[PrefillTask]:
+        """What waits, in the order it will run."""
+        return [entry[2] for entry in self._queue]
 
 
 class PrefillMetrics:
@@ -81,7 +111,7 @@ class PrefillService:
         self.events = bus.EventPublisher.of(nc, "prefill", cfg, self.incarnation)
         self.pool = PoolClient(nc, cfg.node, layout, f"{cfg.instance_id}:{self.incarnation}")
         self.block_tokens = layout.block_tokens
-        self.queue: asyncio.Queue[PrefillTask] = asyncio.Queue()
+        self.queue = ArrivalQueue()
         self.cancelled = worker.Cancellations()
         self.running = 0
         self.metrics = PrefillMetrics(registry or metrics.registry(), self)
@@ -162,7 +192,7 @@ class PrefillService:
     def report(self) -> PrefillReport:
         """The queue as the conductors should see it: each request's predicted end, in order."""
         now = time.monotonic()
-        held = ([self.current] if self.current is not None else []) + list(self.queue._queue)  # noqa: SLF001
+        held = ([self.current] if self.current is not None else []) + self.queue.tasks()
         running_for = now - self.current_started if self.current is not None else None
         ends = queue_ends((task.predicted_s for task in held), running_for)
         ids = [task.request_id for task in held]
@@ -384,7 +414,7 @@ class PrefillService:
         reply = ProbeReply(False)
         if self.current is not None and (self.current.request_id, self.current.attempt) == (rid, attempt):
             reply = ProbeReply(True, "prefill")
-        elif any((t.request_id, t.attempt) == (rid, attempt) for t in list(self.queue._queue)):  # noqa: SLF001
+        elif any((t.request_id, t.attempt) == (rid, attempt) for t in self.queue.tasks()):
             reply = ProbeReply(True, "queued")
         elif rid in self.recent and self.recent[rid][0] == attempt:
             _, chunk, subject = self.recent[rid]
