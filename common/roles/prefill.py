@@ -18,10 +18,8 @@ run at once: a prefill pauses the decode batch, as in one vLLM instance. Alone, 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import collections
 import contextlib
-import itertools
 import logging
 import socket
 import time
@@ -36,6 +34,7 @@ from common.kv.blocks import DEFAULT_SEED, block_keys
 from common.pool_client import PoolClient, PoolUnavailable, Prefix
 from common.transport import TransportError, Transports
 from common.decide.perf import queue_ends
+from common.decide.queue_order import ArrivalOrder
 from schemas import subjects
 from schemas.codec import WireError
 from schemas.decode import DecodeTask
@@ -51,31 +50,21 @@ log = logging.getLogger(__name__)
 
 
 class ArrivalQueue(asyncio.Queue):
-    """Prefill tasks in the order their requests arrived at a gateway, not the order they came here.
-
-    A request handed back because its decode instance was lost while it waited here comes back as
-    a new attempt; at the back of the line it would wait the whole queue again and miss the TTFT
-    its admission promised (README "Reliability" has the replay that showed it). Here it takes
-    its request's place. A pipeline stage always goes to the back: stages of two requests must run
-    in the same order on every instance of the group, or each could wait on the other's.
-    """
+    """The prefill tasks in the decision floor's order (`common.decide.queue_order`): by their
+    request's arrival at a gateway, pipeline stages at the back."""
 
     def _init(self, maxsize: int) -> None:
-        self._queue: list[tuple[float, int, PrefillTask]] = []
-        self._seq = itertools.count()
+        self._queue: ArrivalOrder[PrefillTask] = ArrivalOrder()
 
     def _put(self, task: PrefillTask) -> None:
-        key = task.arrival_ts
-        if task.pipeline is not None and self._queue:
-            key = max(key, self._queue[-1][0])
-        bisect.insort(self._queue, (key, next(self._seq), task), key=lambda entry: entry[:2])
+        self._queue.push(task, task.arrival_ts, last=task.pipeline is not None)
 
     def _get(self) -> PrefillTask:
-        return self._queue.pop(0)[2]
+        return self._queue.pop()
 
     def tasks(self) -> list[PrefillTask]:
         """What waits, in the order it will run."""
-        return [entry[2] for entry in self._queue]
+        return self._queue.items()
 
 
 class PrefillMetrics:

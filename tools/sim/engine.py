@@ -214,7 +214,7 @@ class Simulator:
         self.state.route(Routed(str(r.index), (p.instance_id,), r.decode.instance_id, "", r.input_tokens, t,
                                 decision.prefill_s + decision.transfer_s, decision.ttft_s,
                                 joins_decode=r.output_tokens > 1, max_tokens=r.max_tokens))
-        p.queue.append(r)
+        p.queue.push(r, r.arrival_s)
         self.dirty.add(p)
         if not p.busy:
             self.start_prefill(p, t)
@@ -222,7 +222,7 @@ class Simulator:
     # --- prefill ---------------------------------------------------------------------------------------
 
     def start_prefill(self, p: PrefillInstance, t: float) -> None:
-        r = p.queue.popleft()
+        r = p.queue.pop()
         p.current = r
         p.busy = True
         start = r.prefill_start_s = max(p.claim_gpu(t), r.ready_s)

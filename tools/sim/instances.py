@@ -13,6 +13,7 @@ from collections import deque
 
 from common.decide.admission import has_room, kv_reservation
 from common.decide.perf import queue_ends
+from common.decide.queue_order import ArrivalOrder
 from common.decide.pool import TieredPool, change_of, runs
 from schemas.workers import Coming, DecodeReport, Joined, Measured, PrefillReport, WorkerInfo
 from common.decide.index import KvEvent, PrefixIndex
@@ -70,14 +71,15 @@ class PoolNode:
 
 
 class PrefillInstance:
-    """A FIFO prefill queue, reporting what it holds the way a live prefill instance does."""
+    """A prefill queue in the live instance's order (`ArrivalOrder`), reporting what it holds the
+    way a live prefill instance does."""
 
     def __init__(self, instance_id: str, pool: PoolNode, nic: Nic) -> None:
         self.instance_id = instance_id
         self.node = pool.node
         self.pool = pool
         self.nic = nic
-        self.queue: deque[SimRequest] = deque()
+        self.queue: ArrivalOrder[SimRequest] = ArrivalOrder()
         self.current: SimRequest | None = None  # being prefilled
         self.busy = False
         self.busy_s = 0.0  # seconds spent prefilling, for utilisation
@@ -87,14 +89,14 @@ class PrefillInstance:
     def info(self, t: float) -> WorkerInfo:
         """Its report, as a live prefill instance sends it: the booked work ahead and, per request,
         the decode instance it goes to and when its prefill should end (the conductor's prediction)."""
-        held = ([self.current] if self.current is not None else []) + list(self.queue)
+        held = ([self.current] if self.current is not None else []) + self.queue.items()
         running_for = max(0.0, t - self.current.prefill_start_s) if self.current is not None else None
         ends = queue_ends((r.decision.prefill_s + r.decision.transfer_s for r in held), running_for)
         coming = [Coming(str(r.index), r.decode.instance_id, end, r.input_tokens, r.max_tokens)
                   for r, end in zip(held, ends) if r.output_tokens > 1]
         seq, seconds, tokens, prefix = self.measured
         return WorkerInfo(self.instance_id, "prefill", self.node, prefill=PrefillReport(
-            ends[-1] if ends else 0.0, sum(r.input_tokens for r in self.queue),
+            ends[-1] if ends else 0.0, sum(r.input_tokens for r in self.queue.items()),
             self.current.input_tokens if self.current is not None else 0, [str(r.index) for r in held], coming,
             Measured(seq, seconds, tokens, prefix) if seq else None))
 
