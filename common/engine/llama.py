@@ -128,8 +128,8 @@ class Llama:
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.int64).float()
                                                 / config.head_dim))
         freqs = torch.arange(config.max_context, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)  # [max_context, head_dim]
+        # [max_context, head_dim / 2]: a rotary table's two halves are equal, so one is kept
+        self.cos, self.sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
         self._packed: Packed | None | bool = False  # False: not tried yet
 
     @staticmethod
@@ -183,7 +183,7 @@ class Llama:
 
     # --- the forward, in pieces the engines call ----------------------------------------------------
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, n, D] for position ids [B, n]."""
+        """cos, sin [B, n, D / 2] (a rotary table's half) for position ids [B, n]."""
         return self.cos[positions], self.sin[positions]
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -209,17 +209,16 @@ class Llama:
         p = packed.layers[idx] if packed else DENSE
         batch, n, _ = hidden.shape
         qkv = _linear(_rms_norm(hidden, w.input_norm, eps), w.qkv, w.qkv_bias, p.qkv)
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(batch, n, self.num_heads, self.head_dim).transpose(1, 2)
-        k = k.view(batch, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(batch, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        qk = _rotate(qkv[..., : self.q_size + self.kv_size], cos, sin, self.head_dim)
+        q = qk[:, :, : self.num_heads].transpose(1, 2)
+        k = qk[:, :, self.num_heads :].transpose(1, 2)
+        v = qkv[..., self.q_size + self.kv_size :].view(batch, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         out = cache.attend(q, k, v, idx, self)
-        hidden = hidden + _linear(out.transpose(1, 2).reshape(batch, n, self.q_size), w.o, w.o_bias, p.o)
+        # NOTE: in place where a tensor is this layer's own (the projections' outputs): at prefill's
+        # sizes every fresh tensor costs page faults, more than the operation itself
+        hidden = _linear(out.transpose(1, 2).reshape(batch, n, self.q_size), w.o, w.o_bias, p.o).add_(hidden)
         gate, up = _linear(_rms_norm(hidden, w.post_norm, eps), w.gate_up, None, p.gate_up).chunk(2, dim=-1)
-        return hidden + _linear(F.silu(gate) * up, w.down, None, p.down)
+        return _linear(F.silu(gate, inplace=True).mul_(up), w.down, None, p.down).add_(hidden)
 
 
 def _pack(model: Llama) -> Packed | None:
@@ -239,12 +238,27 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    """transformers' LlamaRMSNorm bit for bit: normalised in float32, rounded to x's dtype, then
+    scaled by the weight (torch's fused kernel; in float32 the scaling fuses too)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x, weight.shape, None, eps)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The rotary embedding of heads x [B, n, H * D] (a view of the projection's output) at the
+    positions of cos, sin [B, n, D / 2] -> [B, n, H, D], contiguous: per head, halves x1, x2 become
+    x1 cos - x2 sin, x2 cos + x1 sin, which is transformers' `x * cos + rotate_half(x) * sin` to the
+    bit without the concatenations."""
+    batch, n, _ = x.shape
+    half = head_dim // 2
+    x = x.view(batch, n, -1, 2, half)
+    x1, x2 = x[..., 0, :], x[..., 1, :]
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    o1, o2 = out[..., 0, :], out[..., 1, :]
+    torch.mul(x1, cos, out=o1)
+    o1.sub_(x2 * sin)
+    torch.mul(x2, cos, out=o2)
+    o2.add_(x1 * sin)
+    return out.view(batch, n, -1, head_dim)

@@ -38,14 +38,18 @@ CONTEXT = 256
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1024, ignore_eos=True)
 
 
-def best(fn, repeats: int) -> float:
-    fn()  # warm-up: allocations, kernel choice
-    times = []
+def best(fns: list, repeats: int) -> list[float]:
+    """Each function's fastest of `repeats` runs, the functions taking turns, so that the
+    machine's drift (a noisy neighbour, a busy minute) hits ours and the baseline alike."""
+    for fn in fns:
+        fn()  # warm-up: allocations, kernel choice
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return min(times)
+        for fn, took in zip(fns, times):
+            started = time.perf_counter()
+            fn()
+            took.append(time.perf_counter() - started)
+    return [min(took) for took in times]
 
 
 def weight_bytes(model: Llama) -> int:
@@ -66,34 +70,34 @@ def bench(ref: models.ModelRef, dtype: str, tokens: int, repeats: int) -> dict:
 def _decode(model: Llama, hf, repeats: int) -> dict:
     src = torch.empty(weight_bytes(model), dtype=torch.uint8)
     dst = torch.empty_like(src)
-    floor = best(lambda: dst.copy_(src), repeats)
-    steps = {}
+    engines = {}
     for batch in (1, 16):
         engine = BatchEngine(model, batch, batch * (CONTEXT + GREEDY.max_tokens))
         kv = torch.zeros(model.num_layers, 2, model.num_kv_heads, CONTEXT, model.head_dim, dtype=model.dtype)
         for i in range(batch):
             engine.add(f"r{i}", kv, 100 + i, GREEDY)
-        steps[batch] = best(engine.step, repeats * 2)
+        engines[batch] = engine
     cache, _ = reference.prefill(hf, list(range(100, 100 + CONTEXT)))
-    hf_step = best(lambda: reference.decode_step(hf, 5, cache), repeats * 2)
-    return {"weight_mb": src.numel() / 1e6, "weight_copy_ms": floor * 1e3, "step1_ms": steps[1] * 1e3,
-            "step16_ms": steps[16] * 1e3, "hf_step1_ms": hf_step * 1e3, "step1_vs_floor": steps[1] / floor,
-            "step1_vs_hf": hf_step / steps[1], "decode_goal_met": steps[1] / floor <= DECODE_FLOOR_GOAL}
+    floor, step1, step16, hf_step = best([lambda: dst.copy_(src), engines[1].step, engines[16].step,
+                                          lambda: reference.decode_step(hf, 5, cache)], repeats * 2)
+    return {"weight_mb": src.numel() / 1e6, "weight_copy_ms": floor * 1e3, "step1_ms": step1 * 1e3,
+            "step16_ms": step16 * 1e3, "hf_step1_ms": hf_step * 1e3, "step1_vs_floor": step1 / floor,
+            "step1_vs_hf": hf_step / step1, "decode_goal_met": step1 / floor <= DECODE_FLOOR_GOAL}
 
 
 def _prefill(model: Llama, hf, tokens: int, repeats: int) -> dict:
     ids = list(range(100, 100 + tokens))
     engine = LayerwisePrefill(model)
-    ours = best(lambda: engine.run(ids), repeats)
-    chain = best(lambda: _matmul_chain(model, tokens), repeats)
-    theirs = best(lambda: reference.prefill(hf, ids), repeats)
+    ours, chain, theirs = best([lambda: engine.run(ids), _matmul_chain(model, tokens),
+                                lambda: reference.prefill(hf, ids)], repeats)
     return {"prefill_tokens": tokens, "prefill_s": ours, "matmul_chain_s": chain, "hf_prefill_s": theirs,
             "prefill_vs_roofline": chain / ours, "prefill_vs_hf": theirs / ours,
             "prefill_goal_met": chain / ours >= PREFILL_ROOFLINE_GOAL}
 
 
-def _matmul_chain(model: Llama, n: int) -> torch.Tensor:
-    """Only the forward's matmuls, with its shapes and dtype: what the matrix units bound."""
+def _matmul_chain(model: Llama, n: int):
+    """Only the forward's matmuls, with its shapes and dtype: what the matrix units bound. The
+    inputs are made here, outside what is timed; the returned function runs the chain."""
     hidden = torch.randn(n, model.config.hidden_size, dtype=model.dtype)
     heads, d = model.num_heads, model.head_dim
     half = max(1, n // 2)  # causal attention: on average each query sees half the keys
@@ -104,14 +108,18 @@ def _matmul_chain(model: Llama, n: int) -> torch.Tensor:
     out = torch.empty(heads, half, d, dtype=model.dtype)
     attended = torch.randn(n, heads * d, dtype=model.dtype)
     act = torch.randn(n, model.layers[0].down.shape[1], dtype=model.dtype)
-    for layer in model.layers:
-        F.linear(hidden, layer.qkv)
-        torch.bmm(q, k, out=scores)
-        torch.bmm(scores, v, out=out)
-        F.linear(attended, layer.o)
-        F.linear(hidden, layer.gate_up)
-        F.linear(act, layer.down)
-    return F.linear(hidden[-1:], model.lm_head)
+
+    def chain() -> torch.Tensor:
+        for layer in model.layers:
+            F.linear(hidden, layer.qkv)
+            torch.bmm(q, k, out=scores)
+            torch.bmm(scores, v, out=out)
+            F.linear(attended, layer.o)
+            F.linear(hidden, layer.gate_up)
+            F.linear(act, layer.down)
+        return F.linear(hidden[-1:], model.lm_head)
+
+    return chain
 
 
 def summary_rows(rows: list[dict]) -> list[dict]:
