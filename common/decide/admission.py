@@ -36,9 +36,10 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass, field, replace
+from heapq import merge
 from itertools import accumulate
 from operator import itemgetter
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from common.decide.perf import Profile
 from common.decide.policy import Decision, DecodeCandidate
@@ -108,15 +109,16 @@ class DecodeLoad:
                 batch, context = batch + 1, context + c
         return batch, context
 
-    def departures(self, t: float, predictive: bool) -> list[tuple[float, int]]:
-        """(leave time, context) of the requests counted by `at(t)`, in leave order."""
+    def departures(self, t: float, predictive: bool) -> Iterator[tuple[float, int]]:
+        """(leave time, context) of the requests counted by `at(t)`, in leave order, lazily: the
+        callers stop at the first departure that settles their question."""
         k = bisect_right(self.leaves, t) if predictive else 0
-        out = list(zip(self.leaves[k:], self.leave_context[k:]))
-        if predictive:
-            out += [(leaves, c) for joins, leaves, c in zip(self.joins, self.join_leaves, self.join_context)
-                    if joins <= t < leaves]
-            out.sort()
-        return out
+        now = zip(self.leaves[k:], self.leave_context[k:])
+        if not predictive:
+            return now
+        joined = sorted((leaves, c) for joins, leaves, c in zip(self.joins, self.join_leaves, self.join_context)
+                        if joins <= t < leaves)
+        return merge(now, joined) if joined else now
 
 
 @dataclass(frozen=True, slots=True)

@@ -442,11 +442,12 @@ class ClusterState:
         step_s = self._step_s(decode_id, report, coming)
         remaining = self.outputs.remaining
         outputs, contexts = self._outputs_of.get(decode_id) or self._reported_outputs(decode_id, report)
-        joining = [(finish, finish + step_s * (remaining(1, max_tokens, hint) if max_tokens else UNKNOWN_OUTPUT_TOKENS),
-                    tokens) for finish, tokens, max_tokens, hint in coming]
-        return DecodeLoad(decode_id, tuple(seen_at + step_s * n for n in outputs), contexts,
-                          tuple(j[0] for j in joining), tuple(j[1] for j in joining), tuple(j[2] for j in joining),
-                          self.learned.factor(decode_id, "step"))
+        # NOTE: list comprehensions, not generators: this runs for every decode instance a report touches
+        return DecodeLoad(decode_id, tuple([seen_at + step_s * n for n in outputs]), contexts,
+                          tuple([c[0] for c in coming]),
+                          tuple([finish + step_s * (remaining(1, max_tokens, hint) if max_tokens else UNKNOWN_OUTPUT_TOKENS)
+                                 for finish, _, max_tokens, hint in coming]),
+                          tuple([c[1] for c in coming]), self.learned.factor(decode_id, "step"))
 
     def _reported_outputs(self, decode_id: str, report: DecodeReport | None) -> tuple[tuple[float, ...], tuple[int, ...]]:
         """What each request of the instance's report will still generate, ascending (they leave in

@@ -64,11 +64,13 @@ class Learned:
 
     def __init__(self) -> None:
         self._factors: dict[tuple[str, str], Factor] = {}  # (instance, kind) -> Factor
+        self._peers: dict[str, float] = {}  # kind -> the median of the measured factors (kept until one changes)
 
     def observe(self, instance_id: str, kind: str, predicted_s: float, actual_s: float) -> None:
         if kind not in KINDS:
             raise ValueError(f"kind {kind!r} is not one of {KINDS}")
         self._factors.setdefault((instance_id, kind), Factor()).observe(predicted_s, actual_s)
+        self._peers.pop(kind, None)
 
     def factor(self, instance_id: str, kind: str) -> float:
         """The instance's own factor once it has MIN_SAMPLES outcomes; before that its peers'
@@ -78,13 +80,17 @@ class Learned:
         known = self._factors.get((instance_id, kind))
         if known is not None and len(known.ratios) >= MIN_SAMPLES:
             return known.value
-        peers = [f.value for (i, k), f in self._factors.items() if k == kind and len(f.ratios) >= MIN_SAMPLES]
-        return median(peers) if peers else 1.0
+        peers = self._peers.get(kind)
+        if peers is None:  # NOTE: every route asks this of every instance; the factors change far less often
+            measured = [f.value for (_, k), f in self._factors.items() if k == kind and len(f.ratios) >= MIN_SAMPLES]
+            peers = self._peers[kind] = median(measured) if measured else 1.0
+        return peers
 
     def forget(self, instance_id: str) -> None:
         """An instance that left: a new one under the same id starts from the profile."""
         for kind in KINDS:
             self._factors.pop((instance_id, kind), None)
+        self._peers.clear()
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """instance -> kind -> factor (for events, metrics and the dashboard)."""
