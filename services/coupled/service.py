@@ -47,6 +47,7 @@ async def serve(cfg: CoupledConfig, stop: runner.Stop) -> bool:
     metrics.serve(pcfg.metrics_port, registry, pcfg.metrics_host)
     log.info("coupled %s ready on node %s: %s and %s share the model", cfg.instance_id, pcfg.node,
              pcfg.instance_id, dcfg.instance_id)
+    runner.started()
     await stop.wait()
     if not tasks.failed:  # the prefill side first: what it still finishes goes to decode sides
         await prefill.drain(stop, pcfg.drain_grace_s)

@@ -29,6 +29,24 @@ def test_a_service_runs_on_uvloop_and_exits_with_its_status():
         assert (proc.returncode, proc.stdout.strip()) == (status, "uvloop.Loop"), proc.stderr
 
 
+STARTED = """
+import gc
+from common import runner
+
+index = [[i] for i in range(100_000)]  # what a service builds while it starts
+runner.started()
+after = [[i] for i in range(10)]
+print(gc.get_freeze_count(), len(gc.get_objects()))
+"""
+
+
+def test_what_a_service_made_while_starting_is_out_of_the_collectors_walks():
+    proc = subprocess.run([sys.executable, "-c", STARTED], capture_output=True, text=True, timeout=60)
+    frozen, walked = map(int, proc.stdout.split())
+    assert frozen > 100_000, proc.stderr
+    assert walked < 1_000  # a full collection now walks what came after, not the index
+
+
 async def _loop_until_cancelled(event: asyncio.Event, wait) -> None:
     while True:
         await wait(event, 10.0)
