@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 SPOOF_AUDIT_S = 60.0  # a spoofing subject's claim is audited at most this often
 POLICY_VERSION = "moonbus-conductor/1"
 RECOVERY_RETRY_S = 5.0  # Retry-After while the only instance of a kind is being restarted
+HEAR_FIRST_S = 1.0  # a starting conductor waits at most this long to hear the workers before it routes
 
 
 class ConductorMetrics:
@@ -192,6 +193,16 @@ class ConductorService:
         await self.events.instance("refused", info.instance_id, role=info.role, node=info.node, reason=reason)
         await bus.publish(self.nc, subjects.control_refused(info.instance_id),
                           Refused(info.instance_id, reason).to_bytes())
+
+    async def hear_the_cluster(self, stop: asyncio.Event, limit_s: float) -> None:
+        """Until a prefill and a decode instance have reported (or `limit_s` passed): a conductor
+        that took routes the moment it started (a restart, a replica added) would find nobody and
+        answer 503 for a cluster that is there. Meanwhile the gateways ask again (no responders)."""
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline and not stop.is_set():
+            if self.state.of_role("prefill") and self.state.of_role("decode"):
+                return
+            await asyncio.sleep(0.05)
 
     async def on_route(self, msg: Msg) -> None:
         started = time.perf_counter()
@@ -409,6 +420,7 @@ async def serve(cfg: ConductorConfig, stop: asyncio.Event) -> bool:
     if service.follower is not None:  # before the heartbeats: no event after a node's first snapshot is missed
         await bus.subscribe(nc, subjects.KV_EVENTS_ALL, service.follower.on_kv_event)
     await bus.subscribe(nc, subjects.WORKER_HEARTBEAT_ALL, service.on_heartbeat)
+    await service.hear_the_cluster(stop, HEAR_FIRST_S)
     await bus.subscribe(nc, subjects.CONDUCTOR_ROUTE, service.on_route, queue=subjects.CONDUCTOR_QUEUE)
     await bus.subscribe(nc, subjects.CONDUCTOR_STATUS, service.on_status)
     await bus.subscribe(nc, subjects.CONTROL_PROGRESS_ALL, service.on_progress)

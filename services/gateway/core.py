@@ -51,6 +51,7 @@ from services.gateway.tenants import OPEN, KeyBook, Tenant, cache_seed
 
 log = logging.getLogger(__name__)
 
+ROUTE_RETRY_S = 0.1  # with no conductor listening, a route is asked again this often until its deadline
 USAGE_EVERY_S = 1.0  # a gateway tells the others its tenants' usage at least this often
 ENDED_KEPT = 10_000  # ended requests whose late worker reports still count in this gateway's metrics
 
@@ -224,17 +225,27 @@ class Gateway:
                                attempt=gen.attempt, num_generated=done,
                                deadline_ts=time.time() + self.cfg.route_timeout_s, key_seed=gen.key_seed,
                                avoid=sorted(gen.avoid), tenant=gen.tenant.name if gen.tenant else "")
-        try:
-            msg = await self.nc.request(subjects.CONDUCTOR_ROUTE, request.to_bytes(), timeout=self.cfg.route_timeout_s)
-            reply = RouteReply.from_bytes(msg.data)
-            gen.prefill_id, gen.decode_id, gen.handed_off_unseen = reply.prefill_id, reply.decode_id, 0
-            gen.predicted_ttft_s = reply.predicted_ttft_s
-            return reply
-        except (NoRespondersError, NatsTimeout, WireError) as exc:
+        payload, deadline = request.to_bytes(), time.monotonic() + self.cfg.route_timeout_s
+        while True:
+            try:
+                msg = await self.nc.request(subjects.CONDUCTOR_ROUTE, payload, timeout=max(0.001, deadline - time.monotonic()))
+                reply = RouteReply.from_bytes(msg.data)
+                gen.prefill_id, gen.decode_id, gen.handed_off_unseen = reply.prefill_id, reply.decode_id, 0
+                gen.predicted_ttft_s = reply.predicted_ttft_s
+                return reply
+            except NoRespondersError as exc:
+                # no conductor listens (one restarting, say): nobody got it, so it is asked again until
+                # the route's deadline, and a conductor back within it routes it
+                if time.monotonic() + ROUTE_RETRY_S < deadline:
+                    await asyncio.sleep(ROUTE_RETRY_S)
+                    continue
+                failure: Exception = exc
+            except (NatsTimeout, WireError) as exc:
+                failure = exc
             # the conductor may still dispatch it: the cancel makes the workers drop it and frees its load
             await self.cancel(gen)
-            reason = "no conductor answered; the cluster is not ready" if not isinstance(exc, WireError) \
-                else f"the conductor's answer was malformed: {exc}"
+            reason = "no conductor answered; the cluster is not ready" if not isinstance(failure, WireError) \
+                else f"the conductor's answer was malformed: {failure}"
             return RouteReply(False, 503, reason, retry_after_s=1.0)
 
     async def cancel(self, gen: Generation) -> None:

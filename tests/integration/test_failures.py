@@ -41,7 +41,7 @@ PROMPT = "a long story about the moon and its cake " * 4
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory, tiny_profile):
     cluster = start_cluster(tmp_path_factory.mktemp("failures"), prefill=2, decode=2, profile=tiny_profile,
-                            service_args={"gateway": ["--max-migrations", "1"],
+                            service_args={"gateway": ["--max-migrations", "1", "--route-timeout", str(BOUND_S)],
                                           "decode": ["--drain-grace", str(GRACE_S)]})
     yield cluster
     cluster.stop()
@@ -255,6 +255,21 @@ async def test_what_outlives_the_grace_period_is_resumed_elsewhere(pair):
     assert exited == 0
     cluster.restart(state["name"])
     await wait_healthy(cluster, 2, 2)
+
+
+async def test_a_request_that_arrives_while_the_conductor_restarts_waits_for_it(pair):
+    # the gateway's route timeout (BOUND_S) outlives the conductor's restart
+    cluster = pair
+    kill(cluster, "conductor")
+    request = asyncio.create_task(post(f"{cluster.spec.url}/v1/completions", body(8)))
+    await asyncio.sleep(1.0)  # asked while no conductor listens
+    assert not request.done()
+    cluster.restart("conductor")
+    status, reply, headers = await request
+    assert status == 200, reply
+    assert len(reply["choices"][0]["token_ids"]) == 8
+    events = await collect_request_events(cluster.spec.nats_url, headers["X-Request-Id"])
+    assert [e["kind"] for e in events if e["kind"] in TERMINAL_KINDS] == ["completed"]
 
 
 async def test_no_decode_instance_left_gives_503_with_retry_after(pair):
