@@ -1,4 +1,5 @@
-"""How `moonbus up` divides the cores among roles, and when its profile must be measured again."""
+"""How `moonbus up` divides the cores among roles, when its profile must be measured again, and the
+ports a cluster is handed."""
 
 from pathlib import Path
 
@@ -54,3 +55,10 @@ def test_a_profile_says_with_how_many_threads_each_role_was_timed(tmp_path: Path
     assert up.profile_stale(path, {"prefill": 2, "decode": 1}) == ""
     assert "measured with {'prefill': 2, 'decode': 1}" in up.profile_stale(path, {"prefill": 1, "decode": 1})
     assert up.profile_stale(tmp_path / "missing.json", {"prefill": 2, "decode": 1}) == "once"
+
+
+def test_a_process_is_never_handed_the_same_free_port_twice():
+    # a cluster picks its gateway's port before the other services pick their metrics ports:
+    # 500 picks from the 16k ports below the ephemeral range would repeat one by chance
+    picks = [processes.free_port() for _ in range(500)]
+    assert len(set(picks)) == len(picks)

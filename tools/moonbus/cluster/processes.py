@@ -57,13 +57,18 @@ def instance_id_of(name: str, kind: str) -> str:
     return cache_index_id(name) if kind == "cache_index" else name
 
 
+_HANDED_OUT: set[int] = set()  # ports free_port gave this process: each once
+
+
 def free_port() -> int:
     """A port free now, for a listener that binds it later.
 
     NOTE: chosen below the kernel's ephemeral range. A port bind(0) gives comes from that range,
     which every outgoing connection draws its local port from too: between this call and the
     listener's bind, a client's connection (to NATS, say) could take it. That happened: a
-    messenger failed to bind the port a test had picked for it."""
+    messenger failed to bind the port a test had picked for it. Nor is a port handed out twice by
+    one process: a cluster picks its gateway's port before it starts the other services, which
+    pick their metrics ports meanwhile, and one of them once drew the gateway's."""
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
@@ -71,11 +76,14 @@ def free_port() -> int:
     rng = random.Random()
     for _ in range(200):
         port = rng.randint(max(1024, low - 16384), low - 1)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _HANDED_OUT.add(port)
             return port
     with socket.socket() as s:  # every try taken: the ephemeral range, as before
         s.bind(("127.0.0.1", 0))
