@@ -151,6 +151,7 @@ class GuestRun:
 
 def guest_suite(image, home: Path) -> vm.GuestResult:
     """The host's control plane (auth off: the guest is this test's own), the references, one boot."""
+    (ROOT / ".moonbus").mkdir(mode=0o700, exist_ok=True)  # as `moonbus up` makes it: the owner's alone
     ref = models.prepare(models.TINY_RANDOM, ROOT / ".moonbus" / "rdma-vm-model")  # where the guest sees it too
     guest_model = "/work/" + str(ref.path.relative_to(ROOT))
     tokenizer, model = models.load_tokenizer(ref), models.load_model(ref, "float32")
