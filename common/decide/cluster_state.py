@@ -239,6 +239,7 @@ class ClusterState:
         for known in self.instances.values():
             known.seen_at = known.alive_at = now
             known.gaps.clear()
+        self.changed()  # the views count from the reports' times, which just moved
 
     def alive(self, instance_id: str, incarnation: str, now: float) -> None:
         """A liveness beacon: the instance is busy, not dead, even while its reports come late."""

@@ -89,6 +89,15 @@ def test_a_decode_instance_counts_what_is_coming_to_it_exactly_once():
     assert (d.num_running, d.context_tokens) == (2, 150)
 
 
+def test_after_our_broker_came_back_the_loads_count_from_then():
+    state = cluster()
+    # x has generated 5 of at most 25 tokens; steps take 0.01 s: it leaves 0.2 s after its report
+    state.heard(decode(joined=[Joined("x", 2.0, 50, 5, 25)]), now=1.0)
+    assert state.decode_load("d0", now=1.0).leaves == pytest.approx((1.2,))
+    state.refresh(now=10.0)  # our own broker connection was down until now: every report counts as new
+    assert state.decode_load("d0", now=10.0).leaves == pytest.approx((10.2,))
+
+
 def test_two_conductors_see_the_same_load_once_the_instance_reports():
     mine, theirs = cluster(), cluster()
     mine.route(routed("a", at=0.0, work=1.0, ttft=1.0))
