@@ -90,6 +90,21 @@ def test_every_route_was_answered_by_the_real_conductors_from_the_real_index(rep
     assert sum(second["answered_by"].values()) == LATENCY_ROUTES + THROUGHPUT_ROUTES
 
 
+def test_the_floor_row_is_the_same_routes_answered_by_a_process_that_only_answers(report):
+    live = report["live"]
+    echo = live["echo"]
+    assert echo["prefix_index"] == "echo" and echo["conductors"] == 0
+    assert (echo["latency_routes"], echo["throughput_routes"], echo["unanswered"]) == (LATENCY_ROUTES, THROUGHPUT_ROUTES, 0)
+    assert echo["statuses"] == {"200": LATENCY_ROUTES + THROUGHPUT_ROUTES}  # the reply bytes of an admitted route
+    assert 0 < echo["p50_us"] <= echo["p99_us"] <= echo["max_us"]
+    assert echo["cpu_us_per_route"]["echo"] > 0 and "conductor" not in echo["cpu_us_per_route"]
+    # what each of our rows adds to it is that row less the floor
+    for row, added in zip(live["rows"], live["above_echo"]):
+        assert added["conductors"] == row["conductors"]
+        assert added["p50_us"] == pytest.approx(row["p50_us"] - echo["p50_us"])
+        assert added["p99_us"] == pytest.approx(row["p99_us"] - echo["p99_us"])
+
+
 def test_prompt_builder_gives_replays_prompts(tmp_path):
     rows = load_trace(conversation_trace(tmp_path), limit=200)
     build = PromptBuilder()

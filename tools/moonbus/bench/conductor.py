@@ -180,6 +180,11 @@ def summary(report: dict) -> list[dict]:
         rows.append({"row": f"live route p99, {r['conductors']} conductor(s), {r['prefix_index']} prefix index",
                      "ours": f"{r['p99_us']:.0f} us", "baseline": None, "ratio": None,
                      "goal": f"<= {live['goal_p99_us']:.0f} us", "met": r["p99_us"] <= live["goal_p99_us"]})
+    echo = live.get("echo")
+    for r in live.get("rows", []) if echo else []:
+        rows.append({"row": f"live route p99, {r['conductors']} conductor(s), vs the bus alone (echo)",
+                     "ours": f"{r['p99_us']:.0f} us", "baseline": f"{echo['p99_us']:.0f} us",
+                     "ratio": echo["p99_us"] / r["p99_us"], "goal": None, "met": None})
     for mode, compared in live.get("compared", {}).items():
         for r, theirs, v in zip(live["rows"], compared["rows"], compared["ours_vs"]):
             rows.append({"row": f"live route p99, {r['conductors']} conductor(s), {r['prefix_index']} vs {mode} "

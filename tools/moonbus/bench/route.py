@@ -20,6 +20,10 @@ Setup, all on loopback, in a temporary home:
     sees every instance (CONDUCTOR_STATUS, one reply per conductor) and, with a local index, every
     conductor's copy holds every block (its moonbus_conductor_index_holdings metric).
 
+First, the floor (tools/moonbus/bench/echo.py): the same routes from the same client through the same
+broker to a process that only answers, with an admitted route's reply bytes; what the bus costs
+before a conductor does anything. Each conductor row is then shown above it.
+
 Timed here (time.perf_counter_ns): a RouteRequest on CONDUCTOR_ROUTE until its RouteReply is
 decoded; that is, this client's send, the broker, the conductor's decode and key hashing, its
 prefix lookup (local: in memory; remote: a cache index query, another round trip), policy,
@@ -38,6 +42,7 @@ import asyncio
 import gc
 import os
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -70,6 +75,7 @@ ROUTE_TIMEOUT_S = 5.0
 READY_TIMEOUT_S = 90.0
 SAMPLING = SamplingParams(temperature=0.0, max_tokens=16)
 REPLY_SUBJECT = subjects.gateway_tokens("bench")  # nobody reads it: no token is ever produced
+ECHO_SUBJECT = "moonbus.bench.echo"  # the floor row's responder (tools/moonbus/bench/echo.py)
 # NOTE: fixed, of the order of tiny-random on a 2-core CPU: ~35 ms to prefill 400 tokens, ~25 ms a
 # decode step for a batch of 32; SLOs stay far away, so admission runs in full and admits
 PREFILL_COEF = (0.01, 5e-5, 2e-8, 1e-6)  # 1, n-p, n^2-p^2, p
@@ -194,6 +200,7 @@ async def _drive(cfg: LiveConfig, cluster: Cluster, layout: Layout, perf: Profil
         await fleet.start()
         indexed = await _wait_indexed(nc, cluster, blocks)
         client = RouteClient(nc, queries)
+        echo = await _measure_echo(cfg, cluster, client, indexed)
         for n in cfg.conductors:
             for mode in cfg.prefix_indexes:  # side by side: the same count, one kind after the other
                 names = _start_conductors(cluster, cfg, n, mode)
@@ -203,7 +210,7 @@ async def _drive(cfg: LiveConfig, cluster: Cluster, layout: Layout, perf: Profil
                         await _wait_local_index(cluster, names, indexed)
                     row = await _measure(cfg, cluster, client, f"{mode}-c{n}", n, indexed)
                 finally:
-                    _stop_conductors(cluster, names)
+                    _stop_phase(cluster, names)
                 rows[mode].append(row | {"prefix_index": mode})
         routed = await _routed_events(nc, client.sent)
     finally:
@@ -217,7 +224,7 @@ async def _drive(cfg: LiveConfig, cluster: Cluster, layout: Layout, perf: Profil
              "admission": "predictive", "concurrency": cfg.concurrency, "warmup_routes": cfg.warmup,
              "index_timeout_s": cfg.index_timeout_s, "prefix_indexes": list(cfg.prefix_indexes),
              "heartbeats_per_s": round(fleet.heartbeats_per_s, 1), "cpu_cores": len(os.sched_getaffinity(0))}
-    return summary(rows, setup, cfg.conductors[-1])
+    return summary(rows, setup, cfg.conductors[-1], echo)
 
 
 def _start_conductors(cluster: Cluster, cfg: LiveConfig, n: int, mode: str) -> list[str]:
@@ -231,8 +238,8 @@ def _start_conductors(cluster: Cluster, cfg: LiveConfig, n: int, mode: str) -> l
     return names
 
 
-def _stop_conductors(cluster: Cluster, names: list[str]) -> None:
-    """Stop a phase's conductors (they drain and leave the route queue group) before the next starts."""
+def _stop_phase(cluster: Cluster, names: list[str]) -> None:
+    """Stop a phase's processes (conductors drain and leave the route queue group) before the next starts."""
     procs = [cluster.procs.pop(name) for name in names if name in cluster.procs]
     for proc in procs:
         proc.popen.terminate()
@@ -244,17 +251,43 @@ def _stop_conductors(cluster: Cluster, names: list[str]) -> None:
             proc.popen.wait()
 
 
-async def _measure(cfg: LiveConfig, cluster: Cluster, client: RouteClient, tag: str, n: int, indexed: int) -> dict:
+async def _measure(cfg: LiveConfig, cluster: Cluster, client: RouteClient, tag: str, n: int, indexed: int,
+                   subject: str = subjects.CONDUCTOR_ROUTE) -> dict:
     """Warm up, time one route in flight, then --live-concurrency in flight: one `live_route` row."""
     load = os.getloadavg()[0]
     timeouts = _index_timeouts(cluster)  # the logs of reused names hold earlier phases' lines
-    await client.phase(f"{tag}-warm", cfg.warmup, 1)
-    latency = await client.phase(f"{tag}-lat", cfg.latency_routes, 1)
+    await client.phase(f"{tag}-warm", cfg.warmup, 1, subject)
+    latency = await client.phase(f"{tag}-lat", cfg.latency_routes, 1, subject)
     cpu_before = _cpu_seconds(cluster)
-    throughput = await client.phase(f"{tag}-tput", cfg.throughput_routes, cfg.concurrency)
+    throughput = await client.phase(f"{tag}-tput", cfg.throughput_routes, cfg.concurrency, subject)
     cpu = cpu_per_route(cpu_before, _cpu_seconds(cluster), len(throughput.ns))
     row = phase_row(n, indexed, latency, throughput, load)
     return row | {"cpu_us_per_route": cpu, "index_timeouts": _index_timeouts(cluster) - timeouts}  # warmup included
+
+
+async def _measure_echo(cfg: LiveConfig, cluster: Cluster, client: RouteClient, indexed: int) -> dict:
+    """The floor row: the same routes, through the same broker and client, to a process that only
+    answers (tools/moonbus/bench/echo.py) with the bytes of an admitted route's reply."""
+    reply = RouteReply(True, 200, prefill_id="prefill-00", decode_id="decode-00", predicted_ttft_s=0.123456)
+    reply_file = cluster.spec.home / "echo-reply.bin"
+    reply_file.write_bytes(reply.to_bytes())
+    cluster.spawn("echo", "echo", [sys.executable, "-m", "tools.moonbus.bench.echo", cluster.spec.nats_url,
+                                   ECHO_SUBJECT, str(reply_file)])
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:  # until it subscribed
+            cluster.check_alive()
+            try:
+                await client.nc.request(ECHO_SUBJECT, b"", timeout=1.0)
+                break
+            except (NoRespondersError, NatsTimeout):
+                if time.monotonic() > deadline:
+                    raise LiveBenchError(f"the echo responder did not answer in {READY_TIMEOUT_S:.0f} s; "
+                                         f"logs in {cluster.log_dir}") from None
+                await asyncio.sleep(0.1)
+        return await _measure(cfg, cluster, client, "echo", 0, indexed, ECHO_SUBJECT) | {"prefix_index": "echo"}
+    finally:
+        _stop_phase(cluster, ["echo"])
 
 
 async def _wait_indexed(nc, cluster: Cluster, blocks: dict[str, list[int]]) -> int:
@@ -338,13 +371,13 @@ class RouteClient:
         self.queries = queries
         self.sent = 0
 
-    async def phase(self, tag: str, routes: int, concurrency: int) -> Phase:
+    async def phase(self, tag: str, routes: int, concurrency: int, subject: str = subjects.CONDUCTOR_ROUTE) -> Phase:
         out = Phase(tag, [], Counter(), 0, 0, 0.0)
         numbers = iter(range(routes))
 
         async def sender() -> None:
             for i in numbers:
-                await self.route(f"{tag}-{i}", self.queries[(self.sent + i) % len(self.queries)], out)
+                await self.route(f"{tag}-{i}", self.queries[(self.sent + i) % len(self.queries)], out, subject)
 
         started = time.perf_counter()
         await asyncio.gather(*(sender() for _ in range(min(concurrency, routes))))
@@ -352,11 +385,11 @@ class RouteClient:
         self.sent += routes
         return out
 
-    async def route(self, request_id: str, ids: list[int], out: Phase) -> None:
+    async def route(self, request_id: str, ids: list[int], out: Phase, subject: str = subjects.CONDUCTOR_ROUTE) -> None:
         data = RouteRequest(request_id, ids, SAMPLING, REPLY_SUBJECT, time.time()).to_bytes()
         t0 = time.perf_counter_ns()
         try:
-            msg = await self.nc.request(subjects.CONDUCTOR_ROUTE, data, timeout=ROUTE_TIMEOUT_S)
+            msg = await self.nc.request(subject, data, timeout=ROUTE_TIMEOUT_S)
         except (NoRespondersError, NatsTimeout):
             out.unanswered += 1
             return

@@ -77,10 +77,18 @@ def compared(ours: list[dict], theirs: list[dict]) -> dict:
             "ours_vs": [versus(o, t) for o, t in zip(ours, theirs)]}
 
 
-def summary(rows_by_index: dict[str, list[dict]], setup: dict, conductors: int) -> dict:
+def above(row: dict, echo: dict) -> dict:
+    """What a conductor row adds to the floor (the echo row): microseconds at p50 and p99, one
+    route in flight, and the floor's share of the row's p99."""
+    return {"conductors": row["conductors"], "p50_us": row["p50_us"] - echo["p50_us"],
+            "p99_us": row["p99_us"] - echo["p99_us"], "floor_share_p99": echo["p99_us"] / row["p99_us"]}
+
+
+def summary(rows_by_index: dict[str, list[dict]], setup: dict, conductors: int, echo: dict) -> dict:
     """The `live` section: our rows (the first --prefix-index) with the ratio of the last conductor
-    count's routes/s to the first's and the goals; every other prefix index's rows and ratios to
-    ours; the setup, and what else shares the cores."""
+    count's routes/s to the first's and the goals; the floor (the echo row) and what each of our
+    rows adds to it; every other prefix index's rows and ratios to ours; the setup, and what else
+    shares the cores."""
     ours, *others = rows_by_index
     rows = rows_by_index[ours]
     first, last = rows[0], rows[-1]
@@ -88,6 +96,8 @@ def summary(rows_by_index: dict[str, list[dict]], setup: dict, conductors: int) 
     return {
         "prefix_index": ours,
         "rows": rows,
+        "echo": echo,
+        "above_echo": [above(r, echo) for r in rows],
         "ratio_routes_per_s": last["routes_per_s"] / first["routes_per_s"],
         "ratio_of": f"{last['conductors']} vs {first['conductors']} conductors",
         "goal_p99_us": GOAL_P99_US, "goal_p99_met": all(r["p99_us"] <= GOAL_P99_US for r in rows),
@@ -122,17 +132,18 @@ def print_rows(live: dict) -> None:
             f"{'admitted':>10}{'idx hits':>10}{'best pfx':>10}{'load 1m':>9}   answered by")
     print(head)
     print("  " + "-" * (len(head) - 2))
-    for r in every:
+    for r in [live["echo"], *every]:
         loaded = f"{r['loaded_p50_us']:.0f}/{r['loaded_p99_us']:.0f}"
-        by = ", ".join(f"{k} {v}" for k, v in r["answered_by"].items()) or "(no routed events)"
+        by = (", ".join(f"{k} {v}" for k, v in r.get("answered_by", {}).items()) or "(no routed events)"
+              if r["prefix_index"] != "echo" else "the floor: a process that only answers")
         print(f"  {r['conductors']:>10}{r['prefix_index']:>8}{r['routes_per_s']:>10,.0f}{r['p50_us']:>9.0f}"
-              f"{r['p99_us']:>9.0f}{loaded:>20}{r['admitted_share']:>10.1%}{r['index_hit_share']:>10.1%}"
-              f"{r['mean_best_prefix_blocks']:>10.1f}{r['load_average_1m']:>9.2f}   {by}")
-    kinds = ("conductor", "cache_index", "nats", "bench")
+              f"{r['p99_us']:>9.0f}{loaded:>20}{r['admitted_share']:>10.1%}{r.get('index_hit_share', 0):>10.1%}"
+              f"{r.get('mean_best_prefix_blocks', 0):>10.1f}{r['load_average_1m']:>9.2f}   {by}")
+    kinds = ("conductor", "echo", "cache_index", "nats", "bench")
     print(f"\n  CPU us per route while {s['concurrency']} in flight (heartbeats and stream writes included)")
     print(f"  {'conductors':>10}{'index':>8}" + "".join(f"{k:>13}" for k in kinds)
           + f"{'total':>9}   ceiling on {s['cpu_cores']} cores")
-    for r in every:
+    for r in [live["echo"], *every]:
         cpu = r["cpu_us_per_route"]
         ceiling = s["cpu_cores"] * 1e6 / cpu["total"] if cpu["total"] else float("nan")
         print(f"  {r['conductors']:>10}{r['prefix_index']:>8}" + "".join(f"{cpu.get(k, 0.0):>13.0f}" for k in kinds)
@@ -149,6 +160,10 @@ def print_rows(live: dict) -> None:
     p99 = ", ".join(f"{r['conductors']}: {r['p99_us']:.0f} us" for r in live["rows"])
     print(f"  goal live p99 <= {live['goal_p99_us']:.0f} us ({ours} index): "
           f"{'MET' if live['goal_p99_met'] else 'NOT MET'} ({p99})")
+    echo = live["echo"]
+    added = ", ".join(f"{a['conductors']}: +{a['p50_us']:.0f} / +{a['p99_us']:.0f} us" for a in live["above_echo"])
+    print(f"  the floor (echo, the bus alone): p50 {echo['p50_us']:.0f} us, p99 {echo['p99_us']:.0f} us; "
+          f"what the conductor adds, p50 / p99: {added}")
     print(f"  {live['shares_cores_with']}")
     timeouts = sum(r["index_timeouts"] for r in every)
     if timeouts:
