@@ -182,15 +182,24 @@ async def flush(nc: Client, timeout_s: float = 10.0) -> None:
     await nc.flush(timeout_s)
 
 
-async def subscribe(nc: Client, subject: str, handler: Callable[[Msg], Awaitable[None]], queue: str = ""):
+async def subscribe(nc: Client, subject: str, handler: Callable[[Msg], Awaitable[None]], queue: str = "",
+                    background: bool = False):
     """Subscribe with a handler that can never take the subscription down: an exception (a
-    malformed message, a bug on one message) is logged with the subject and the message dropped."""
+    malformed message, a bug on one message) is logged with the subject and the message dropped.
+
+    `background`: after each message the subscription gives way to the event loop, so that what
+    arrived meanwhile on other subscriptions (a route waiting for its answer) runs before the
+    next of a burst (every instance's heartbeat read in one go). Without it a subscription works
+    through all its queued messages before any other handler runs (nats-py hands each one its
+    own task, which does not yield while its queue holds messages)."""
 
     async def guarded(msg: Msg) -> None:
         try:
             await handler(msg)
         except Exception:
             log.exception("dropped a message on %s (%d bytes)", msg.subject, len(msg.data))
+        if background:
+            await asyncio.sleep(0)
 
     return await nc.subscribe(subject, queue=queue, cb=guarded)
 

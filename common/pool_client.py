@@ -83,7 +83,7 @@ class PoolClient:
     async def watch_messenger(self) -> None:
         """Drop the slab mapping as soon as the node's messenger restarts or leaves: a mapping of
         its deleted slab would keep that shared memory in use until the next pool call."""
-        await bus.subscribe(self.nc, subjects.WORKER_HEARTBEAT_ALL, self.on_heartbeat)
+        await bus.subscribe(self.nc, subjects.WORKER_HEARTBEAT_ALL, self.on_heartbeat, background=True)
 
     async def on_heartbeat(self, msg) -> None:
         info = own_heartbeat(msg.subject, msg.data)

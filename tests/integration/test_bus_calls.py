@@ -10,6 +10,7 @@ once, not once per attempt.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -163,3 +164,45 @@ async def test_a_subscription_flushed_with_bus_flush_is_in_place_for_every_other
     finally:
         await asker.close()
         await responder.close()
+
+
+async def test_a_background_subscription_lets_a_request_that_came_during_its_burst_go_first(nats_url):
+    """A burst of heartbeats, then a route: on a background subscription the route is handled
+    after a few of them, not after the whole burst (what it is without)."""
+    sender = await bus.connect(nats_url, "sender")
+    receiver = await bus.connect(nats_url, "receiver")
+    burst = 200
+    try:
+        for background in (False, True):
+            order: list[str] = []
+            done = asyncio.Event()
+
+            async def on_beat(msg) -> None:  # a handler that does not yield, as a heartbeat's, and works a while
+                until = time.perf_counter() + 0.001
+                while time.perf_counter() < until:
+                    pass
+                order.append("beat")
+                if order.count("beat") == burst:
+                    done.set()
+
+            async def on_route(msg) -> None:
+                order.append("route")
+
+            beats, routes = f"test.beat.{background}", f"test.route.{background}"
+            await bus.subscribe(receiver, beats, on_beat, background=background)
+            await bus.subscribe(receiver, routes, on_route)
+            await bus.flush(receiver)
+            for _ in range(burst):  # buffered and written together: they arrive in one read
+                await sender.publish(beats, b"b")
+            await sender.publish(routes, b"r")
+            await sender.flush()
+            await asyncio.wait_for(done.wait(), 10)
+            await asyncio.sleep(0.05)
+            assert order.count("route") == 1
+            if background:  # it waits for the beats before it was read, one at most after: not the burst's 200 ms
+                assert order.index("route") < burst // 2
+            else:
+                assert order.index("route") == burst
+    finally:
+        await bus.shutdown(sender)
+        await bus.shutdown(receiver)
