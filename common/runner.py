@@ -83,9 +83,15 @@ def started() -> None:
     bookkeeping) moves out of the garbage collector's reach (gc.freeze), so that a full
     collection walks only what came since. With torch imported a worker holds about 200k such
     objects, and one full collection over them took 86 ms here: a decode step or a route that
-    waits on it. Each service calls this once, when it starts waiting for its stop."""
+    waits on it. Each service calls it once, through `serving`, when it starts waiting for its stop."""
     gc.collect()
     gc.freeze()
+
+
+async def serving(stop: asyncio.Event) -> None:
+    """The service is up (`started`): wait for its stop."""
+    started()
+    await stop.wait()
 
 
 def run(main: Callable[[Stop], Awaitable[bool | None]]) -> None:

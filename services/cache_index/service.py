@@ -99,8 +99,7 @@ async def serve(cfg: CacheIndexConfig, stop: asyncio.Event) -> bool:
     tasks.spawn(health.beacon(cfg.health_file, nc, stop), "health", essential=False)
     metrics.serve(cfg.metrics_port, service.metrics.registry, cfg.metrics_host)
     log.info("cache index %s ready", cfg.instance_id)
-    runner.started()
-    await stop.wait()
+    await runner.serving(stop)
     await tasks.cancel_all()
     await bus.shutdown(nc)
     return not tasks.failed

@@ -434,8 +434,7 @@ async def serve(cfg: ConductorConfig, stop: asyncio.Event) -> bool:
     log.info("conductor %s ready: policy %s%s, admission %s (ttft slo %gs, tbt slo %gs), profile %s, %s prefix index",
              cfg.instance_id, cfg.policy, " (colocated)" if cfg.colocate else "", cfg.admission.mode,
              cfg.admission.ttft_slo_s, cfg.admission.tbt_slo_s, source, cfg.prefix_index)
-    runner.started()
-    await stop.wait()
+    await runner.serving(stop)
     await tasks.cancel_all()
     await bus.shutdown(nc)
     return not tasks.failed

@@ -47,8 +47,7 @@ async def serve(cfg: CoupledConfig, stop: runner.Stop) -> bool:
     metrics.serve(pcfg.metrics_port, registry, pcfg.metrics_host)
     log.info("coupled %s ready on node %s: %s and %s share the model", cfg.instance_id, pcfg.node,
              pcfg.instance_id, dcfg.instance_id)
-    runner.started()
-    await stop.wait()
+    await runner.serving(stop)
     if not tasks.failed:  # the prefill side first: what it still finishes goes to decode sides
         await prefill.drain(stop, pcfg.drain_grace_s)
         await decode.drain(stop, dcfg.drain_grace_s)

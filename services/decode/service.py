@@ -22,8 +22,7 @@ async def serve(cfg: DecodeConfig, stop: runner.Stop) -> bool:
     tasks.spawn(bus.watchdog(nc), "broker-watchdog")
     tasks.spawn(health.beacon(cfg.health_file, nc, stop), "health", essential=False)
     metrics.serve(cfg.metrics_port, service.metrics.registry, cfg.metrics_host)
-    runner.started()
-    await stop.wait()
+    await runner.serving(stop)
     if not tasks.failed:
         await service.drain(stop, cfg.drain_grace_s)
     else:

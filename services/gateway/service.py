@@ -13,7 +13,7 @@ import logging
 from aiohttp import web
 
 from common import bus, health, models
-from common.runner import TaskGroup, every, started
+from common.runner import TaskGroup, every, serving
 from schemas import subjects
 from services.gateway.api import Api
 from services.gateway.config import GatewayConfig
@@ -46,8 +46,7 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event) -> bool:
     tasks.spawn(bus.watchdog(nc), "broker-watchdog")
     tasks.spawn(every(0.1, stop, gateway.share_usage), "tenant-usage", essential=False)
     log.info("gateway %s serving %s on http://%s:%d", cfg.instance_id, ref.name, cfg.host, cfg.port)
-    started()
-    await stop.wait()
+    await serving(stop)
     await tasks.cancel_all()
     await runner.cleanup()
     await bus.shutdown(nc)

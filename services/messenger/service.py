@@ -387,8 +387,7 @@ async def serve(cfg: MessengerConfig, stop: asyncio.Event) -> None:
     log.info("messenger %s for node %s: KV transports %s on %s; pool %d DRAM + %d SSD blocks of %d bytes (%s)",
              cfg.instance_id, cfg.node, transports.label, endpoints, pool.pool.dram_capacity_blocks,
              pool.pool.ssd_capacity_blocks, layout.block_nbytes, cfg.eviction)
-    runner.started()
-    await stop.wait()
+    await runner.serving(stop)
     await bus.heartbeat(nc, WorkerInfo(cfg.instance_id, "messenger", cfg.node, leaving=True, incarnation=pool.epoch))
     transports.close()
     await tasks.cancel_all()

@@ -25,8 +25,7 @@ async def serve(url: str, subject: str, reply: bytes, stop: asyncio.Event) -> bo
         await msg.respond(reply)
 
     await nc.subscribe(subject, cb=answer)
-    runner.started()
-    await stop.wait()
+    await runner.serving(stop)
     await bus.shutdown(nc)
     return True
 
