@@ -98,6 +98,14 @@ def test_after_our_broker_came_back_the_loads_count_from_then():
     assert state.decode_load("d0", now=10.0).leaves == pytest.approx((10.2,))
 
 
+def test_after_our_broker_came_back_what_is_coming_counts_from_then():
+    state = cluster()
+    state.heard(prefill(coming=[Coming("a", "d0", 0.5, 100)]), now=1.0)  # a's prefill ends 0.5 s after the report
+    assert [c[0] for c in state.coming_to("d0")] == pytest.approx([1.5])
+    state.refresh(now=10.0)
+    assert [c[0] for c in state.coming_to("d0")] == pytest.approx([10.5])
+
+
 def test_two_conductors_see_the_same_load_once_the_instance_reports():
     mine, theirs = cluster(), cluster()
     mine.route(routed("a", at=0.0, work=1.0, ttft=1.0))
