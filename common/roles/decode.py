@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -120,7 +119,9 @@ class DecodeService:
         self.waiting: collections.deque[DecodeTask] = collections.deque()  # passed the TBT check, no KV room yet
         self.running: dict[str, Running] = {}  # request_id -> Running
         self.cancelled = worker.Cancellations()
-        self.compute_lock = compute_lock or contextlib.nullcontext()
+        # a coupled instance's, shared with its prefill; else this instance's own. A step holds it, so
+        # that nothing takes a row out of the engine while the step runs in its thread (hand_back)
+        self.compute_lock = compute_lock or asyncio.Lock()
         # request_id -> (task, tokens, finish reason) of requests that ended here lately, so a
         # token lost to a broker outage can be sent again when the gateway probes
         self.recent: collections.OrderedDict[str, tuple[DecodeTask, list[int], str]] = collections.OrderedDict()
@@ -244,12 +245,16 @@ class DecodeService:
                 await self.fail(seq.task, f"decode iteration failed: {exc}", 500, retryable=True)
             return
         for rid, why in result.errors.items():
-            seq = self.running[rid]
+            seq = self.running.get(rid)
+            if seq is None:  # handed back since the step (a drain's grace ran out): resumed elsewhere
+                continue
             log.error("request %s: %s", rid, why)
             self.forget(rid)
             await self.fail(seq.task, f"sampling failed: {why}", 500, retryable=False)
         for rid, token in result.tokens.items():
-            seq = self.running[rid]
+            seq = self.running.get(rid)
+            if seq is None:  # handed back while an earlier row's token went out: resumed elsewhere
+                continue
             seq.generated.append(token)
             finish = self.finish_reason(seq, token)
             if finish is not None:  # the event goes before the last token: the gateway's terminal event follows it
@@ -451,15 +456,21 @@ class DecodeService:
         await self.hand_back("decode instance %s is shutting down" % self.cfg.instance_id)
 
     async def hand_back(self, why: str) -> None:
-        """Every request still held gets a retryable error: its gateway resumes it elsewhere."""
-        held = [seq.task for seq in self.running.values()] + list(self.waiting)
-        while not self.arrived.empty():
-            held.append(self.arrived.get_nowait())
+        """Every request still held gets a retryable error: its gateway resumes it elsewhere.
+
+        Not while a step runs: its rows are the engine's until it returns (the lock), and what the
+        loop finishes meanwhile is not handed back. Taken out of the batch in one go (no await in
+        between), so the loop sees each request either still held or gone."""
+        async with self.compute_lock:
+            held = [seq.task for seq in self.running.values()] + list(self.waiting)
+            while not self.arrived.empty():
+                held.append(self.arrived.get_nowait())
+            for task in held:
+                self.forget(task.request_id)
+            self.waiting.clear()
         for task in held:
-            self.forget(task.request_id)
             kvfiles.remove(self.cfg.shm_dir, task.kv)
             await self.fail(task, why, 503, retryable=True)
-        self.waiting.clear()
 
     async def leave(self) -> None:
         self.gone.set()
