@@ -272,6 +272,40 @@ async def test_a_request_that_arrives_while_the_conductor_restarts_waits_for_it(
     assert [e["kind"] for e in events if e["kind"] in TERMINAL_KINDS] == ["completed"]
 
 
+async def test_a_restarted_conductor_routes_its_first_request_to_the_instances_it_heard(pair):
+    """A conductor takes routes only once it has heard a prefill and a decode instance: asked every
+    few milliseconds from the moment it starts, it answers the first route with a (prefill, decode)
+    pair, never 503 "no instance is available" for a cluster that is there."""
+    from nats.errors import NoRespondersError
+
+    from common import bus
+    from schemas import subjects
+    from schemas.route import RouteReply, RouteRequest, SamplingParams
+    from schemas.tokens import Cancel
+
+    cluster = pair
+    kill(cluster, "conductor")
+    nc = await bus.connect(cluster.spec.nats_url, "test-first-route")
+    try:
+        cluster.restart("conductor")
+        deadline = time.monotonic() + BOUND_S
+        while True:
+            route = RouteRequest("first-route", [5, 6, 7, 8, 9], SamplingParams(temperature=0.0, max_tokens=2),
+                                 subjects.gateway_tokens("test-first-route"), time.time())
+            try:
+                msg = await nc.request(subjects.CONDUCTOR_ROUTE, route.to_bytes(), timeout=BOUND_S)
+                break
+            except NoRespondersError:  # not subscribed yet
+                assert time.monotonic() < deadline, "the restarted conductor never took a route"
+                await asyncio.sleep(0.005)
+        reply = RouteReply.from_bytes(msg.data)
+        assert reply.status == 200, reply.reason
+        assert reply.prefill_id.startswith("prefill-") and reply.decode_id.startswith("decode-")
+        await nc.publish(subjects.REQUEST_CANCEL, Cancel("first-route", 0).to_bytes())
+    finally:
+        await bus.shutdown(nc)
+
+
 async def test_no_decode_instance_left_gives_503_with_retry_after(pair):
     cluster = pair
     for name in ("decode-0", "decode-1"):
