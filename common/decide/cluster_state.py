@@ -77,20 +77,6 @@ class Instance:
     seen_at: float  # its last report (the load in `info` is as of then)
     alive_at: float = 0.0  # its last sign of life: a report or a liveness beacon
     gaps: deque = field(default_factory=lambda: deque(maxlen=GAPS_KEPT))  # seconds between its signs of life
-    # its prefill report's requests by the decode instance each will join: (finish, context, max
-    # tokens, hint) as of `seen_at`, and their ids; made when first asked, dropped when seen_at moves
-    _coming: tuple[dict[str, list[tuple[float, int, int, int]]], frozenset[str]] | None = None
-
-    def coming(self) -> tuple[dict[str, list[tuple[float, int, int, int]]], frozenset[str]]:
-        if self._coming is None:
-            by_decode: dict[str, list[tuple[float, int, int, int]]] = {}
-            report = self.info.prefill
-            entries = report.coming if report is not None else ()
-            for c in entries:
-                by_decode.setdefault(c.decode_id, []).append((self.seen_at + c.finish_in_s, c.tokens, c.max_tokens,
-                                                              c.expected_tokens))
-            self._coming = by_decode, frozenset(c.request_id for c in entries)
-        return self._coming
 
     def signal(self, now: float) -> None:
         if self.alive_at:
@@ -129,9 +115,8 @@ class ClusterState:
         self.instances: dict[str, Instance] = {}  # instance_id -> Instance
         self.routed: dict[str, Routed] = {}  # request_id -> Routed (this conductor's)
         # NOTE: who will join each decode instance is derived from every prefill report and our own
-        # requests; each decode instance's is rebuilt lazily, once a change concerns it (`touched`)
-        self._coming: dict[str, list[tuple[float, int, int, int]]] = {}  # decode_id -> sorted (finish, context, max, hint)
-        self._bound_for: dict[str, list[Routed]] | None = None  # decode_id -> our requests bound for it
+        # requests; it is rebuilt lazily, once per change, since each decision reads it per candidate
+        self._coming: dict[str, list[tuple[float, int, int, int]]] | None = None  # decode_id -> sorted (finish, context, max, hint)
         self._transit_s: dict[str, float] | None = None  # prefill_id -> predicted work of ours not reported yet
         self._decode_loads: dict[str, DecodeLoad] = {}  # decode_id -> admission's view, until the next change
         self._decode_candidates: dict[str, DecodeCandidate] = {}  # decode_id -> the policy's view, likewise
@@ -150,21 +135,20 @@ class ClusterState:
 
     def changed(self) -> None:
         """Every derived view is stale (an instance gone, requests lost: rare)."""
-        self._coming = {}
-        self._bound_for = None
+        self._coming = None
         self._transit_s = None
         self._decode_loads = {}
         self._decode_candidates = {}
         self._outputs_of = {}
 
     def touched(self, decode_ids: Iterable[str]) -> None:
-        """A report or one of our requests changed: our work in transit is rebuilt (one pass over our
-        requests), and of only the decode instances it concerns (`_concerns`) who will join each and
-        the policy's and admission's views (the costly part: each sorts every request the instance
-        holds)."""
+        """A report or one of our requests changed: who will join which decode instance and our work
+        in transit are rebuilt (one pass over the reports and our requests), and admission's view
+        of only the decode instances it concerns (the costly part: each sorts every request the
+        instance holds)."""
+        self._coming = None
         self._transit_s = None
         for decode_id in decode_ids:
-            self._coming.pop(decode_id, None)
             self._decode_loads.pop(decode_id, None)
             self._decode_candidates.pop(decode_id, None)
 
@@ -255,7 +239,6 @@ class ClusterState:
         for known in self.instances.values():
             known.seen_at = known.alive_at = now
             known.gaps.clear()
-            known._coming = None
         self.changed()  # the views count from the reports' times, which just moved
 
     def alive(self, instance_id: str, incarnation: str, now: float) -> None:
@@ -306,7 +289,6 @@ class ClusterState:
     def route(self, request: Routed) -> None:
         before = self.routed.get(request.request_id)  # its earlier attempt, bound for another instance maybe
         self.routed[request.request_id] = request
-        self._bound_for = None
         self._unheld.pop(request.request_id, None)  # a new attempt: whoever held the last one does not matter
         self.touched((request.decode_id, before.decode_id) if before is not None else (request.decode_id,))
 
@@ -333,7 +315,6 @@ class ClusterState:
         if request is None or (up_to_attempt is not None and request.attempt > up_to_attempt):
             return None
         self.touched((request.decode_id,))
-        self._bound_for = None
         return self.routed.pop(request_id)
 
     def lost_with(self, instance_id: str) -> list[Routed]:
@@ -402,26 +383,24 @@ class ClusterState:
         """(predicted prefill end, context, max tokens, output hint), in time order, of every request that will join
         `decode_id` and that it does not hold yet: those held by a prefill instance, and ours on
         the bus or in transfer (a prefilled one counts from its predicted prefill end)."""
-        coming = self._coming.get(decode_id)
-        if coming is None:
-            coming, held_by_prefill = [], []
+        if self._coming is None:
+            coming: dict[str, list[tuple[float, int, int, int]]] = {}
+            held_by_prefill: set[str] = set()
             for known in self.instances.values():
-                if known.info.prefill is not None:
-                    by_decode, ids = known.coming()
-                    coming += by_decode.get(decode_id, ())
-                    held_by_prefill.append(ids)
-            if self._bound_for is None:
-                bound: dict[str, list[Routed]] = {}
-                for r in self.routed.values():
-                    bound.setdefault(r.decode_id, []).append(r)
-                self._bound_for = bound
-            for r in self._bound_for.get(decode_id, ()):
-                if r.joins_decode and self._in_transit(r, decode_id) \
-                        and not any(r.request_id in ids for ids in held_by_prefill):
-                    coming.append((r.predicted_prefill_end, r.prompt_tokens, r.max_tokens, r.expected_tokens))
-            coming.sort()
-            self._coming[decode_id] = coming
-        return coming
+                report: PrefillReport | None = known.info.prefill
+                if report is not None:
+                    for c in report.coming:
+                        held_by_prefill.add(c.request_id)
+                        coming.setdefault(c.decode_id, []).append((known.seen_at + c.finish_in_s, c.tokens, c.max_tokens,
+                                                                   c.expected_tokens))
+            for r in self.routed.values():
+                if r.joins_decode and r.request_id not in held_by_prefill and self._in_transit(r, r.decode_id):
+                    coming.setdefault(r.decode_id, []).append((r.predicted_prefill_end, r.prompt_tokens, r.max_tokens,
+                                                               r.expected_tokens))
+            for entries in coming.values():
+                entries.sort()
+            self._coming = coming
+        return self._coming.get(decode_id, [])
 
     def decode_candidates(self, now: float, avoid: Collection[str] = ()) -> tuple[DecodeCandidate, ...]:
         """`avoid`: as for prefill_candidates."""
