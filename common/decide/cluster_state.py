@@ -42,6 +42,7 @@ GAP_FACTOR = 4.0  # a silence this many times its longest recent gap (and past t
 UNKNOWN_OUTPUT_TOKENS = 256  # a request whose max_tokens is not reported (an older instance)
 DEFAULT_STEP_S = 0.05  # without a profile or a reported step time
 RECOVERY_S = 60.0  # how long after losing an instance its role counts as recovering (ClusterState.recovering)
+LEFT_KEPT = 10_000  # instances that left cleanly, remembered until their exit is seen (a bound, not a window)
 UNHELD_S = 30.0  # a request the instance that last held it has stopped reporting, for this long, has ended
 
 
@@ -127,6 +128,7 @@ class ClusterState:
         # (a messenger that was never heard of, as in the simulator, marks nothing)
         self.lost_nodes: set[str] = set()
         self.lost: dict[str, tuple[str, float]] = {}  # lost instance -> (its role, when), until heard again
+        self.left: dict[str, str] = {}  # instance that left cleanly -> its role, until heard again (or seen exit)
         # who last reported holding each of our requests, and since when it no longer does: a request
         # whose end message was lost (a broker restart drops what had no subscriber) ends this way,
         # not at its lease
@@ -181,9 +183,13 @@ class ClusterState:
         self.touched(self._concerns(known.info if known is not None else None, info))
         self._outputs_of.pop(info.instance_id, None)
         self.lost.pop(info.instance_id, None)  # back (or leaving on purpose): no longer capacity lost
+        self.left.pop(info.instance_id, None)
         if info.leaving:  # a clean exit: a new instance under this id starts from the profile
             self.learned.forget(info.instance_id)
             self._measured.pop(info.instance_id, None)
+            if len(self.left) > LEFT_KEPT:
+                self.left.clear()
+            self.left[info.instance_id] = info.role
             return "left" if self.instances.pop(info.instance_id, None) is not None else None
         if self.layout is not None and info.layout is not None:
             differences = self.layout.differences(info.layout)
@@ -253,15 +259,22 @@ class ClusterState:
         return self._forget(gone, now)
 
     def dead(self, instance_id: str, now: float) -> list[WorkerInfo]:
-        """Its process exited (a supervisor saw it): forget it now; returns it, if it was known."""
+        """Its process exited (a supervisor saw it): forget it now; returns it, if it was known. One
+        that had left cleanly (a drain, then the exit) is being restarted by that supervisor: its
+        capacity counts as lost (`recovering`) until it is heard again."""
         known = self.instances.get(instance_id)
+        if known is None and instance_id in self.left:
+            self.lost[instance_id] = (self.left.pop(instance_id), now)
         return self._forget([known.info] if known is not None else [], now)
 
     def recovering(self, role: str, now: float) -> bool:
-        """An instance of `role` was lost lately (RECOVERY_S) and has not been heard from since: with
-        none left, that is capacity lost while its supervisor brings it back (an overload, 429), not a
-        cluster without the role (503). One that came back, or later left cleanly, is not pending."""
-        return any(r == role and now - at <= RECOVERY_S for r, at in self.lost.values())
+        """Capacity of `role` that is gone for now, not for good: an instance lost lately
+        (RECOVERY_S) and not heard from since, or one draining (a restart's first half). With no
+        other instance of the role, that is an overload (429 with a Retry-After), not a cluster
+        without the role (503). One that came back, or left cleanly with no supervisor seeing its
+        exit (an operator's stop), is not pending."""
+        return any(r == role and now - at <= RECOVERY_S for r, at in self.lost.values()) \
+            or any(i.info.role == role and i.info.draining for i in self.instances.values())
 
     def _forget(self, gone: list[WorkerInfo], now: float) -> list[WorkerInfo]:
         for info in gone:

@@ -257,7 +257,7 @@ class ConductorService:
                 return RouteReply(False, 429, f"rejected at arrival: {decision.reason}", retry_after_s=retry)
             if decision.role and self.state.recovering(decision.role, now):  # lost capacity, coming back
                 self.metrics.decisions.labels("rejected").inc()
-                return RouteReply(False, 429, f"rejected at arrival: {decision.reason} while a lost one is restarted",
+                return RouteReply(False, 429, f"rejected at arrival: {decision.reason} while one is being restarted",
                                   retry_after_s=RECOVERY_RETRY_S)
             self.metrics.decisions.labels("unavailable").inc()
             return RouteReply(False, 503, f"{decision.reason} is available", retry_after_s=retry)

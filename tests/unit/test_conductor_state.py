@@ -236,6 +236,22 @@ def test_a_lost_instance_that_came_back_or_left_cleanly_is_not_recovering():
     assert not state.recovering("decode", now=21.0)
 
 
+def test_a_draining_instance_or_one_whose_clean_exit_a_supervisor_saw_is_recovering():
+    """A rolling restart of the only instance of a role: while it drains, and from its exit (the
+    supervisor's Exited) until it is heard again, its role is recovering (429), not absent (503)."""
+    state = cluster()
+    state.heard(decode(), now=1.0)
+    assert not state.recovering("decode", now=1.0)  # it takes work
+    state.heard(decode(draining=True), now=2.0)  # SIGTERM: it finishes what it holds, gets nothing new
+    assert state.of_role("decode") == [] and state.recovering("decode", now=2.0)
+    state.heard(decode(leaving=True), now=3.0)  # done: it leaves
+    assert not state.recovering("decode", now=3.0)  # nobody said it comes back (an operator's stop)
+    state.dead("d0", now=3.5)  # its supervisor saw the exit, and restarts it
+    assert state.recovering("decode", now=3.5) and not state.recovering("decode", now=3.6 + RECOVERY_S)
+    state.heard(decode(), now=5.0)  # back
+    assert not state.recovering("decode", now=5.0) and [d.instance_id for d in state.of_role("decode")] == ["d0"]
+
+
 def test_a_new_process_under_a_known_id_means_its_predecessor_died():
     state = ClusterState(timeout_s=3.0, lease_s=100.0)
     assert state.heard(decode(incarnation="old"), now=0.0) == "joined"
