@@ -127,6 +127,7 @@ class DecodeService:
         self.recent: collections.OrderedDict[str, tuple[DecodeTask, list[int], str]] = collections.OrderedDict()
         self.metrics = DecodeMetrics(registry or metrics.registry(), self)
         self.draining = False
+        self.closed = ""  # why everything held was handed back: what arrives or loads after that goes back too
         self.measured: Measured | None = None  # the latest iteration's seconds, for the conductors to learn from
         self.speed = Factor()  # this instance's own step time against the profile: its late check uses it
         self.arrived_at = worker.Stamps()  # when each task (its KV landed) came: its wait for the batch
@@ -182,6 +183,10 @@ class DecodeService:
             kvfiles.remove(self.cfg.shm_dir, task.kv)
             await self.progress("finished", task)
             return
+        if self.closed:  # a hand-off that landed after the hand-back: resumed elsewhere too
+            kvfiles.remove(self.cfg.shm_dir, task.kv)
+            await self.fail(task, self.closed, 503, retryable=True)
+            return
         old = self.running.get(rid)
         if old is not None:  # an abandoned attempt of the same request still runs here: the new one wins
             self.forget(rid)
@@ -209,6 +214,9 @@ class DecodeService:
         except (OSError, kvfiles.KvChecksumError) as exc:
             log.error("request %s: cannot load its KV: %s", rid, exc)
             await self.fail(task, f"decode could not load the KV: {exc}", 500, retryable=True)
+            return
+        if self.closed:  # handed back while its KV loaded (it was in neither `waiting` nor `running`)
+            await self.fail(task, self.closed, 503, retryable=True)
             return
         self.engine.add(rid, kv, task.first_token, task.sampling, task.num_generated + 1)
         self.running[rid] = Running(task, [task.first_token])
@@ -460,8 +468,10 @@ class DecodeService:
 
         Not while a step runs: its rows are the engine's until it returns (the lock), and what the
         loop finishes meanwhile is not handed back. Taken out of the batch in one go (no await in
-        between), so the loop sees each request either still held or gone."""
+        between), so the loop sees each request either still held or gone. Final: a task whose KV
+        was loading then, or that arrives later, is handed back as it reaches the batch."""
         async with self.compute_lock:
+            self.closed = why
             held = [seq.task for seq in self.running.values()] + list(self.waiting)
             while not self.arrived.empty():
                 held.append(self.arrived.get_nowait())

@@ -1,6 +1,7 @@
 """A decode instance handing back what it holds (its drain's grace ran out, or it failed) while a
 decode step is running: the step's rows stay the engine's until the step returns, the loop lives
-on, and each request handed back gets exactly one retryable error.
+on, and each request handed back gets exactly one retryable error. After the hand-back, what still
+reaches the batch (a hand-off that lands, a task whose KV was loading) is handed back too.
 
 Real parts: a nats-server, tiny-random's weights and the batch engine. The step is held (after it
 computed, before it returns) so that the hand-back lands inside it every time; a make test under
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common import bus, models, profiles, runner
+from common import bus, kvfiles, models, profiles, runner
 from common.config import NatsAuth
 from common.engine.batch import BatchEngine
 from common.roles.decode import DecodeService, Running
@@ -48,28 +49,55 @@ def config(nats_url: str, home: Path) -> DecodeConfig:
                         home, "INFO", "", 0, "127.0.0.1", 1, 0.15, 0.0, 60.0, 0, 4, 4096, 1.0, False, "")
 
 
-async def test_a_request_handed_back_during_a_step_is_failed_once_and_the_loop_lives_on(nats_url, tmp_path):
+class Decode:
+    """A decode instance's role on tiny-random, not started (the test drives its loop's steps),
+    with every TokenChunk it sends to REPLY collected."""
+
+    def __init__(self, service: DecodeService, nc, chunks: list[TokenChunk]) -> None:
+        self.service, self.nc, self.chunks = service, nc, chunks
+        self.engine = service.engine
+
+    def task(self, rid: str, kv: KvHandle | None = None) -> DecodeTask:
+        return DecodeTask(rid, PROMPT, 42, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True), REPLY,
+                          kv or KvHandle("node-t", f"{rid}.kv", [1, 2, 1, len(PROMPT), 1], "float32", 0), 0.0)
+
+    def kv(self) -> torch.Tensor:
+        m = self.engine.model
+        return torch.zeros(m.num_layers, 2, m.num_kv_heads, len(PROMPT), m.head_dim, dtype=m.dtype)
+
+    async def errors(self) -> list[TokenChunk]:
+        await bus.flush(self.nc)
+        await asyncio.sleep(0.2)  # the chunks come back over the broker
+        return [c for c in self.chunks if c.error]
+
+
+REPLY = "moonbus.test.decode-drain"
+
+
+@pytest.fixture
+async def decode(nats_url, tmp_path):
     cfg = config(nats_url, tmp_path)
     worker = models.load_for_worker(cfg.model, cfg.home, 1, cfg.dtype)
     engine = BatchEngine(worker.model, cfg.max_batch, cfg.kv_budget_tokens)
     perf, _ = profiles.load(cfg.home, cfg.model, "", cfg.dtype)
     nc = await bus.connect(nats_url, "decode-t")
-    stop = runner.Stop()
-    service = DecodeService(cfg, nc, engine, None, worker.kv_layout(cfg.block_tokens), runner.TaskGroup(stop), perf)
+    service = DecodeService(cfg, nc, engine, None, worker.kv_layout(cfg.block_tokens), runner.TaskGroup(runner.Stop()),
+                            perf)
     chunks: list[TokenChunk] = []
 
     async def on_chunk(msg) -> None:
         chunks.append(TokenChunk.from_bytes(msg.data))
 
-    reply_subject = "moonbus.test.decode-drain"
-    await bus.subscribe(nc, reply_subject, on_chunk)
+    await bus.subscribe(nc, REPLY, on_chunk)
     await bus.flush(nc)
-    # one request in the batch, as `admit` leaves it
-    m = worker.model
-    kv = torch.zeros(m.num_layers, 2, m.num_kv_heads, len(PROMPT), m.head_dim, dtype=m.dtype)
-    task = DecodeTask("r1", PROMPT, 42, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True), reply_subject,
-                      KvHandle("node-t", "r1.kv", list(kv.shape), "float32", 0), 0.0)
-    engine.add("r1", kv, task.first_token, task.sampling, 1)
+    yield Decode(service, nc, chunks)
+    await bus.shutdown(nc)
+
+
+async def test_a_request_handed_back_during_a_step_is_failed_once_and_the_loop_lives_on(decode):
+    service, engine = decode.service, decode.engine
+    task = decode.task("r1")  # one request in the batch, as `admit` leaves it
+    engine.add("r1", decode.kv(), task.first_token, task.sampling, 1)
     service.running["r1"] = Running(task, [task.first_token])
 
     computed, release = threading.Event(), threading.Event()
@@ -94,11 +122,23 @@ async def test_a_request_handed_back_during_a_step_is_failed_once_and_the_loop_l
     await iteration  # the loop's iteration ends normally: its row was still there
     await handing_back
     assert service.running == {} and "r1" not in engine.index and service.num_held == 0
-    await bus.flush(nc)
-    await asyncio.sleep(0.2)  # the chunks come back over the broker
-    errors = [c for c in chunks if c.error]
-    assert len(errors) == 1 and errors[0].retryable and errors[0].error_status == 503, chunks
+    errors = await decode.errors()
+    assert len(errors) == 1 and errors[0].retryable and errors[0].error_status == 503, decode.chunks
     assert "shutting down" in errors[0].error
-    tokens = [c for c in chunks if c.token_ids]  # the step's token went out before the hand-back
+    tokens = [c for c in decode.chunks if c.token_ids]  # the step's token went out before the hand-back
     assert [c.index for c in tokens] == [1]
-    await bus.shutdown(nc)
+
+
+async def test_what_reaches_the_batch_after_the_hand_back_is_handed_back_too(decode):
+    """A hand-off that lands after it, and a task whose KV was loading during it (in neither the
+    waiting line nor the batch then), each get one retryable 503 and never join the batch."""
+    service = decode.service
+    await service.hand_back("decode instance decode-t is shutting down")
+    await service.check_in(decode.task("late"))  # landed after the hand-back
+    handle = kvfiles.write(service.cfg.shm_dir, "node-t", "loading.kv", decode.kv())
+    await service.admit(decode.task("loading", handle))  # its KV was being read when the hand-back ran
+    assert service.running == {} and not service.waiting and decode.engine.num_running == 0
+    assert not kvfiles.path_of(service.cfg.shm_dir, handle).exists()
+    errors = await decode.errors()
+    assert sorted(c.request_id for c in errors) == ["late", "loading"]
+    assert all(c.retryable and c.error_status == 503 and "shutting down" in c.error for c in errors)
