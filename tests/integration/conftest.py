@@ -50,6 +50,18 @@ def bare_nats_server(port: int) -> subprocess.Popen:
     raise AssertionError(f"nats-server did not listen on port {port} (exit code {server.poll()})")
 
 
+@pytest.fixture
+async def bare_nats_url():
+    """The URL of a bare nats-server (bare_nats_server) of this test's own, killed after it."""
+    port = free_port()
+    server = bare_nats_server(port)
+    try:
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        server.kill()
+        server.wait()
+
+
 def seed_model(built_in: Path, home: Path) -> None:
     """tiny-random, built once this session (where its profile was measured), linked into a new
     cluster's home: its services find it there instead of building it again (seconds of CPU each)."""

@@ -17,7 +17,6 @@ import pytest
 
 from common import bus
 from schemas import subjects
-from tests.integration.conftest import bare_nats_server
 from tools.moonbus.cluster.processes import free_port
 
 pytestmark = pytest.mark.integration
@@ -32,20 +31,9 @@ class LostReply:
     reply: str = ""
 
 
-@pytest.fixture
-async def nats_url():
-    port = free_port()
-    server = bare_nats_server(port)
-    try:
-        yield f"nats://127.0.0.1:{port}"
-    finally:
-        server.kill()
-        server.wait()
-
-
-async def test_a_lost_reply_costs_one_attempt_and_the_handler_runs_once(nats_url):
-    asker = await bus.connect(nats_url, "asker")
-    responder = await bus.connect(nats_url, "responder")
+async def test_a_lost_reply_costs_one_attempt_and_the_handler_runs_once(bare_nats_url):
+    asker = await bus.connect(bare_nats_url, "asker")
+    responder = await bus.connect(bare_nats_url, "responder")
     replies, runs, deliveries = bus.Replies(), [], []
 
     async def on_call(msg) -> None:
@@ -73,9 +61,9 @@ async def test_a_lost_reply_costs_one_attempt_and_the_handler_runs_once(nats_url
         await responder.close()
 
 
-async def test_a_repeat_that_arrives_while_the_call_runs_waits_for_it(nats_url):
-    asker = await bus.connect(nats_url, "asker")
-    responder = await bus.connect(nats_url, "responder")
+async def test_a_repeat_that_arrives_while_the_call_runs_waits_for_it(bare_nats_url):
+    asker = await bus.connect(bare_nats_url, "asker")
+    responder = await bus.connect(bare_nats_url, "responder")
     replies, runs = bus.Replies(), []
     release = asyncio.Event()
 
@@ -145,12 +133,12 @@ async def test_an_event_the_bus_refuses_holds_back_no_later_one(tmp_path):
         server.wait()
 
 
-async def test_a_subscription_flushed_with_bus_flush_is_in_place_for_every_other_connection(nats_url):
+async def test_a_subscription_flushed_with_bus_flush_is_in_place_for_every_other_connection(bare_nats_url):
     """nats-py's own flush can return before the server has read a SUB made just before it (its
     PING overtakes the buffer); bus.flush must not: each new responder is asked at once, from
     another connection, and must be found."""
-    asker = await bus.connect(nats_url, "asker")
-    responder = await bus.connect(nats_url, "responder")
+    asker = await bus.connect(bare_nats_url, "asker")
+    responder = await bus.connect(bare_nats_url, "responder")
 
     async def echo(msg) -> None:
         await msg.respond(msg.data)
@@ -166,11 +154,11 @@ async def test_a_subscription_flushed_with_bus_flush_is_in_place_for_every_other
         await responder.close()
 
 
-async def test_a_background_subscription_lets_a_request_that_came_during_its_burst_go_first(nats_url):
+async def test_a_background_subscription_lets_a_request_that_came_during_its_burst_go_first(bare_nats_url):
     """A burst of heartbeats, then a route: on a background subscription the route is handled
     after a few of them, not after the whole burst (what it is without)."""
-    sender = await bus.connect(nats_url, "sender")
-    receiver = await bus.connect(nats_url, "receiver")
+    sender = await bus.connect(bare_nats_url, "sender")
+    receiver = await bus.connect(bare_nats_url, "receiver")
     burst = 200
     try:
         for background in (False, True):

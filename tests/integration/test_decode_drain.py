@@ -26,26 +26,13 @@ from schemas.decode import DecodeTask
 from schemas.route import SamplingParams
 from schemas.tokens import TokenChunk
 from schemas.transfer import KvHandle
-from tests.integration.conftest import bare_nats_server
-from tools.moonbus.cluster.processes import free_port
 
 pytestmark = pytest.mark.integration
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 
 
-@pytest.fixture
-async def nats_url():
-    port = free_port()
-    server = bare_nats_server(port)
-    try:
-        yield f"nats://127.0.0.1:{port}"
-    finally:
-        server.kill()
-        server.wait()
-
-
-def config(nats_url: str, home: Path) -> DecodeConfig:
-    return DecodeConfig(nats_url, NatsAuth(), "", "decode-t", "node-t", home / "shm", models.TINY_RANDOM, 16, "float32",
+def config(url: str, home: Path) -> DecodeConfig:
+    return DecodeConfig(url, NatsAuth(), "", "decode-t", "node-t", home / "shm", models.TINY_RANDOM, 16, "float32",
                         home, "INFO", "", 0, "127.0.0.1", 1, 0.15, 0.0, 60.0, 0, 4, 4096, 1.0, False, "")
 
 
@@ -75,12 +62,12 @@ REPLY = "moonbus.test.decode-drain"
 
 
 @pytest.fixture
-async def decode(nats_url, tmp_path):
-    cfg = config(nats_url, tmp_path)
+async def decode(bare_nats_url, tmp_path):
+    cfg = config(bare_nats_url, tmp_path)
     worker = models.load_for_worker(cfg.model, cfg.home, 1, cfg.dtype)
     engine = BatchEngine(worker.model, cfg.max_batch, cfg.kv_budget_tokens)
     perf, _ = profiles.load(cfg.home, cfg.model, "", cfg.dtype)
-    nc = await bus.connect(nats_url, "decode-t")
+    nc = await bus.connect(bare_nats_url, "decode-t")
     service = DecodeService(cfg, nc, engine, None, worker.kv_layout(cfg.block_tokens), runner.TaskGroup(runner.Stop()),
                             perf)
     chunks: list[TokenChunk] = []
