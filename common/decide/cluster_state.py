@@ -180,6 +180,10 @@ class ClusterState:
         lost, though no silence was ever long enough to say so), a Refusal for one whose
         invariants differ from the cluster's, else None."""
         known = self.instances.get(info.instance_id)
+        if info.leaving and known is None and info.instance_id in self.lost:
+            # its goodbye came after its exit was seen (the supervisor's Exited arrives on another
+            # connection and may overtake it): it stays lost, and so its role recovering
+            return None
         self.touched(self._concerns(known.info if known is not None else None, info))
         self._outputs_of.pop(info.instance_id, None)
         self.lost.pop(info.instance_id, None)  # back (or leaving on purpose): no longer capacity lost

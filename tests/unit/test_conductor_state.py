@@ -231,9 +231,21 @@ def test_a_lost_instance_that_came_back_or_left_cleanly_is_not_recovering():
     assert state.recovering("decode", now=11.0)
     state.heard(decode(), now=12.0)  # its supervisor brought it back
     assert not state.recovering("decode", now=12.0)
-    state.dead("d0", now=20.0)
-    state.heard(decode(leaving=True), now=21.0)  # an operator's clean stop after a restart
+    state.heard(decode(leaving=True), now=21.0)  # an operator's clean stop: no supervisor saw an exit
     assert not state.recovering("decode", now=21.0)
+
+
+def test_a_goodbye_that_comes_after_the_exit_was_seen_leaves_the_role_recovering():
+    """A drained instance's leaving heartbeat and its supervisor's Exited come on different
+    connections: in either order, its role is recovering (429) until it is heard again."""
+    state = cluster()
+    state.heard(decode(draining=True), now=1.0)
+    state.dead("d0", now=2.0)  # the exit, seen first
+    assert state.recovering("decode", now=2.0)
+    assert state.heard(decode(leaving=True), now=2.1) is None  # the goodbye, late: nothing to forget
+    assert state.recovering("decode", now=2.1) and state.get("d0") is None
+    state.heard(decode(), now=3.0)  # restarted
+    assert not state.recovering("decode", now=3.0) and [d.instance_id for d in state.of_role("decode")] == ["d0"]
 
 
 def test_a_draining_instance_or_one_whose_clean_exit_a_supervisor_saw_is_recovering():
