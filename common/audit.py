@@ -80,13 +80,31 @@ class Chain:
         numbered and sealed. Advances the chain.
 
         NOTE: the caller must publish sealed events in the order they were sealed."""
+        return self.signed(self.sealed(subject, event))
+
+    def sealed(self, subject: str, event: dict[str, Any]) -> Sealed:
+        """`seal` without its signature (`signed` adds it): the chain's part, which must be done
+        in publishing order, at once; the costly signature can wait until the event is sent."""
         fields = {k: v for k, v in event.items() if k != "digest"}
         fields.update(publisher=self.publisher, seq=self.seq + 1, prev=self._prev, prev_ts=self._prev_ts)
         body = orjson.dumps(fields)  # raises (and takes no seq) if the event cannot be encoded
         digest = seal_digest(self._secret, self._prev, subject, body)
         self.seq, self._prev, self._prev_ts = self.seq + 1, digest, fields["ts"]
-        signed = b'","sig":"' + self._signer.sign(bytes.fromhex(digest)).encode() if self._signer else b""
-        return body[:-1] + b',"digest":"' + digest.encode() + signed + b'"}'
+        return Sealed(body[:-1] + b',"digest":"' + digest.encode(), digest)
+
+    def signed(self, sealed: Sealed) -> bytes:
+        """The payload of a sealed event: with this publisher's signature of its digest, if it has a key."""
+        if self._signer is None:
+            return sealed.head + b'"}'
+        return sealed.head + b'","sig":"' + self._signer.sign(bytes.fromhex(sealed.digest)).encode() + b'"}'
+
+
+@dataclass(frozen=True)
+class Sealed:
+    """A sealed event not signed yet: its JSON up to its digest's value (unclosed), and the digest."""
+
+    head: bytes
+    digest: str
 
 
 @dataclass(frozen=True)

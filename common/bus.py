@@ -31,7 +31,7 @@ from nats.js.api import StorageType, StreamConfig
 from nats.js.errors import BadRequestError, ServiceUnavailableError
 
 from common import runner
-from common.audit import Chain
+from common.audit import Chain, Sealed
 from schemas import subjects
 from schemas.events import Event
 
@@ -354,9 +354,10 @@ async def ensure_events_stream(nc: Client, max_age_s: float = 24 * 3600, max_byt
 @dataclasses.dataclass
 class _Outgoing:
     subject: str
-    payload: bytes
+    payload: bytes  # b"" while `sealed` waits for its signature
     msg_id: str
     queued_at: float
+    sealed: Sealed | None = None
     sent_at: float = 0.0
 
 
@@ -374,7 +375,8 @@ class EventPublisher:
     only queue; `flush` (called by `shutdown`) waits until what is queued is stored.
 
     With the cluster secret, every event is numbered and sealed into this publisher's chain
-    (common/audit.py); a new publisher (a restarted process) starts a new chain. An event that
+    (common/audit.py) as it is queued, and signed with this process's key when it is first sent
+    (off the path of whatever queued it); a new publisher (a restarted process) starts a new chain. An event that
     is dropped after all shows as a gap in its chain: that is the truth.
     """
 
@@ -421,12 +423,12 @@ class EventPublisher:
 
     def _publish(self, subject: str, kind: str, request_id: str, data: dict[str, Any]) -> None:
         event = Event(kind, time.time(), self._service, self._instance_id, request_id, data)
+        payload, sealed = b"", None
         try:
             if self._chain is None:
                 payload = event.to_bytes()
             else:  # sealed in queue order, which is the order they are sent and stored in
-                fields = msgspec.structs.asdict(event)
-                payload = self._chain.seal(subject, fields)
+                sealed = self._chain.sealed(subject, msgspec.structs.asdict(event))
         except Exception:  # the audit log must never take a request down
             log.exception("could not encode event %s", subject)
             return
@@ -434,7 +436,7 @@ class EventPublisher:
             log.error("%d events not stored yet: dropped %s", self.queued, subject)
             return
         self._count += 1
-        self._queue.append(_Outgoing(subject, payload, f"{self._name}/{self._count}", time.monotonic()))
+        self._queue.append(_Outgoing(subject, payload, f"{self._name}/{self._count}", time.monotonic(), sealed))
         self._wakeup.set()
         if self._sender is None or self._sender.done():
             self._sender = asyncio.get_running_loop().create_task(self._send_all(), name=f"events {self._name}")
@@ -446,6 +448,9 @@ class EventPublisher:
         while True:
             await runner.wait_set(self._wakeup, EVENT_ACK_S / 4)
             self._wakeup.clear()
+            # NOTE: what queued these events (a route, say) goes on first: its replies are flushed
+            # before this signs (an Ed25519 signature per event: most of an event's cost)
+            await asyncio.sleep(0)
             now = time.monotonic()
             self._drop_old(now)
             self._drop_denied()
@@ -464,6 +469,8 @@ class EventPublisher:
                 backoff = 0.1
             while self._queue and len(self._unacked) < self._window and not self._refused and self._nc.is_connected:
                 out = self._queue.popleft()
+                if out.sealed is not None:  # signed once, when first sent (resent as it was)
+                    out.payload, out.sealed = self._chain.signed(out.sealed), None
                 self._sends += 1
                 token = str(self._sends)
                 self._replies[token] = out.msg_id
