@@ -55,6 +55,25 @@ def test_a_profile_says_with_how_many_threads_each_role_was_timed(tmp_path: Path
     assert up.profile_stale(path, {"prefill": 2, "decode": 1}) == ""
     assert "measured with {'prefill': 2, 'decode': 1}" in up.profile_stale(path, {"prefill": 1, "decode": 1})
     assert up.profile_stale(tmp_path / "missing.json", {"prefill": 2, "decode": 1}) == "once"
+    # the workers' OpenMP threads sleep when they wait where they share cores: timed as they run
+    assert "OMP_WAIT_POLICY PASSIVE" in up.profile_stale(path, {"prefill": 2, "decode": 1}, "PASSIVE")
+    profile.meta["omp_wait_policy"] = "PASSIVE"
+    profiles.save(profile, path)
+    assert up.profile_stale(path, {"prefill": 2, "decode": 1}, "PASSIVE") == ""
+    assert "OMP_WAIT_POLICY unset" in up.profile_stale(path, {"prefill": 2, "decode": 1})
+
+
+def test_workers_whose_threads_outnumber_the_cores_sleep_when_they_wait(cores, tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    cores(2)
+    assert ClusterSpec(home=tmp_path).worker_env == {"OMP_WAIT_POLICY": "PASSIVE"}  # prefill 2 + decode 1
+    assert ClusterSpec(home=tmp_path, threads=1).worker_env == {}  # one thread each: a core each
+    assert ClusterSpec(home=tmp_path, coupled=2).worker_env == {}
+    cores(16)
+    assert ClusterSpec(home=tmp_path).worker_env == {"OMP_WAIT_POLICY": "PASSIVE"}  # 16 + 8
+    assert ClusterSpec(home=tmp_path, prefill_threads=8).worker_env == {}  # 8 + 8
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the caller's choice stands
+    assert ClusterSpec(home=tmp_path).worker_env == {}
 
 
 def test_a_process_is_never_handed_the_same_free_port_twice():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -117,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
                       kv_bytes_per_token=shape.kv_bytes_per_token(dtype),
                       meta={"source": "moonbus profile", "dtype": dtype, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                             "threads": threads, "engine": up.engine_key(),
+                            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
                             "held_out_error": {"prefill": _err(prefill_err), "decode": _err(decode_err)}})
     out = args.out or profiles.profile_path(args.home.resolve(), ref.name, dtype)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -96,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
                        link_tls=args.link_tls)
     threads = {role: spec.role_threads("coupled" if args.coupled else role) for role in ("prefill", "decode")}
     if not args.profile:
-        done = ensure_profile(profiles.profile_path(home, ref.name, dtype), home, args.model, dtype, threads)
+        done = ensure_profile(profiles.profile_path(home, ref.name, dtype), home, args.model, dtype, threads,
+                              env=spec.worker_env)
         if done is not None and done.returncode != 0:
             print("moonbus up: profiling failed; the conductor will use an analytic guess", file=sys.stderr)
     cluster = Cluster(spec)
@@ -209,26 +210,32 @@ def engine_key(root: Path = ROOT) -> str:
     return digest.hexdigest()[:12]
 
 
-def profile_stale(path: Path, threads: dict[str, int]) -> str:
+def profile_stale(path: Path, threads: dict[str, int], wait_policy: str = "") -> str:
     """Why the profile at `path` must be measured (again) for instances run with `threads` torch
-    threads per role ("prefill", "decode") on this engine; "" when it fits them."""
+    threads per role ("prefill", "decode") on this engine, with OMP_WAIT_POLICY `wait_policy` ("":
+    unset); "" when it fits them."""
     if not path.exists():
         return "once"
-    if profiles.read(path).meta.get("engine") != engine_key():
+    meta = profiles.read(path).meta
+    if meta.get("engine") != engine_key():
         return "again: the engine changed since it was measured"
     measured = profiles.measured_threads(path)
-    if measured == threads:
-        return ""
-    return (f"again, with {threads} torch threads: the profile was measured with "
-            + (str(measured) if measured else "a number it does not record"))
+    if measured != threads:
+        return (f"again, with {threads} torch threads: the profile was measured with "
+                + (str(measured) if measured else "a number it does not record"))
+    if meta.get("omp_wait_policy", "") != wait_policy:
+        return (f"again, with OMP_WAIT_POLICY {wait_policy or 'unset'}: the profile was measured with "
+                f"{meta.get('omp_wait_policy') or 'it unset'}")
+    return ""
 
 
 def ensure_profile(path: Path, home: Path, model: str, dtype: str, threads: dict[str, int], say=say,
-                   capture: bool = False) -> subprocess.CompletedProcess | None:
+                   capture: bool = False, env: dict[str, str] | None = None) -> subprocess.CompletedProcess | None:
     """Measure the profile at `path` (`moonbus profile --quick`) unless it fits `threads`: the one
     rule for when `moonbus up` and the benches measure. None when it fit; else how the run ended
-    (the file is replaced only by a run that succeeded)."""
-    why = profile_stale(path, threads)
+    (the file is replaced only by a run that succeeded). `env`: what the workers' environment adds
+    (ClusterSpec.worker_env), so that they are measured as they will run."""
+    why = profile_stale(path, threads, (os.environ | (env or {})).get("OMP_WAIT_POLICY", ""))
     if not why:
         return None
     say(f"measuring the model's prefill and decode times {why} (moonbus profile --quick) into {path} ...")
@@ -237,7 +244,7 @@ def ensure_profile(path: Path, home: Path, model: str, dtype: str, threads: dict
     done = subprocess.run([sys.executable, "-m", "tools.moonbus.cli", "profile", "--quick", "--model", model,
                            "--home", str(home), "--dtype", dtype, "--prefill-threads", str(threads["prefill"]),
                            "--decode-threads", str(threads["decode"]), "--out", str(tmp)],
-                          cwd=ROOT, capture_output=capture, text=True)
+                          cwd=ROOT, capture_output=capture, text=True, env=os.environ | (env or {}))
     if done.returncode == 0:
         os.replace(tmp, path)
         say(f"the profile is in {path}")
