@@ -38,13 +38,15 @@ SCALED = ("prefill", "decode")  # run with --scale prefill=2 --scale decode=2
 COMMON_ENV = {"MOONBUS_NATS_URL", "MOONBUS_INSTANCE_ID", "MOONBUS_LOG_LEVEL", "MOONBUS_HOME", "MOONBUS_HEALTH_FILE",
               "MOONBUS_METRICS_PORT", "MOONBUS_METRICS_HOST", "MOONBUS_CLUSTER_SECRET_FILE", "MOONBUS_NATS_USER",
               "MOONBUS_NATS_PASSWORD_FILE", "MOONBUS_SIGNING_KEY_FILE"}
+# read by the OpenMP runtime under the workers' torch threads, not by moonbus (README "Cores by role")
+WORKER_RUNTIME_ENV = {"OMP_WAIT_POLICY"}
 ROLE_ENV = {  # module -> names only that role reads
     "services.gateway": {"MOONBUS_HOST", "MOONBUS_PORT", "MOONBUS_MODEL", "MOONBUS_DTYPE", "MOONBUS_API_KEYS_FILE"},
     "services.conductor": {"MOONBUS_POLICY", "MOONBUS_ADMISSION", "MOONBUS_MODEL", "MOONBUS_DTYPE"},
     "services.cache_index": set(),
     "services.prefill": {"MOONBUS_NODE", "MOONBUS_MODEL", "MOONBUS_DTYPE", "MOONBUS_SHM_DIR", "MOONBUS_STREAM_HOST",
-                         "MOONBUS_LINK_CERT", "MOONBUS_LINK_CA"},
-    "services.decode": {"MOONBUS_NODE", "MOONBUS_MODEL", "MOONBUS_DTYPE", "MOONBUS_SHM_DIR"},
+                         "MOONBUS_LINK_CERT", "MOONBUS_LINK_CA", *WORKER_RUNTIME_ENV},
+    "services.decode": {"MOONBUS_NODE", "MOONBUS_MODEL", "MOONBUS_DTYPE", "MOONBUS_SHM_DIR", *WORKER_RUNTIME_ENV},
     "services.messenger": {
         "MOONBUS_MODEL", "MOONBUS_DTYPE", "MOONBUS_NODE", "MOONBUS_SHM_DIR", "MOONBUS_SSD_DIR", "MOONBUS_TRANSFER_HOST",
         "MOONBUS_TRANSFER_PORT", "MOONBUS_ADVERTISE_HOST", "MOONBUS_LINK_CERT", "MOONBUS_LINK_CA",
