@@ -24,9 +24,9 @@ def read(path: str | Path) -> Profile:
     return Profile.from_dict(json.loads(Path(path).read_text()))
 
 
-def measured_threads(path: str | Path) -> dict[str, int]:
-    """The torch threads a measured profile was timed with, per role ({} where it does not say)."""
-    threads = json.loads(Path(path).read_text()).get("meta", {}).get("threads", {})
+def measured_threads(meta: dict) -> dict[str, int]:
+    """The torch threads a measured profile (its `meta`) was timed with, per role ({} where it does not say)."""
+    threads = meta.get("threads", {})
     return {role: int(n) for role, n in threads.items()} if isinstance(threads, dict) else {}
 
 

@@ -43,14 +43,14 @@ def test_a_profile_says_with_how_many_threads_each_role_was_timed(tmp_path: Path
     profile = analytic_profile(LLAMA3_70B, A800_X8)
     path = tmp_path / "old.json"
     profiles.save(profile, path)
-    assert profiles.measured_threads(path) == {}  # made before it was recorded: measured again
+    assert profiles.measured_threads(profiles.read(path).meta) == {}  # made before it was recorded: measured again
     assert "engine changed" in up.profile_stale(path, {"prefill": 2, "decode": 1})
     profile.meta["engine"] = up.engine_key()
     profiles.save(profile, path)
     assert "does not record" in up.profile_stale(path, {"prefill": 2, "decode": 1})
     profile.meta["threads"] = {"prefill": 2, "decode": 1}
     profiles.save(profile, path)
-    assert profiles.measured_threads(path) == {"prefill": 2, "decode": 1}
+    assert profiles.measured_threads(profiles.read(path).meta) == {"prefill": 2, "decode": 1}
     assert profiles.read(path).meta["threads"] == {"prefill": 2, "decode": 1}
     assert up.profile_stale(path, {"prefill": 2, "decode": 1}) == ""
     assert "measured with {'prefill': 2, 'decode': 1}" in up.profile_stale(path, {"prefill": 1, "decode": 1})

@@ -219,7 +219,7 @@ def profile_stale(path: Path, threads: dict[str, int], wait_policy: str = "") ->
     meta = profiles.read(path).meta
     if meta.get("engine") != engine_key():
         return "again: the engine changed since it was measured"
-    measured = profiles.measured_threads(path)
+    measured = profiles.measured_threads(meta)
     if measured != threads:
         return (f"again, with {threads} torch threads: the profile was measured with "
                 + (str(measured) if measured else "a number it does not record"))
