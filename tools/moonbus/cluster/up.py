@@ -235,7 +235,8 @@ def ensure_profile(path: Path, home: Path, model: str, dtype: str, threads: dict
     rule for when `moonbus up` and the benches measure. None when it fit; else how the run ended
     (the file is replaced only by a run that succeeded). `env`: what the workers' environment adds
     (ClusterSpec.worker_env), so that they are measured as they will run."""
-    why = profile_stale(path, threads, (os.environ | (env or {})).get("OMP_WAIT_POLICY", ""))
+    run_env = os.environ | (env or {})
+    why = profile_stale(path, threads, run_env.get("OMP_WAIT_POLICY", ""))
     if not why:
         return None
     say(f"measuring the model's prefill and decode times {why} (moonbus profile --quick) into {path} ...")
@@ -244,7 +245,7 @@ def ensure_profile(path: Path, home: Path, model: str, dtype: str, threads: dict
     done = subprocess.run([sys.executable, "-m", "tools.moonbus.cli", "profile", "--quick", "--model", model,
                            "--home", str(home), "--dtype", dtype, "--prefill-threads", str(threads["prefill"]),
                            "--decode-threads", str(threads["decode"]), "--out", str(tmp)],
-                          cwd=ROOT, capture_output=capture, text=True, env=os.environ | (env or {}))
+                          cwd=ROOT, capture_output=capture, text=True, env=run_env)
     if done.returncode == 0:
         os.replace(tmp, path)
         say(f"the profile is in {path}")
