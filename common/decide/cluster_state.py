@@ -36,6 +36,8 @@ from common.decide.outputs import OutputLengths
 from common.decide.perf import Profile
 from common.decide.policy import DecodeCandidate, PolicySettings, PrefillCandidate
 
+_new_row = tuple.__new__  # a NamedTuple built without its Python-level __new__ (the hot path's candidates)
+
 
 GAPS_KEPT = 64  # an instance's recent gaps between signs of life
 GAP_FACTOR = 4.0  # a silence this many times its longest recent gap (and past the timeout) is death
@@ -116,9 +118,16 @@ class ClusterState:
         self.instances: dict[str, Instance] = {}  # instance_id -> Instance
         self.routed: dict[str, Routed] = {}  # request_id -> Routed (this conductor's)
         # NOTE: who will join each decode instance is derived from every prefill report and our own
-        # requests; it is rebuilt lazily, once per change, since each decision reads it per candidate
-        self._coming: dict[str, list[tuple[float, int, int, int]]] | None = None  # decode_id -> sorted (finish, context, max, hint)
+        # requests. Each decision reads it per candidate, and each route or report changes only a
+        # few decode instances' share: it is kept per decode instance (dropped by `touched`), from
+        # two sources kept apart, so that a route does not walk every prefill report again
+        self._coming: dict[str, list[tuple[float, int, int, int]]] = {}  # decode_id -> sorted (finish, context, max, hint)
+        # what the prefill reports say, until the next one: decode_id -> entries, and the request ids they hold
+        self._reported_coming: tuple[dict[str, list[tuple[float, int, int, int]]], set[str]] | None = None
+        self._bound: dict[str, set[str]] | None = None  # decode_id -> our request ids bound there
         self._transit_s: dict[str, float] | None = None  # prefill_id -> predicted work of ours not reported yet
+        self._queued_bytes: dict[str, int] | None = None  # node -> bytes our requests in prefill pull from it
+        self._members: dict[str, list[str]] = {}  # role -> ids of its instances that take new work, sorted
         self._decode_loads: dict[str, DecodeLoad] = {}  # decode_id -> admission's view, until the next change
         self._decode_candidates: dict[str, DecodeCandidate] = {}  # decode_id -> the policy's view, likewise
         # decode_id -> the tokens each request it reported will still generate (ascending) and their
@@ -137,20 +146,24 @@ class ClusterState:
 
     def changed(self) -> None:
         """Every derived view is stale (an instance gone, requests lost: rare)."""
-        self._coming = None
+        self._coming = {}
+        self._reported_coming = None
+        self._bound = None
         self._transit_s = None
+        self._queued_bytes = None
+        self._members = {}
         self._decode_loads = {}
         self._decode_candidates = {}
         self._outputs_of = {}
 
     def touched(self, decode_ids: Iterable[str]) -> None:
-        """A report or one of our requests changed: who will join which decode instance and our work
-        in transit are rebuilt (one pass over the reports and our requests), and admission's view
-        of only the decode instances it concerns (the costly part: each sorts every request the
-        instance holds)."""
-        self._coming = None
+        """A report or one of our requests changed: our work in transit is summed again (one pass
+        over our requests), and who will join, and admission's and the policy's views, of only the
+        decode instances it concerns (the costly part: each sorts every request the instance holds)."""
         self._transit_s = None
+        self._queued_bytes = None
         for decode_id in decode_ids:
+            self._coming.pop(decode_id, None)
             self._decode_loads.pop(decode_id, None)
             self._decode_candidates.pop(decode_id, None)
 
@@ -184,7 +197,13 @@ class ClusterState:
             # its goodbye came after its exit was seen (the supervisor's Exited arrives on another
             # connection and may overtake it): it stays lost, and so its role recovering
             return None
-        self.touched(self._concerns(known.info if known is not None else None, info))
+        before = known.info if known is not None else None
+        self.touched(self._concerns(before, info))
+        if info.prefill is not None or (before is not None and before.prefill is not None):
+            self._reported_coming = None
+        if before is None or info.leaving \
+                or (before.role, before.draining, before.node) != (info.role, info.draining, info.node):
+            self._members = {}  # who takes new work changed
         self._outputs_of.pop(info.instance_id, None)
         self.lost.pop(info.instance_id, None)  # back (or leaving on purpose): no longer capacity lost
         self.left.pop(info.instance_id, None)
@@ -199,14 +218,16 @@ class ClusterState:
             differences = self.layout.differences(info.layout)
             if differences:
                 self.instances.pop(info.instance_id, None)
+                self._members = {}
                 return Refusal(info, tuple(differences))
         instance = self.instances[info.instance_id] = Instance(info, now)
         if known is not None and known.info.incarnation == info.incarnation:
             instance.alive_at, instance.gaps = known.alive_at, known.gaps
         instance.signal(now)
         self._learn(info)
-        if info.role == "messenger":
+        if info.role == "messenger" and info.node in self.lost_nodes:
             self.lost_nodes.discard(info.node)
+            self._members = {}
         held = set()
         for rid in self._held_ids(info):
             request = self.routed.get(rid)
@@ -293,10 +314,18 @@ class ClusterState:
 
     def of_role(self, role: str) -> list[WorkerInfo]:
         """Instances of a role that take new work (a draining one finishes what it holds, nothing more;
-        one whose node lost its messenger cannot move KV)."""
-        return sorted((i.info for i in self.instances.values()
-                       if i.info.role == role and not i.info.draining and i.info.node not in self.lost_nodes),
-                      key=lambda w: w.instance_id)
+        one whose node lost its messenger cannot move KV), by id."""
+        instances = self.instances
+        return [instances[i].info for i in self._of_role(role)]
+
+    def _of_role(self, role: str) -> list[str]:
+        """of_role's ids, kept until an instance joins, leaves, or changes role, node or draining, or a
+        node's messenger comes or goes."""
+        ids = self._members.get(role)
+        if ids is None:
+            ids = self._members[role] = sorted(i for i, known in self.instances.items() if known.info.role == role
+                                               and not known.info.draining and known.info.node not in self.lost_nodes)
+        return ids
 
     def get(self, instance_id: str) -> WorkerInfo | None:
         known = self.instances.get(instance_id)
@@ -307,6 +336,10 @@ class ClusterState:
         before = self.routed.get(request.request_id)  # its earlier attempt, bound for another instance maybe
         self.routed[request.request_id] = request
         self._unheld.pop(request.request_id, None)  # a new attempt: whoever held the last one does not matter
+        if self._bound is not None:
+            if before is not None:
+                self._bound[before.decode_id].discard(request.request_id)
+            self._bound.setdefault(request.decode_id, set()).add(request.request_id)
         self.touched((request.decode_id, before.decode_id) if before is not None else (request.decode_id,))
 
     def policy_settings(self, settings: PolicySettings) -> PolicySettings:
@@ -332,6 +365,8 @@ class ClusterState:
         if request is None or (up_to_attempt is not None and request.attempt > up_to_attempt):
             return None
         self.touched((request.decode_id,))
+        if self._bound is not None:
+            self._bound[request.decode_id].discard(request_id)
         return self.routed.pop(request_id)
 
     def lost_with(self, instance_id: str) -> list[Routed]:
@@ -379,6 +414,10 @@ class ClusterState:
         reported = 0.0
         if info is not None and info.prefill is not None:
             reported = max(0.0, info.prefill.queue_s - (now - seen_at))
+        return reported + self._in_transit_s().get(instance_id, 0.0)
+
+    def _in_transit_s(self) -> dict[str, float]:
+        """prefill_id -> predicted work of ours that its report does not hold yet (one pass over our requests)."""
         if self._transit_s is None:
             transit: dict[str, float] = {}
             for r in self.routed.values():
@@ -387,20 +426,41 @@ class ClusterState:
                         if self._in_transit(r, p):
                             transit[p] = transit.get(p, 0.0) + r.prefill_s
             self._transit_s = transit
-        return reported + self._transit_s.get(instance_id, 0.0)
+        return self._transit_s
 
     def prefill_candidates(self, now: float, avoid: Collection[str] = ()) -> tuple[PrefillCandidate, ...]:
-        """`avoid`: instances a request's failed attempts used, left out where others remain."""
-        factor = self.learned.factor
-        return _elsewhere(tuple(PrefillCandidate(p.instance_id, p.node, self.prefill_queue_s(p.instance_id, now),
-                                                 factor(p.instance_id, "prefill"))
-                                for p in self.of_role("prefill")), avoid)
+        """`avoid`: instances a request's failed attempts used, left out where others remain.
+        NOTE: prefill_queue_s inlined (every route builds every prefill candidate; the queues count down with `now`)."""
+        factor, transit, instances = self.learned.factor, self._in_transit_s().get, self.instances
+        out = []
+        for instance_id in self._of_role("prefill"):
+            known = instances[instance_id]
+            report = known.info.prefill
+            reported = max(0.0, report.queue_s - (now - known.seen_at)) if report is not None else 0.0
+            out.append(_new_row(PrefillCandidate, (instance_id, known.info.node, reported + transit(instance_id, 0.0),
+                                                   factor(instance_id, "prefill"))))
+        return _elsewhere(tuple(out), avoid)
 
     def coming_to(self, decode_id: str) -> list[tuple[float, int, int, int]]:
         """(predicted prefill end, context, max tokens, output hint), in time order, of every request that will join
         `decode_id` and that it does not hold yet: those held by a prefill instance, and ours on
         the bus or in transfer (a prefilled one counts from its predicted prefill end)."""
-        if self._coming is None:
+        coming = self._coming.get(decode_id)
+        if coming is None:
+            reported, held_by_prefill = self._from_prefill_reports()
+            coming = list(reported.get(decode_id, ()))
+            routed = self.routed
+            for rid in self._bound_to().get(decode_id, ()):
+                r = routed[rid]
+                if r.joins_decode and rid not in held_by_prefill and self._in_transit(r, decode_id):
+                    coming.append((r.predicted_prefill_end, r.prompt_tokens, r.max_tokens, r.expected_tokens))
+            coming.sort()
+            self._coming[decode_id] = coming
+        return coming
+
+    def _from_prefill_reports(self) -> tuple[dict[str, list[tuple[float, int, int, int]]], set[str]]:
+        """What every prefill report says will join each decode instance, and the request ids they hold."""
+        if self._reported_coming is None:
             coming: dict[str, list[tuple[float, int, int, int]]] = {}
             held_by_prefill: set[str] = set()
             for known in self.instances.values():
@@ -410,22 +470,26 @@ class ClusterState:
                         held_by_prefill.add(c.request_id)
                         coming.setdefault(c.decode_id, []).append((known.seen_at + c.finish_in_s, c.tokens, c.max_tokens,
                                                                    c.expected_tokens))
+            self._reported_coming = coming, held_by_prefill
+        return self._reported_coming
+
+    def _bound_to(self) -> dict[str, set[str]]:
+        """decode_id -> our requests bound for it (kept up to date by route and end)."""
+        if self._bound is None:
+            bound: dict[str, set[str]] = {}
             for r in self.routed.values():
-                if r.joins_decode and r.request_id not in held_by_prefill and self._in_transit(r, r.decode_id):
-                    coming.setdefault(r.decode_id, []).append((r.predicted_prefill_end, r.prompt_tokens, r.max_tokens,
-                                                               r.expected_tokens))
-            for entries in coming.values():
-                entries.sort()
-            self._coming = coming
-        return self._coming.get(decode_id, [])
+                bound.setdefault(r.decode_id, set()).add(r.request_id)
+            self._bound = bound
+        return self._bound
 
     def decode_candidates(self, now: float, avoid: Collection[str] = ()) -> tuple[DecodeCandidate, ...]:
         """`avoid`: as for prefill_candidates."""
         out = []
-        for d in self.of_role("decode"):
-            candidate = self._decode_candidates.get(d.instance_id)
+        kept = self._decode_candidates
+        for instance_id in self._of_role("decode"):
+            candidate = kept.get(instance_id)
             if candidate is None:
-                candidate = self._decode_candidates[d.instance_id] = self._build_decode_candidate(d)
+                candidate = kept[instance_id] = self._build_decode_candidate(self.instances[instance_id].info)
             out.append(candidate)
         return _elsewhere(tuple(out), avoid)
 
@@ -491,12 +555,15 @@ class ClusterState:
         self.outputs.observe(generated)
 
     def sender_queued_bytes(self) -> dict[str, int]:
-        """node -> bytes our requests still in prefill are pulling from it."""
-        out: dict[str, int] = {}
-        for r in self.routed.values():
-            if not r.prefilled and r.pull_bytes:
-                out[r.pull_source] = out.get(r.pull_source, 0) + r.pull_bytes
-        return out
+        """node -> bytes our requests still in prefill are pulling from it (kept until one of ours
+        changes; the caller only reads it)."""
+        if self._queued_bytes is None:
+            out: dict[str, int] = {}
+            for r in self.routed.values():
+                if not r.prefilled and r.pull_bytes:
+                    out[r.pull_source] = out.get(r.pull_source, 0) + r.pull_bytes
+            self._queued_bytes = out
+        return self._queued_bytes
 
     def decode_running(self, decode_id: str) -> int:
         info, _ = self._report(decode_id)

@@ -110,16 +110,16 @@ class RequestInfo:
 # (leading blocks held per node) comes in ClusterSnapshot.holders, straight from the index match.
 
 
-@dataclass(frozen=True, slots=True)
-class PrefillCandidate:
+# NOTE: NamedTuples, like the costs below: every route builds every prefill candidate (its queue
+# counts down with the clock), and a frozen dataclass takes five times as long to build.
+class PrefillCandidate(NamedTuple):
     instance_id: str
     node: str
     queue_s: float  # predicted seconds of prefill work already queued at this instance
     speed: float = 1.0  # its prefills take the profile's prediction times this (learned: common/decide/learn.py)
 
 
-@dataclass(frozen=True, slots=True)
-class DecodeCandidate:
+class DecodeCandidate(NamedTuple):
     instance_id: str
     node: str
     num_running: int  # requests in its continuous batch

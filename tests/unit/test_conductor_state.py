@@ -315,9 +315,13 @@ def test_views_kept_between_changes_equal_views_built_afresh(seed):
     decodes, prefills = [f"d{i}" for i in range(4)], [f"p{i}" for i in range(3)]
     state, now, ours = cluster(), 0.0, []
 
+    nodes = ("n0", "n1", "n2")
+
     def views():
         return ([state.decode_load(d, now) for d in decodes], state.decode_candidates(now),
-                [state.prefill_queue_s(p, now) for p in prefills], {d: list(state.coming_to(d)) for d in decodes})
+                [state.prefill_queue_s(p, now) for p in prefills], {d: list(state.coming_to(d)) for d in decodes},
+                state.prefill_candidates(now), dict(state.sender_queued_bytes()),
+                [i.instance_id for i in state.of_role("prefill")], [i.instance_id for i in state.of_role("decode")])
 
     for step in range(1500):
         now += rng.uniform(0.0, 0.2)
@@ -325,14 +329,17 @@ def test_views_kept_between_changes_equal_views_built_afresh(seed):
         if action < 0.35:
             coming = [Coming(f"r{rng.randint(0, 30)}", rng.choice(decodes), rng.uniform(0, 3), rng.randint(10, 900),
                              rng.randint(0, 64)) for _ in range(rng.randint(0, 4))]
-            state.heard(prefill(rng.choice(prefills), queue_s=rng.uniform(0, 2), coming=coming,
-                                held=[c.request_id for c in coming]), now)
+            state.heard(prefill(rng.choice(prefills), node=rng.choice(nodes), queue_s=rng.uniform(0, 2), coming=coming,
+                                held=[c.request_id for c in coming], draining=rng.random() < 0.1), now)
         elif action < 0.7:
             joined = [Joined(f"r{rng.randint(0, 30)}", rng.uniform(0, 5), rng.randint(10, 900), rng.randint(1, 20),
                              rng.randint(0, 64)) for _ in range(rng.randint(0, 5))]
-            state.heard(decode(rng.choice(decodes), joined=joined), now)
-        elif action < 0.78:
-            state.heard(WorkerInfo(f"m{rng.randint(0, 2)}", "messenger", "n0"), now)
+            state.heard(decode(rng.choice(decodes), node=rng.choice(nodes), joined=joined,
+                               draining=rng.random() < 0.1), now)
+        elif action < 0.76:
+            state.heard(WorkerInfo(f"m{rng.randint(0, 2)}", "messenger", rng.choice(nodes)), now)
+        elif action < 0.78:  # a node's messenger exits: its workers can move no KV
+            state.dead(f"m{rng.randint(0, 2)}", now)
         elif action < 0.8:  # an instance leaves, or is lost with what it held
             gone = rng.choice(decodes + prefills)
             if rng.random() < 0.5:
@@ -341,8 +348,10 @@ def test_views_kept_between_changes_equal_views_built_afresh(seed):
                 state.lost_with(gone)
         elif action < 0.9:
             rid = f"r{rng.randint(0, 30)}"
+            pulls = rng.random() < 0.5
             state.route(Routed(rid, (rng.choice(prefills),), rng.choice(decodes), "s", rng.randint(10, 900), now,
-                               rng.uniform(0.1, 1), rng.uniform(0.1, 2), max_tokens=rng.randint(0, 64)))
+                               rng.uniform(0.1, 1), rng.uniform(0.1, 2), rng.choice(nodes) if pulls else "",
+                               rng.randint(1, 10**6) if pulls else 0, max_tokens=rng.randint(0, 64)))
             ours.append(rid)
         elif ours:
             rid = rng.choice(ours)

@@ -3,10 +3,12 @@ the blocks each node holds, and fake prefill/decode instances and messengers.
 
 The conductors and the cache index cannot tell these from real processes on the bus:
   - every prefill and decode instance sends a heartbeat (schemas.workers.WorkerInfo with the
-    cluster's Layout and a PrefillReport / DecodeReport) every 150 ms, like the real ones;
-  - every node's messenger sends a heartbeat every second and answers the cache index's snapshot
-    request (subjects.messenger_control(node, "snapshot")) with the blocks its node holds, which
-    is how the real cache index fills itself when it first hears a messenger.
+    cluster's Layout and a PrefillReport / DecodeReport) every 150 ms, like the real ones, each
+    on its own phase (independent processes do not beat in step);
+  - every node's messenger sends a heartbeat about every second (phases spread too) and answers
+    the cache index's snapshot request (subjects.messenger_control(node, "snapshot")) with the
+    blocks its node holds, which is how the real cache index fills itself when it first hears a
+    messenger.
 Nothing here runs a model or holds KV bytes: a route dispatched to a fake prefill instance lands
 on a subject nobody reads, and the benchmark cancels it as soon as the reply arrives.
 """
@@ -103,6 +105,18 @@ def decode_reports(rng: random.Random, perf: Profile, instance_id: str) -> list[
     return out
 
 
+def beat_schedule(workers: int, messengers: int) -> list[tuple[float, int, int]]:
+    """One messenger period (MESSENGER_EVERY heartbeat intervals) of heartbeats: (offset s, sender,
+    tick), in time order; sender i < workers is worker i, -1-j is messenger j. Each sender beats on
+    its own phase, spread evenly over its interval, as independent processes do (each one's timer
+    starts when it does), not all at one instant."""
+    sends = [(tick * HEARTBEAT_S + i * HEARTBEAT_S / workers, i, tick)
+             for tick in range(MESSENGER_EVERY) for i in range(workers)]
+    period = MESSENGER_EVERY * HEARTBEAT_S
+    sends += [(j * period / messengers, -1 - j, 0) for j in range(messengers)]
+    return sorted(sends)
+
+
 class FakeFleet:
     """P prefill + D decode instances on one node each, plus one messenger per node, on `nc`."""
 
@@ -168,16 +182,17 @@ class FakeFleet:
 
     async def _beat(self) -> None:
         loop = asyncio.get_running_loop()
-        next_at, tick = loop.time(), 0
+        sends, period = beat_schedule(len(self._beats), len(self._messenger_beats)), MESSENGER_EVERY * HEARTBEAT_S
+        start, rounds = loop.time(), 0
         while True:
-            for subject, variants in self._beats:
-                await self.nc.publish(subject, variants[tick % LOAD_VARIANTS])
-            if tick % MESSENGER_EVERY == 0:
-                for subject, beat in self._messenger_beats:
-                    await self.nc.publish(subject, beat)
-            tick += 1
-            next_at += HEARTBEAT_S
-            await asyncio.sleep(max(0.0, next_at - loop.time()))
+            for offset, i, tick in sends:
+                await asyncio.sleep(max(0.0, start + rounds * period + offset - loop.time()))
+                if i >= 0:
+                    subject, variants = self._beats[i]
+                    await self.nc.publish(subject, variants[(rounds * MESSENGER_EVERY + tick) % LOAD_VARIANTS])
+                else:
+                    await self.nc.publish(*self._messenger_beats[-1 - i])
+            rounds += 1
 
     async def stop(self) -> None:
         if self._task is not None:
