@@ -76,6 +76,14 @@ def test_workers_whose_threads_outnumber_the_cores_sleep_when_they_wait(cores, t
     assert ClusterSpec(home=tmp_path).worker_env == {}
 
 
+def test_the_profile_is_measured_in_the_environment_the_workers_get(cores, tmp_path, monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    cores(2)
+    spec = ClusterSpec(home=tmp_path, extra_env={"OMP_WAIT_POLICY": "ACTIVE", "MOONBUS_X": "1"})
+    assert spec.model_env == {"OMP_WAIT_POLICY": "ACTIVE", "MOONBUS_X": "1"}  # a spec's own setting wins
+    assert ClusterSpec(home=tmp_path).model_env == {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
 def test_a_process_is_never_handed_the_same_free_port_twice():
     # a cluster picks its gateway's port before the other services pick their metrics ports:
     # 500 picks from the 16k ports below the ephemeral range would repeat one by chance

@@ -204,7 +204,7 @@ def ensure_profile(home: Path, model: str, dtype: str, spec: ClusterSpec, cache:
     decode instances; measured (again) by `moonbus up`'s own rule."""
     threads = {role: spec.role_threads(role) for role in ("prefill", "decode")}
     out = cache / "profiles" / f"{model}-{dtype}-p{threads['prefill']}d{threads['decode']}.json"
-    done = up.ensure_profile(out, home, model, dtype, threads, say=say, capture=True, env=spec.worker_env)
+    done = up.ensure_profile(out, home, model, dtype, threads, say=say, capture=True, env=spec.model_env)
     if done is not None and done.returncode != 0:
         raise ServerError(f"moonbus profile exited {done.returncode}:\n{(done.stdout + done.stderr)[-2000:]}")
     return out

@@ -139,7 +139,7 @@ class ClusterSpec:
     metrics: bool = True  # each service serves Prometheus metrics on a free port (in cluster.json)
     auth: bool = True  # a closed bus: one NATS user per role (tools/moonbus/cluster/security.py), a cluster secret
     api_keys: str = ""  # the gateways' key file ("" = open: no key needed, one shared cache)
-    extra_env: dict[str, str] = field(default_factory=dict)
+    extra_env: dict[str, str] = field(default_factory=dict)  # every process's, over worker_env
     service_args: dict[str, list[str]] = field(default_factory=dict)  # service kind, or instance name -> extra flags
 
     @property
@@ -187,6 +187,12 @@ class ClusterSpec:
         if threads > (os.cpu_count() or 1) and "OMP_WAIT_POLICY" not in os.environ:
             return {"OMP_WAIT_POLICY": "PASSIVE"}
         return {}
+
+    @property
+    def model_env(self) -> dict[str, str]:
+        """What a model-running process's environment adds, the profile's measuring run included
+        (so the profile is measured as the workers will run)."""
+        return self.worker_env | self.extra_env
 
     @property
     def num_workers(self) -> int:
@@ -421,8 +427,7 @@ class Cluster:
 
     def spawn(self, name: str, kind: str, argv: list[str], node: str = "", restarts: Restarts | None = None) -> None:
         log_path = self.log_dir / f"{name}.log"
-        env = os.environ | {"PYTHONUNBUFFERED": "1"} | (self.spec.worker_env if kind in WORKER_KINDS else {}) \
-            | self.spec.extra_env
+        env = os.environ | {"PYTHONUNBUFFERED": "1"} | (self.spec.model_env if kind in WORKER_KINDS else self.spec.extra_env)
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=env, cwd=Path(__file__).parents[3], preexec_fn=_die_with_parent)

@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     threads = {role: spec.role_threads("coupled" if args.coupled else role) for role in ("prefill", "decode")}
     if not args.profile:
         done = ensure_profile(profiles.profile_path(home, ref.name, dtype), home, args.model, dtype, threads,
-                              env=spec.worker_env)
+                              env=spec.model_env)
         if done is not None and done.returncode != 0:
             print("moonbus up: profiling failed; the conductor will use an analytic guess", file=sys.stderr)
     cluster = Cluster(spec)
@@ -234,7 +234,7 @@ def ensure_profile(path: Path, home: Path, model: str, dtype: str, threads: dict
     """Measure the profile at `path` (`moonbus profile --quick`) unless it fits `threads`: the one
     rule for when `moonbus up` and the benches measure. None when it fit; else how the run ended
     (the file is replaced only by a run that succeeded). `env`: what the workers' environment adds
-    (ClusterSpec.worker_env), so that they are measured as they will run."""
+    (ClusterSpec.model_env), so that they are measured as they will run."""
     run_env = os.environ | (env or {})
     why = profile_stale(path, threads, run_env.get("OMP_WAIT_POLICY", ""))
     if not why:
