@@ -44,7 +44,7 @@ GAP_FACTOR = 4.0  # a silence this many times its longest recent gap (and past t
 UNKNOWN_OUTPUT_TOKENS = 256  # a request whose max_tokens is not reported (an older instance)
 DEFAULT_STEP_S = 0.05  # without a profile or a reported step time
 RECOVERY_S = 60.0  # how long after losing an instance its role counts as recovering (ClusterState.recovering)
-LEFT_KEPT = 10_000  # instances that left cleanly, remembered until their exit is seen (a bound, not a window)
+DEPARTED_KEPT = 10_000  # instances gone, remembered until heard again (a bound, the oldest forgotten first)
 UNHELD_S = 30.0  # a request the instance that last held it has stopped reporting, for this long, has ended
 
 
@@ -92,6 +92,16 @@ class Instance:
         return max(timeout_s, GAP_FACTOR * max(self.gaps, default=0.0))
 
 
+@dataclass(frozen=True, slots=True)
+class Departure:
+    """How an instance that is no longer known went: `lost` (its process died, or it went silent:
+    its capacity is gone, maybe coming back) or not (it left cleanly: a drain), its role, and when."""
+
+    role: str
+    lost: bool
+    at: float
+
+
 @dataclass(frozen=True)
 class Refusal:
     """An instance that disagrees with the cluster's invariants (it is not used)."""
@@ -136,8 +146,7 @@ class ClusterState:
         # nodes whose messenger stopped heartbeating: their workers can neither send nor receive KV
         # (a messenger that was never heard of, as in the simulator, marks nothing)
         self.lost_nodes: set[str] = set()
-        self.lost: dict[str, tuple[str, float]] = {}  # lost instance -> (its role, when), until heard again
-        self.left: dict[str, str] = {}  # instance that left cleanly -> its role, until heard again (or seen exit)
+        self.departed: dict[str, Departure] = {}  # instance_id -> how it went, until heard again
         # who last reported holding each of our requests, and since when it no longer does: a request
         # whose end message was lost (a broker restart drops what had no subscriber) ends this way,
         # not at its lease
@@ -193,7 +202,8 @@ class ClusterState:
         lost, though no silence was ever long enough to say so), a Refusal for one whose
         invariants differ from the cluster's, else None."""
         known = self.instances.get(info.instance_id)
-        if info.leaving and known is None and info.instance_id in self.lost:
+        gone = self.departed.get(info.instance_id)
+        if info.leaving and known is None and gone is not None and gone.lost:
             # its goodbye came after its exit was seen (the supervisor's Exited arrives on another
             # connection and may overtake it): it stays lost, and so its role recovering
             return None
@@ -205,14 +215,11 @@ class ClusterState:
                 or (before.role, before.draining, before.node) != (info.role, info.draining, info.node):
             self._members = {}  # who takes new work changed
         self._outputs_of.pop(info.instance_id, None)
-        self.lost.pop(info.instance_id, None)  # back (or leaving on purpose): no longer capacity lost
-        self.left.pop(info.instance_id, None)
+        self.departed.pop(info.instance_id, None)  # back (or leaving on purpose): no longer capacity lost
         if info.leaving:  # a clean exit: a new instance under this id starts from the profile
             self.learned.forget(info.instance_id)
             self._measured.pop(info.instance_id, None)
-            if len(self.left) > LEFT_KEPT:
-                self.left.clear()
-            self.left[info.instance_id] = info.role
+            self._departs(info.instance_id, Departure(info.role, False, now))
             return "left" if self.instances.pop(info.instance_id, None) is not None else None
         if self.layout is not None and info.layout is not None:
             differences = self.layout.differences(info.layout)
@@ -287,9 +294,9 @@ class ClusterState:
         """Its process exited (a supervisor saw it): forget it now; returns it, if it was known. One
         that had left cleanly (a drain, then the exit) is being restarted by that supervisor: its
         capacity counts as lost (`recovering`) until it is heard again."""
-        known = self.instances.get(instance_id)
-        if known is None and instance_id in self.left:
-            self.lost[instance_id] = (self.left.pop(instance_id), now)
+        known, gone = self.instances.get(instance_id), self.departed.get(instance_id)
+        if known is None and gone is not None and not gone.lost:
+            self._departs(instance_id, Departure(gone.role, True, now))
         return self._forget([known.info] if known is not None else [], now)
 
     def recovering(self, role: str, now: float) -> bool:
@@ -298,14 +305,20 @@ class ClusterState:
         other instance of the role, that is an overload (429 with a Retry-After), not a cluster
         without the role (503). One that came back, or left cleanly with no supervisor seeing its
         exit (an operator's stop), is not pending."""
-        return any(r == role and now - at <= RECOVERY_S for r, at in self.lost.values()) \
+        return any(d.lost and d.role == role and now - d.at <= RECOVERY_S for d in self.departed.values()) \
             or any(i.info.role == role and i.info.draining for i in self.instances.values())
+
+    def _departs(self, instance_id: str, how: Departure) -> None:
+        self.departed.pop(instance_id, None)  # to the end: the oldest departure is forgotten first
+        self.departed[instance_id] = how
+        if len(self.departed) > DEPARTED_KEPT:
+            del self.departed[next(iter(self.departed))]
 
     def _forget(self, gone: list[WorkerInfo], now: float) -> list[WorkerInfo]:
         for info in gone:
             del self.instances[info.instance_id]
             self._held.pop(info.instance_id, None)  # what it held is handed back (lost_with), not ended
-            self.lost[info.instance_id] = (info.role, now)
+            self._departs(info.instance_id, Departure(info.role, True, now))
             if info.role == "messenger":
                 self.lost_nodes.add(info.node)
         if gone:

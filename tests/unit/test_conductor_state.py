@@ -264,6 +264,21 @@ def test_a_draining_instance_or_one_whose_clean_exit_a_supervisor_saw_is_recover
     assert not state.recovering("decode", now=5.0) and [d.instance_id for d in state.of_role("decode")] == ["d0"]
 
 
+def test_departed_instances_are_remembered_up_to_a_bound_the_oldest_forgotten_first(monkeypatch):
+    from common.decide import cluster_state
+
+    monkeypatch.setattr(cluster_state, "DEPARTED_KEPT", 2)
+    state = cluster()
+    for i in range(3):
+        state.heard(decode(f"x{i}"), now=1.0)
+    state.dead("x0", now=2.0)
+    state.dead("x1", now=2.0)
+    state.heard(decode("x2", leaving=True), now=2.0)
+    assert list(state.departed) == ["x1", "x2"]
+    state.dead("x2", now=2.5)  # its exit after its goodbye: lost now, and the newest departure
+    assert list(state.departed) == ["x1", "x2"] and state.departed["x2"].lost
+
+
 def test_a_new_process_under_a_known_id_means_its_predecessor_died():
     state = ClusterState(timeout_s=3.0, lease_s=100.0)
     assert state.heard(decode(incarnation="old"), now=0.0) == "joined"
