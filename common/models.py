@@ -114,8 +114,8 @@ def prepare(model: str, home: Path) -> ModelRef:
     ref = resolve(model, home)
     if (ref.path / "config.json").is_file():
         return ref
-    ref.path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(ref.path.parent / ".lock"):  # across processes
+    ref.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with FileLock(ref.path.parent / ".lock", mode=0o600):  # across processes
         if (ref.path / "config.json").is_file():  # another process built it meanwhile
             return ref
         tmp = ref.path.with_name(ref.path.name + ".tmp")
@@ -124,9 +124,20 @@ def prepare(model: str, home: Path) -> ModelRef:
             _build_tiny_random(tmp)
         elif not _take_machine_copy(tmp):
             _convert_smollm2(tmp)
-            _keep_machine_copy(tmp)
-        tmp.rename(ref.path)
+            _keep_machine_copy(_owner_only(tmp))
+        _owner_only(tmp).rename(ref.path)
     return ref
+
+
+def _owner_only(tree: Path) -> Path:
+    """Take group and other access off every file and folder under `tree`, whatever the umask of
+    the process that wrote them (a test, a bench, an older copy linked in): the owner's alone."""
+    for folder, _, files in os.walk(tree):
+        for path in (folder, *(os.path.join(folder, f) for f in files)):
+            mode = os.stat(path).st_mode
+            if mode & 0o077:
+                os.chmod(path, mode & 0o700)
+    return tree
 
 
 def load_tokenizer(ref: ModelRef):

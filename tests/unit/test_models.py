@@ -33,6 +33,26 @@ def test_a_new_home_takes_the_machines_converted_copy(machine_cache):
     assert os.stat(ref.path / "model.safetensors").st_ino == os.stat(kept / "model.safetensors").st_ino  # linked
 
 
+def test_a_prepared_model_is_its_owners_alone_whatever_the_umask(machine_cache):
+    """A copy kept by a process with a common umask (022: a test, a bench) is linked into a new
+    home: what the home ends up with is owner-only all the same, and so is the copy's."""
+    converted = machine_cache / "converted"
+    (converted / "sub").mkdir(parents=True, mode=0o755)
+    (converted / "config.json").write_text("{}")
+    (converted / "sub" / "tokenizer.json").write_text("{}")
+    for path in (converted / "config.json", converted / "sub" / "tokenizer.json"):
+        path.chmod(0o644)
+    models._keep_machine_copy(converted)
+    home = machine_cache / "home"
+    ref = models.prepare(models.SMOLLM2, home)
+    made = list(home.rglob("*"))
+    assert any(p.name == "tokenizer.json" for p in made)
+    for path in made:
+        assert path.stat().st_mode & 0o077 == 0, f"{path} is {oct(path.stat().st_mode)}"
+    assert (models.machine_copy() / "sub" / "tokenizer.json").stat().st_mode & 0o077 == 0  # the same inode
+    assert ref.path.is_dir()
+
+
 def test_an_empty_model_cache_setting_keeps_no_machine_copy(machine_cache, monkeypatch):
     monkeypatch.setenv("MOONBUS_MODEL_CACHE", "")
     assert models.machine_copy() is None
