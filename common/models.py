@@ -254,7 +254,7 @@ def _keep_machine_copy(converted: Path) -> None:
         return
     staging = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
     try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         shutil.copytree(converted, staging, copy_function=_link_or_copy)
         staging.rename(dest)
     except OSError as exc:
