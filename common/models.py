@@ -136,7 +136,10 @@ def _owner_only(tree: Path) -> Path:
         for path in (folder, *(os.path.join(folder, f) for f in files)):
             mode = os.stat(path).st_mode
             if mode & 0o077:
-                os.chmod(path, mode & 0o700)
+                try:
+                    os.chmod(path, mode & 0o700)
+                except PermissionError:  # a file linked in from a cache another user owns: theirs to guard
+                    log.warning("%s belongs to another user; its mode %o is left as it is", path, mode & 0o777)
     return tree
 
 

@@ -427,7 +427,8 @@ class Cluster:
 
     def spawn(self, name: str, kind: str, argv: list[str], node: str = "", restarts: Restarts | None = None) -> None:
         log_path = self.log_dir / f"{name}.log"
-        env = os.environ | {"PYTHONUNBUFFERED": "1"} | (self.spec.model_env if kind in WORKER_KINDS else self.spec.extra_env)
+        added = self.spec.model_env if kind in WORKER_KINDS else self.spec.extra_env
+        env = os.environ | {"PYTHONUNBUFFERED": "1"} | added
         with open(log_path, "ab") as log:
             popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=env, cwd=Path(__file__).parents[3], preexec_fn=_die_with_parent)
