@@ -120,12 +120,16 @@ def prepare(model: str, home: Path) -> ModelRef:
             return ref
         tmp = ref.path.with_name(ref.path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
+        converted = False
         if ref.name == TINY_RANDOM:
             _build_tiny_random(tmp)
         elif not _take_machine_copy(tmp):
             _convert_smollm2(tmp)
-            _keep_machine_copy(_owner_only(tmp))
-        _owner_only(tmp).rename(ref.path)
+            converted = True
+        _owner_only(tmp)  # before the machine's copy is linked from it: that copy is the owner's alone too
+        if converted:
+            _keep_machine_copy(tmp)
+        tmp.rename(ref.path)
     return ref
 
 

@@ -195,8 +195,7 @@ def judge(decision: Decision, context_tokens: int, load: DecodeLoadSnapshot, set
         return Verdict(True, "resumed: admitted at its arrival", ttft_s=decision.ttft_s), decision
     eligible = {c.instance_id for c in decision.decode_costs
                 if c.fits and (not colocate or c.node == decision.prefill_node)}
-    judged = load if len(eligible) == len(load.decode) and all(d.decode_id in eligible for d in load.decode) \
-        else DecodeLoadSnapshot(load.now, tuple(d for d in load.decode if d.decode_id in eligible))
+    judged = DecodeLoadSnapshot(load.now, tuple(d for d in load.decode if d.decode_id in eligible))
     verdict = admit(decision.ttft_s, context_tokens, judged, settings, perf, chosen=decision.decode_id,
                     ttft_margin=ttft_margin)
     if verdict.admit and verdict.decode_id and verdict.decode_id != decision.decode_id:

@@ -423,10 +423,8 @@ class ClusterState:
         return instance_id not in r.seen_by
 
     def prefill_queue_s(self, instance_id: str, now: float) -> float:
-        info, seen_at = self._report(instance_id)
-        reported = 0.0
-        if info is not None and info.prefill is not None:
-            reported = max(0.0, info.prefill.queue_s - (now - seen_at))
+        known = self.instances.get(instance_id)
+        reported = _reported_queue_s(known, now) if known is not None else 0.0
         return reported + self._in_transit_s().get(instance_id, 0.0)
 
     def _in_transit_s(self) -> dict[str, float]:
@@ -443,15 +441,13 @@ class ClusterState:
 
     def prefill_candidates(self, now: float, avoid: Collection[str] = ()) -> tuple[PrefillCandidate, ...]:
         """`avoid`: instances a request's failed attempts used, left out where others remain.
-        NOTE: prefill_queue_s inlined (every route builds every prefill candidate; the queues count down with `now`)."""
+        (Every route builds every prefill candidate: their queues count down with `now`.)"""
         factor, transit, instances = self.learned.factor, self._in_transit_s().get, self.instances
         out = []
         for instance_id in self._of_role("prefill"):
             known = instances[instance_id]
-            report = known.info.prefill
-            reported = max(0.0, report.queue_s - (now - known.seen_at)) if report is not None else 0.0
-            out.append(_new_row(PrefillCandidate, (instance_id, known.info.node, reported + transit(instance_id, 0.0),
-                                                   factor(instance_id, "prefill"))))
+            queue_s = _reported_queue_s(known, now) + transit(instance_id, 0.0)
+            out.append(_new_row(PrefillCandidate, (instance_id, known.info.node, queue_s, factor(instance_id, "prefill"))))
         return _elsewhere(tuple(out), avoid)
 
     def coming_to(self, decode_id: str) -> list[tuple[float, int, int, int]]:
@@ -581,6 +577,12 @@ class ClusterState:
     def decode_running(self, decode_id: str) -> int:
         info, _ = self._report(decode_id)
         return info.decode.running if info is not None and info.decode is not None else 0
+
+
+def _reported_queue_s(known: Instance, now: float) -> float:
+    """A prefill instance's queue as its last report said, counted down since then."""
+    report = known.info.prefill
+    return max(0.0, report.queue_s - (now - known.seen_at)) if report is not None else 0.0
 
 
 def _elsewhere(candidates: tuple, avoid: Collection[str]) -> tuple:
