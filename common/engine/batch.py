@@ -1,28 +1,32 @@
 """Continuous batching for decode: one model forward per iteration for every running request.
 
-Each running request is a row of one right-padded KV buffer, allocated once and grown in
-chunks (never re-padded per step):
+Each running request holds its own KV buffer, sized once when it joins to everything it has
+reserved (its KV so far plus one token per step it may still run), so nothing is ever grown,
+padded or moved while the batch runs:
 
-    kv  [num_layers, 2 (K, V), rows_cap, num_kv_heads, tokens_cap, head_dim]
+    row.kv  [num_layers, 2 (K, V), num_kv_heads, capacity, head_dim]
 
-    row 0  | t0 t1 t2 t3 t4 t5 . . . . |   kv_len 6: the next token's K, V land at 6
-    row 1  | t0 t1 t2 . . . . . . . . |   kv_len 3
-    row 2  | t0 t1 t2 t3 t4 t5 t6 t7 . |   kv_len 8
-             <------ width = max kv_len + 1 ------>   (the buffer holds at least this)
+    row 0  | t0 t1 t2 t3 t4 t5 . . |          kv_len 6: the next token's K, V land at 6
+    row 1  | t0 t1 t2 . . . . . . . . . . |   kv_len 3
+    row 2  | t0 t1 t2 t3 t4 t5 t6 t7 . |     kv_len 8
+
+The buffer is allocated empty: the pages of tokens not yet generated cost nothing until a step
+writes them, so the memory in use follows the tokens held, not the reservations. `make_row`
+builds a row's buffer from a prompt's KV without touching the engine, so the decode service
+builds it on a thread beside the running steps and the join itself (`add`) is a few list
+operations between two steps.
 
 One `step()` feeds every row its last token at its own position (position id = its kv_len),
-writes the new K, V in place at that position, attends each row over exactly its own tokens
-(no padding is read), and samples every row with its own settings (greedy rows by one batched
-argmax, the others through `common.sampling.sample`, seeded per (seed, step) as in prefill).
-Rows stay contiguous: `remove()` moves the last row into the freed slot.
+writes the new K, V in place at that position, attends each row over exactly its own tokens,
+and samples every row with its own settings (greedy rows by one batched argmax, the others
+through `common.sampling.sample`, seeded per (seed, step) as in prefill). `remove()` drops a
+row's buffer; the last row takes its index, nothing is copied.
 
 Admission: a request reserves `kv_len + tokens it may still generate` (capped by the model's
 context) against `kv_budget_tokens`, so a running request never runs out of room; `can_admit()`
 checks that and `max_batch`. Both are the decision floor's (`kv_reservation`, `has_room`), which
 the simulator counts with too; the late TBT re-check of ARCHITECTURE.md is its `late_verdict`,
-fed `admission_state()`.
-NOTE: the budget counts reserved tokens, not the padded buffer: with very ragged lengths the
-buffer holds up to rows * (longest + grow) tokens.
+fed `admission_state()`. A request whose KV is still loading holds its room with `reserve()`.
 
 Numerics: attention runs per row over the row's own length, the kernel a sequence decoded alone
 runs, so a row's result does not depend on its batch; measured here, logits equal per-sequence
@@ -33,7 +37,7 @@ to ~1e-6 in float32 (whose M=1 kernel differs in the last bits). Tests check tok
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,7 +49,8 @@ from common.decide.policy import DecodeCandidate
 
 
 class BatchFull(RuntimeError):
-    """Raised by `add()` when the request does not fit (max_batch or the KV budget); call `can_admit` first."""
+    """Raised by `add()` or `reserve()` when the request does not fit (max_batch or the KV budget);
+    call `can_admit` first."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +62,14 @@ class StepResult:
     errors: dict[str, str]
 
 
+@dataclass(frozen=True, slots=True)
+class RowKv:
+    """A request's KV in the buffer it will run in (`BatchEngine.make_row`)."""
+
+    kv: torch.Tensor  # [L, 2, H, capacity, D]; tokens [0, kv_len) hold the KV so far
+    kv_len: int
+
+
 @dataclass
 class _Row:
     request_id: str
@@ -64,6 +77,17 @@ class _Row:
     last_token: int  # fed at the next step
     num_generated: int  # tokens generated so far (the prefill's first token counts)
     reserved: int  # tokens counted against the budget
+    kv: torch.Tensor  # [L, 2, H, capacity, D]
+    layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.hold(self.kv)
+
+    def hold(self, kv: torch.Tensor) -> None:
+        """Take `kv` as the row's buffer; `layers` are its views a step reads, made once: per layer
+        (K and V [2, H, capacity, D], K [1, H, capacity, D], V [1, H, capacity, D])."""
+        self.kv = kv
+        self.layers = [(layer, layer[0:1], layer[1:2]) for layer in kv.unbind(0)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,23 +100,21 @@ class StepStats:
 
 
 class BatchEngine:
-    def __init__(self, model: Llama, max_batch: int, kv_budget_tokens: int, grow_tokens: int = 256,
-                 packed: bool = True) -> None:
-        if max_batch < 1 or kv_budget_tokens < 1 or grow_tokens < 1:
-            raise ValueError("max_batch, kv_budget_tokens and grow_tokens must be >= 1")
+    def __init__(self, model: Llama, max_batch: int, kv_budget_tokens: int, packed: bool = True) -> None:
+        if max_batch < 1 or kv_budget_tokens < 1:
+            raise ValueError("max_batch and kv_budget_tokens must be >= 1")
         self.model = model
         self.packed = model.packed() if packed else None  # the projections on oneDNN's packed weights
         self.max_batch = max_batch
         self.kv_budget_tokens = kv_budget_tokens
-        self.grow_tokens = grow_tokens
         self.max_context = model.max_context
-        self.num_kv_heads, self.head_dim = model.num_kv_heads, model.head_dim
+        self.num_layers, self.num_kv_heads, self.head_dim = model.num_layers, model.num_kv_heads, model.head_dim
         self.device, self.dtype = model.device, model.dtype
         self.rows: list[_Row] = []  # row index -> _Row
         self.index: dict[str, int] = {}  # request_id -> row index
         self.kv_lens = torch.zeros(0, dtype=torch.long)  # row index -> tokens in its KV
-        self.kv = self._alloc(1, grow_tokens)
-        self.reserved_tokens = 0
+        self.reserved_tokens = 0  # of the running rows and of `pending`
+        self.pending: dict[str, int] = {}  # request_id -> tokens held by `reserve` until its `add`
         self.last_step: StepStats | None = None
 
     # ------------------------------------------------------------------ admission
@@ -114,53 +136,83 @@ class BatchEngine:
         return kv_reservation(kv_len, sampling.max_tokens, num_generated, self.max_context)
 
     def can_admit(self, num_tokens: int) -> bool:
-        return has_room(len(self.rows), self.max_batch, self.reserved_tokens, num_tokens, self.kv_budget_tokens)
+        return has_room(len(self.rows) + len(self.pending), self.max_batch, self.reserved_tokens, num_tokens,
+                        self.kv_budget_tokens)
+
+    def reserve(self, request_id: str, num_tokens: int) -> None:
+        """Hold a row and `num_tokens` of the budget for a request whose KV is on its way (`add`
+        takes them over; `remove` gives them back)."""
+        if request_id in self.index or request_id in self.pending:
+            raise ValueError(f"request {request_id} already holds room")
+        if not self.can_admit(num_tokens):
+            raise BatchFull(f"request {request_id}: {num_tokens} tokens do not fit ({self._room()})")
+        self.pending[request_id] = num_tokens
+        self.reserved_tokens += num_tokens
 
     def admission_state(self, instance_id: str = "", node: str = "", step_factor: float = 1.0) -> DecodeCandidate:
         """This engine as the conductor sees a decode instance (heartbeats, `late_verdict`)."""
         return DecodeCandidate(instance_id, node, len(self.rows), self.context_tokens,
                                self.kv_budget_tokens - self.reserved_tokens, step_factor)
 
+    def _room(self) -> str:
+        return (f"{len(self.rows)} running and {len(self.pending)} joining of {self.max_batch} rows, "
+                f"{self.reserved_tokens}/{self.kv_budget_tokens} tokens")
+
     # ------------------------------------------------------------------ membership
 
-    # NOTE: every method that touches the KV buffer runs under inference mode. The service calls
-    # add/remove/kv_of on its event-loop thread and step on a worker thread: a buffer grown inside
-    # one mode and written in place outside it is what crashed the live decode instance.
+    # NOTE: every method that makes or writes a KV buffer runs under inference mode: the service
+    # calls add/remove/kv_of on its event-loop thread, make_row and step on worker threads, and a
+    # tensor made inside the mode cannot be written in place outside it.
     @torch.inference_mode()
-    def add(self, request_id: str, prompt_kv: torch.Tensor, last_token: int, sampling: SamplingParams,
+    def make_row(self, prompt_kv: torch.Tensor, sampling: SamplingParams, num_generated: int = 1) -> RowKv:
+        """The buffer a request will run in, holding its KV so far (prompt_kv [L, 2, H, S, D]).
+
+        Reads nothing of the engine's state but the model's shape, so it may run on any thread."""
+        num_layers, _, heads, kv_len, head_dim = prompt_kv.shape
+        if (num_layers, heads, head_dim) != (self.num_layers, self.num_kv_heads, self.head_dim):
+            raise ValueError(f"KV shape {tuple(prompt_kv.shape)} does not fit the model")
+        if kv_len >= self.max_context:
+            raise ValueError(f"{kv_len} tokens leave no room in context {self.max_context}")
+        capacity = max(self.tokens_needed(kv_len, sampling, num_generated), kv_len + 1)
+        kv = torch.empty((num_layers, 2, heads, capacity, head_dim), dtype=self.dtype, device=self.device)
+        kv[:, :, :, :kv_len] = prompt_kv
+        return RowKv(kv, kv_len)
+
+    def add(self, request_id: str, prompt_kv: torch.Tensor | RowKv, last_token: int, sampling: SamplingParams,
             num_generated: int = 1) -> None:
-        """Join a request: prompt_kv [L, 2, H, S, D] (its whole KV so far), last_token is fed next."""
+        """Join a request: prompt_kv is its whole KV so far, [L, 2, H, S, D] or already in its
+        buffer (`make_row`); last_token is fed next. Takes over the room `reserve` held for it."""
         if request_id in self.index:
             raise ValueError(f"request {request_id} is already running")
-        num_layers, _, heads, kv_len, head_dim = prompt_kv.shape
-        if (num_layers, heads, head_dim) != (self.kv.shape[0], self.num_kv_heads, self.head_dim):
-            raise ValueError(f"request {request_id}: KV shape {tuple(prompt_kv.shape)} does not fit the model")
-        if kv_len >= self.max_context:
-            raise ValueError(f"request {request_id}: {kv_len} tokens leave no room in context {self.max_context}")
-        reserved = self.tokens_needed(kv_len, sampling, num_generated)
+        try:
+            row = prompt_kv if isinstance(prompt_kv, RowKv) else self.make_row(prompt_kv, sampling, num_generated)
+        except ValueError as exc:
+            raise ValueError(f"request {request_id}: {exc}") from None
+        reserved = self.tokens_needed(row.kv_len, sampling, num_generated)
+        held = self.pending.pop(request_id, None)
+        if held is not None:
+            self.reserved_tokens -= held
         if not self.can_admit(reserved):
-            raise BatchFull(f"request {request_id}: {reserved} tokens do not fit "
-                            f"({len(self.rows)}/{self.max_batch} rows, {self.reserved_tokens}/{self.kv_budget_tokens} tokens)")
-        row = len(self.rows)
-        self._ensure(row + 1, kv_len + 1)
-        self.kv[:, :, row, :, :kv_len] = prompt_kv.to(self.device, self.dtype)
-        self.kv[:, :, row, :, kv_len:] = 0  # keeps the invariant (see _ensure)
-        self.rows.append(_Row(request_id, sampling, last_token, num_generated, reserved))
-        self.index[request_id] = row
-        self.kv_lens = torch.cat((self.kv_lens, torch.tensor([kv_len])))
+            if held is not None:  # still its own: the caller decides whether to give it back
+                self.pending[request_id] = held
+                self.reserved_tokens += held
+            raise BatchFull(f"request {request_id}: {reserved} tokens do not fit ({self._room()})")
+        self.rows.append(_Row(request_id, sampling, last_token, num_generated, reserved, row.kv))
+        self.index[request_id] = len(self.rows) - 1
+        self.kv_lens = torch.cat((self.kv_lens, torch.tensor([row.kv_len])))
         self.reserved_tokens += reserved
 
-    @torch.inference_mode()
     def remove(self, request_id: str) -> None:
-        """Drop a finished or cancelled request (a no-op for an unknown id)."""
+        """Drop a finished or cancelled request, or the room reserved for it (a no-op for an unknown id)."""
+        held = self.pending.pop(request_id, None)
+        if held is not None:
+            self.reserved_tokens -= held
         row = self.index.pop(request_id, None)
         if row is None:
             return
         self.reserved_tokens -= self.rows[row].reserved
         last = len(self.rows) - 1
-        if row != last:  # keep rows contiguous: the last row moves into the hole
-            n = int(self.kv_lens[last])
-            self.kv[:, :, row, :, :n] = self.kv[:, :, last, :, :n]
+        if row != last:  # keep rows contiguous: the last row takes the freed index
             self.kv_lens[row] = self.kv_lens[last]
             self.rows[row] = self.rows[last]
             self.index[self.rows[row].request_id] = row
@@ -180,7 +232,7 @@ class BatchEngine:
         row = self.index[request_id]
         if not 0 <= start <= end <= int(self.kv_lens[row]):
             raise ValueError(f"request {request_id}: span [{start}, {end}) outside its {int(self.kv_lens[row])} tokens")
-        return self.kv[:, :, row, :, start:end].clone()
+        return self.rows[row].kv[:, :, :, start:end].clone()
 
     def kv_len(self, request_id: str) -> int:
         return int(self.kv_lens[self.index[request_id]])
@@ -203,8 +255,9 @@ class BatchEngine:
         started = time.perf_counter()
         batch = len(self.rows)
         context = self.context_tokens
-        width = int(self.kv_lens.max()) + 1
-        self._ensure(batch, width)
+        for row, kv_len in zip(self.rows, self.kv_lens.tolist()):
+            if kv_len >= row.kv.shape[3]:  # stepped past its reservation (a caller ignoring max_tokens)
+                row.hold(self._grown(row.kv, kv_len))
         logits = self._forward(batch)
         result = self._sample(logits)
         self.kv_lens += 1
@@ -217,12 +270,20 @@ class BatchEngine:
         tokens = torch.tensor([[r.last_token] for r in self.rows], device=self.device)
         hidden = model.embed_tokens(tokens)
         cos, sin = model.rope(positions)
-        cache = _RowsCache(self.kv, batch, positions[:, 0])
+        cache = _RowsCache([r.layers for r in self.rows], positions[:, 0].tolist())
         # NOTE: one row on one thread is the one case where MKL's dense GEMV beat the packed weights here
         packed = self.packed if batch > 1 or torch.get_num_threads() > 1 else None
         for idx in range(model.num_layers):
             hidden = model.layer(idx, hidden, cos, sin, cache, packed)
         return model.logits(hidden, packed)  # [B, vocab], float32
+
+    def _grown(self, kv: torch.Tensor, kv_len: int) -> torch.Tensor:
+        grown = torch.empty((*kv.shape[:3], min(2 * kv.shape[3], self.max_context), kv.shape[4]), dtype=kv.dtype,
+                            device=kv.device)
+        if grown.shape[3] <= kv_len:
+            raise ValueError(f"a row of {kv_len} tokens is at the model's context {self.max_context}")
+        grown[:, :, :, :kv_len] = kv[:, :, :, :kv_len]
+        return grown
 
     def _sample(self, logits: torch.Tensor) -> StepResult:
         greedy = torch.argmax(logits, dim=-1).tolist()
@@ -244,53 +305,27 @@ class BatchEngine:
             tokens[row.request_id] = token
         return StepResult(tokens, errors)
 
-    # ------------------------------------------------------------------ the buffer
-
-    def _alloc(self, rows: int, tokens: int) -> torch.Tensor:
-        shape = (self.model.num_layers, 2, rows, self.num_kv_heads, tokens, self.head_dim)
-        return torch.empty(shape, dtype=self.dtype, device=self.device)
-
-    @torch.inference_mode()
-    def _ensure(self, rows: int, tokens: int) -> None:
-        """Grow the buffer to hold `rows` rows of `tokens` tokens (rows double, tokens grow in chunks).
-
-        NOTE: invariant: every position of a running row holds finite values. Padding is masked,
-        but a NaN or inf left there by uninitialised memory would still poison the attention
-        (NaN * 0). The buffer is allocated empty, so that rows nobody uses cost no page faults;
-        `add` zeroes a new row's tail, and growth zeroes the new tail of the running rows.
-        """
-        _, _, rows_cap, _, tokens_cap, _ = self.kv.shape
-        if rows <= rows_cap and tokens <= tokens_cap:
-            return
-        new_rows = max(rows_cap, min(max(rows, 2 * rows_cap), self.max_batch))
-        new_tokens = max(tokens_cap, -(-tokens // self.grow_tokens) * self.grow_tokens)
-        grown = self._alloc(new_rows, new_tokens)
-        n = len(self.rows)
-        grown[:, :, :n, :, :tokens_cap] = self.kv[:, :, :n]
-        grown[:, :, :n, :, tokens_cap:] = 0
-        self.kv = grown
-
 
 class _RowsCache(KvWriter):
     """The batch's cache as a decoder layer sees it.
 
-    Writes the new token's K, V of every row at that row's position, in place, then attends each
-    row over exactly its own tokens. NOTE: one attention per row, not one masked attention over
-    the padded width: the masked kernel's blocked softmax rounds differently from a sequence's own
-    (in bfloat16, enough to flip a near tie), so each row gets exactly what it would alone, and the
-    padding costs nothing.
+    Writes the new token's K, V of every row at that row's position in the row's own buffer, then
+    attends each row over exactly its own tokens. NOTE: one attention per row, not one masked
+    attention over a padded width: the masked kernel's blocked softmax rounds differently from a
+    sequence's own (in bfloat16, enough to flip a near tie), so each row gets exactly what it would
+    alone. A row's buffer has room for the position it writes: it was sized to the row's
+    reservation, which counts every step the row may run (`step` grows one stepped past it).
     """
 
-    def __init__(self, kv: torch.Tensor, batch: int, positions: torch.Tensor) -> None:
-        self.kv, self.batch, self.positions = kv, batch, positions
-        self.rows = torch.arange(batch, device=kv.device)
-        self.ends = (positions + 1).tolist()  # row -> its tokens, the new one included
+    def __init__(self, rows: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]], positions: list[int]) -> None:
+        self.rows, self.positions = rows, positions
+        self.ends = [pos + 1 for pos in positions]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: int, model) -> torch.Tensor:
-        keys, values = self.kv[idx, 0], self.kv[idx, 1]  # [rows_cap, H, tokens_cap, D]
-        keys[self.rows, :, self.positions] = k[:, :, 0]
-        values[self.rows, :, self.positions] = v[:, :, 0]
-        if self.batch == 1:
-            return model.attention(q, keys[:1, :, : self.ends[0]], values[:1, :, : self.ends[0]])
-        return torch.cat([model.attention(q[r : r + 1], keys[r : r + 1, :, :end], values[r : r + 1, :, :end])
-                          for r, end in enumerate(self.ends)])
+        new = torch.stack((k[:, :, 0], v[:, :, 0]), dim=1).unbind(0)  # per row [2, H, D]
+        out = []
+        for layers, pos, end, q_row, kv_row in zip(self.rows, self.positions, self.ends, q.split(1), new):
+            both, keys, values = layers[idx]
+            both[:, :, pos] = kv_row
+            out.append(model.attention(q_row, keys[:, :, :end], values[:, :, :end]))
+        return out[0] if len(out) == 1 else torch.cat(out)

@@ -1,7 +1,9 @@
 """Decode instance: continuous batching over every request whose KV has arrived.
 
 DecodeTask (NATS) -> late TBT re-check (reject now rather than break the batch's SLO) -> wait
-for KV room -> load the KV from the node's shared memory into the batch -> every iteration ONE
+for KV room -> load the KV from the node's shared memory into the buffer it will run in, on a
+thread beside the running steps, with its room held -> join the batch between two steps (a few
+list operations: the batch never waits for a file) -> every iteration ONE
 forward for the whole batch (common/engine/batch.py), each request sampled with its own
 settings, its token published to its gateway -> finished or cancelled requests leave, and the
 KV of finished ones is stored in the node's pool so that the next turn of a conversation hits.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -41,13 +44,22 @@ from schemas.tokens import Probe, ProbeReply, TokenChunk
 from schemas.workers import DecodeReport, Joined, Layout, Measured, Progress, WorkerInfo
 from common.decide.admission import late_verdict
 from common.decide.learn import Factor
-from common.engine.batch import BatchEngine
+from common.engine.batch import BatchEngine, RowKv
 from common.roles.decode_config import DecodeConfig
 
 log = logging.getLogger(__name__)
 
 
 STORE_MAX_BLOCKS = 16  # blocks of one request copied out between two steps, at most (a long prompt takes several)
+LOADS_AT_ONCE = 2  # KV files read into row buffers at the same time, beside the steps
+
+
+@dataclass
+class Loading:
+    """A request with room held in the batch whose KV is being read into its row buffer."""
+
+    task: DecodeTask
+    job: asyncio.Future  # -> RowKv, from a thread
 
 
 @dataclass
@@ -77,8 +89,8 @@ class DecodeMetrics:
         r = self.registry = registry
         Gauge("moonbus_decode_batch", "requests in the batch", registry=r).set_function(
             lambda: service.engine.num_running)
-        Gauge("moonbus_decode_waiting", "requests whose KV arrived, waiting for room", registry=r).set_function(
-            lambda: len(service.waiting) + service.arrived.qsize())
+        Gauge("moonbus_decode_waiting", "requests whose KV arrived, waiting for room or loading into the batch",
+              registry=r).set_function(lambda: service.num_queued)
         Gauge("moonbus_decode_kv_reserved_tokens", "KV tokens reserved by the batch", registry=r).set_function(
             lambda: service.engine.reserved_tokens)
         self.step_s = Histogram("moonbus_decode_step_seconds", "one iteration of the whole batch",
@@ -88,8 +100,10 @@ class DecodeMetrics:
                                              "(1 = exact)", buckets=metrics.RATIO_BUCKETS, registry=r)
         self.tokens = Counter("moonbus_decode_tokens", "tokens generated", registry=r)
         self.room_wait_s = Histogram("moonbus_decode_room_wait_seconds", "from a request's KV arriving to its join of "
-                                     "the batch (waiting for KV room or a free row)", buckets=metrics.SLOW_BUCKETS,
-                                     registry=r)
+                                     "the batch (waiting for KV room or a free row, then loading)",
+                                     buckets=metrics.SLOW_BUCKETS, registry=r)
+        self.load_s = Histogram("moonbus_decode_kv_load_seconds", "reading a request's KV into its row buffer (on a "
+                                "thread, beside the steps)", buckets=metrics.FAST_BUCKETS + (2.5, 5.0), registry=r)
         self.store_copy_s = Histogram("moonbus_decode_store_copy_seconds", "copying a running request's new full "
                                       "blocks out of the batch between steps, to store them in the pool",
                                       buckets=metrics.FAST_BUCKETS, registry=r)
@@ -117,6 +131,7 @@ class DecodeService:
         self.pool = PoolClient(nc, cfg.node, layout, f"{cfg.instance_id}:{self.incarnation}")
         self.arrived: asyncio.Queue[DecodeTask] = asyncio.Queue()
         self.waiting: collections.deque[DecodeTask] = collections.deque()  # passed the TBT check, no KV room yet
+        self.loading: dict[str, Loading] = {}  # request_id -> its KV loading, its room held (oldest first)
         self.running: dict[str, Running] = {}  # request_id -> Running
         self.cancelled = worker.Cancellations()
         # a coupled instance's, shared with its prefill; else this instance's own. A step holds it, so
@@ -127,8 +142,9 @@ class DecodeService:
         self.recent: collections.OrderedDict[str, tuple[DecodeTask, list[int], str]] = collections.OrderedDict()
         self.metrics = DecodeMetrics(registry or metrics.registry(), self)
         self.draining = False
-        self.closed = ""  # why everything held was handed back: what arrives or loads after that goes back too
+        self.closed = ""  # why everything held was handed back: what arrives after that goes back too
         self.measured: Measured | None = None  # the latest iteration's seconds, for the conductors to learn from
+        self.cycle_from: float | None = None  # when the batch's last iteration ended, while it has rows
         self.speed = Factor()  # this instance's own step time against the profile: its late check uses it
         self.arrived_at = worker.Stamps()  # when each task (its KV landed) came: its wait for the batch
         self.wakeup = asyncio.Event()  # set when work arrives
@@ -149,7 +165,16 @@ class DecodeService:
 
     @property
     def num_held(self) -> int:
-        return self.arrived.qsize() + len(self.waiting) + len(self.running)
+        return self.num_queued + len(self.running)
+
+    @property
+    def num_queued(self) -> int:
+        """Requests held that are not in the batch yet: arrived, waiting for room, or loading."""
+        return self.arrived.qsize() + len(self.waiting) + len(self.loading)
+
+    def queued_tasks(self) -> list[DecodeTask]:
+        return ([e.task for e in self.loading.values()] + list(self.waiting)
+                + list(self.arrived._queue))  # noqa: SLF001 - a read-only look
 
     # --- the loop -----------------------------------------------------------------------------------
     async def loop(self) -> None:
@@ -159,10 +184,15 @@ class DecodeService:
                 await self.wakeup.wait()
             while not self.arrived.empty():
                 await self.guarded(self.check_in, self.arrived.get_nowait())
+            await self.join_loaded()
             await self.admit_waiting()
             await self.drop_cancelled()
             if self.running:
                 await self.iterate()
+            elif self.loading:  # nothing to step: wait for a load (or new work)
+                self.wakeup.clear()
+                if not any(e.job.done() for e in self.loading.values()):
+                    await self.wakeup.wait()
             elif self.waiting:
                 await asyncio.sleep(0.01)  # KV room frees only when requests finish: cannot happen here
 
@@ -187,9 +217,11 @@ class DecodeService:
             kvfiles.remove(self.cfg.shm_dir, task.kv)
             await self.fail(task, self.closed, 503, retryable=True)
             return
-        old = self.running.get(rid)
-        if old is not None:  # an abandoned attempt of the same request still runs here: the new one wins
+        if rid in self.running or rid in self.loading:  # an abandoned attempt of it is held here: the new one wins
             self.forget(rid)
+        for old in [t for t in self.waiting if t.request_id == rid]:
+            self.waiting.remove(old)
+            kvfiles.remove(self.cfg.shm_dir, old.kv)
         needed, budget = self.needed(task), self.engine.kv_budget_tokens
         why = late_verdict(self.engine.admission_state(step_factor=self.speed.value), len(task.prompt_token_ids),
                            needed, budget, self.perf, self.cfg.tbt_slo_s, check_tbt=self.cfg.late_check)
@@ -204,21 +236,50 @@ class DecodeService:
         return self.engine.tokens_needed(len(task.prompt_token_ids), task.sampling, task.num_generated + 1)
 
     async def admit_waiting(self) -> None:
-        while self.waiting and self.engine.can_admit(self.needed(self.waiting[0])):
-            await self.guarded(self.admit, self.waiting.popleft())
+        """Start loading the KV of the first waiting requests that fit, first come first served:
+        each holds its room from now, and loads on a thread while the batch steps."""
+        while self.waiting and len(self.loading) < LOADS_AT_ONCE:
+            task, needed = self.waiting[0], self.needed(self.waiting[0])
+            if not self.engine.can_admit(needed):
+                return
+            self.waiting.popleft()
+            self.engine.reserve(task.request_id, needed)
+            job = asyncio.ensure_future(asyncio.to_thread(self.load, task))
+            job.add_done_callback(self.loaded)
+            self.loading[task.request_id] = Loading(task, job)
 
-    async def admit(self, task: DecodeTask) -> None:
+    def load(self, task: DecodeTask) -> RowKv:
+        """On a thread: the landed file, checked, in the buffer the request will run in."""
+        started = time.perf_counter()
+        kv = kvfiles.read(self.cfg.shm_dir, task.kv, True)
+        row = self.engine.make_row(kv, task.sampling, task.num_generated + 1)
+        self.metrics.load_s.observe(time.perf_counter() - started)
+        return row
+
+    def loaded(self, job: asyncio.Future) -> None:
+        if not job.cancelled():
+            job.exception()  # seen here: a load handed back meanwhile is never joined
+        self.wakeup.set()
+
+    async def join_loaded(self) -> None:
+        for entry in [e for e in self.loading.values() if e.job.done()]:
+            del self.loading[entry.task.request_id]
+            await self.guarded(functools.partial(self.join, job=entry.job), entry.task)
+
+    async def join(self, task: DecodeTask, job: asyncio.Future) -> None:
         rid = task.request_id
         try:
-            kv = await asyncio.to_thread(kvfiles.read, self.cfg.shm_dir, task.kv, True)
-        except (OSError, kvfiles.KvChecksumError) as exc:
+            row = job.result()
+        except (OSError, ValueError) as exc:  # a missing or corrupt file (KvChecksumError is a ValueError)
             log.error("request %s: cannot load its KV: %s", rid, exc)
+            self.engine.remove(rid)
             await self.fail(task, f"decode could not load the KV: {exc}", 500, retryable=True)
             return
-        if self.closed:  # handed back while its KV loaded (it was in neither `waiting` nor `running`)
-            await self.fail(task, self.closed, 503, retryable=True)
+        if self.cancelled.covers(rid, task.attempt):
+            self.engine.remove(rid)
+            await self.progress("finished", task)
             return
-        self.engine.add(rid, kv, task.first_token, task.sampling, task.num_generated + 1)
+        self.engine.add(rid, row, task.first_token, task.sampling, task.num_generated + 1)
         self.running[rid] = Running(task, [task.first_token])
         waited = self.arrived_at.waited(rid, task.attempt, time.monotonic())
         self.metrics.room_wait_s.observe(waited)
@@ -237,9 +298,13 @@ class DecodeService:
     def forget(self, request_id: str) -> None:
         self.engine.remove(request_id)
         self.running.pop(request_id, None)
+        self.loading.pop(request_id, None)  # its load, if any, finishes unseen (the file is read and removed)
 
     async def iterate(self) -> None:
-        started = time.perf_counter()
+        # NOTE: an iteration is counted from the end of the one before (while the batch had rows), so
+        # that what the loop does between steps (check-ins, joins, cancellations) is in the measured
+        # interval: a client waits for it as for the step itself
+        started = self.cycle_from if self.cycle_from is not None else time.perf_counter()
         try:
             async with self.compute_lock:
                 result = await asyncio.to_thread(self.engine.step)
@@ -278,6 +343,7 @@ class DecodeService:
                                TokenChunk(rid, seq.index_of_last(), [token], finish_reason=finish,
                                           source=self.cfg.instance_id, attempt=seq.task.attempt))
         self.store_progress()
+        self.cycle_from = time.perf_counter() if self.running else None
         step = self.engine.last_step
         if step is not None:  # the whole iteration, tokens out included: what a client waits between tokens
             self.measured = Measured((self.measured.seq if self.measured else 0) + 1,
@@ -303,8 +369,7 @@ class DecodeService:
         elif probe.request_id in self.recent and self.recent[probe.request_id][0].attempt == probe.attempt:
             task, tokens, finish = self.recent[probe.request_id]
             reply = ProbeReply(True, "finished", await self.resend(task, tokens, finish, probe.from_index))
-        elif any(t.request_id == probe.request_id and t.attempt == probe.attempt
-                 for t in list(self.waiting) + list(self.arrived._queue)):  # noqa: SLF001 - a read-only look
+        elif any(t.request_id == probe.request_id and t.attempt == probe.attempt for t in self.queued_tasks()):
             reply = ProbeReply(True, "queued")
         await msg.respond(reply.to_bytes())
 
@@ -347,7 +412,7 @@ class DecodeService:
                          seq.task.sampling.max_tokens, seq.task.sampling.expected_tokens)
                   for rid, seq in self.running.items() if rid in engine.index]
         joined += [Joined(t.request_id, 0.0, len(t.prompt_token_ids), 1, t.sampling.max_tokens, t.sampling.expected_tokens)
-                   for t in list(self.waiting) + list(self.arrived._queue)]  # noqa: SLF001 - a read-only look
+                   for t in self.queued_tasks()]
         context = engine.context_tokens
         tbt = self.perf.decode.step_seconds(max(1, engine.num_running), context) * self.speed.value
         return DecodeReport(engine.num_running, context, engine.reserved_tokens,
@@ -410,7 +475,7 @@ class DecodeService:
     async def sweep_orphans(self) -> None:
         """Files landed for us whose task never came (lost while the broker was away): the request
         was resumed elsewhere, so nothing will ever read them."""
-        held = {t.kv.name for t in list(self.waiting) + list(self.arrived._queue)}  # noqa: SLF001 - a read-only look
+        held = {t.kv.name for t in self.queued_tasks()}
         removed = kvfiles.sweep_incoming(self.cfg.shm_dir, self.cfg.instance_id, self.cfg.orphan_kv_s, held)
         if removed:
             log.warning("removed %d landed KV files whose task never arrived", removed)
@@ -418,7 +483,7 @@ class DecodeService:
     # --- presence and drain ---------------------------------------------------------------------------
     def info(self, leaving: bool = False) -> WorkerInfo:
         return WorkerInfo(self.cfg.instance_id, "decode", self.cfg.node, self.model_name,
-                          num_queued=self.arrived.qsize() + len(self.waiting), num_running=self.engine.num_running,
+                          num_queued=self.num_queued, num_running=self.engine.num_running,
                           leaving=leaving, draining=self.draining, incarnation=self.incarnation,
                           layout=self.cluster_layout, decode=self.report(), sent_at=time.time())
 
@@ -468,13 +533,13 @@ class DecodeService:
 
         Not while a step runs: its rows are the engine's until it returns (the lock), and what the
         loop finishes meanwhile is not handed back. Taken out of the batch in one go (no await in
-        between), so the loop sees each request either still held or gone. Final: a task whose KV
-        was loading then, or that arrives later, is handed back as it reaches the batch."""
+        between), so the loop sees each request either still held or gone; a load under way
+        finishes unseen. Final: a task that arrives later is handed back as it checks in."""
         async with self.compute_lock:
             self.closed = why
-            held = [seq.task for seq in self.running.values()] + list(self.waiting)
+            held = [seq.task for seq in self.running.values()] + self.queued_tasks()
             while not self.arrived.empty():
-                held.append(self.arrived.get_nowait())
+                self.arrived.get_nowait()
             for task in held:
                 self.forget(task.request_id)
             self.waiting.clear()

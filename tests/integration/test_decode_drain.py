@@ -1,7 +1,8 @@
 """A decode instance handing back what it holds (its drain's grace ran out, or it failed) while a
 decode step is running: the step's rows stay the engine's until the step returns, the loop lives
 on, and each request handed back gets exactly one retryable error. After the hand-back, what still
-reaches the batch (a hand-off that lands, a task whose KV was loading) is handed back too.
+reaches the batch (a hand-off that lands, a task whose KV was loading) is handed back too. And the
+batch steps on while a joining request's KV loads.
 
 Real parts: a nats-server, tiny-random's weights and the batch engine. The step is held (after it
 computed, before it returns) so that the hand-back lands inside it every time; a make test under
@@ -117,15 +118,60 @@ async def test_a_request_handed_back_during_a_step_is_failed_once_and_the_loop_l
 
 
 async def test_what_reaches_the_batch_after_the_hand_back_is_handed_back_too(decode):
-    """A hand-off that lands after it, and a task whose KV was loading during it (in neither the
-    waiting line nor the batch then), each get one retryable 503 and never join the batch."""
-    service = decode.service
+    """A task whose KV was loading during the hand-back (its room held, not in the batch yet) and
+    a hand-off that lands after it each get one retryable 503 and never join the batch."""
+    service, engine = decode.service, decode.engine
+    handle = kvfiles.write(service.cfg.shm_dir, "node-t", "loading.kv", decode.kv())
+    service.waiting.append(decode.task("loading", handle))
+    await service.admit_waiting()  # its load starts, its room held
+    assert "loading" in service.loading and engine.reserved_tokens > 0
+    job = service.loading["loading"].job
     await service.hand_back("decode instance decode-t is shutting down")
     await service.check_in(decode.task("late"))  # landed after the hand-back
-    handle = kvfiles.write(service.cfg.shm_dir, "node-t", "loading.kv", decode.kv())
-    await service.admit(decode.task("loading", handle))  # its KV was being read when the hand-back ran
-    assert service.running == {} and not service.waiting and decode.engine.num_running == 0
+    await asyncio.wait([job])
+    await service.join_loaded()  # the finished load joins nothing
+    assert service.running == {} and not service.waiting and not service.loading and service.num_held == 0
+    assert engine.num_running == 0 and engine.reserved_tokens == 0 and not engine.pending
     assert not kvfiles.path_of(service.cfg.shm_dir, handle).exists()
     errors = await decode.errors()
     assert sorted(c.request_id for c in errors) == ["late", "loading"]
     assert all(c.retryable and c.error_status == 503 and "shutting down" in c.error for c in errors)
+
+
+async def test_the_batch_steps_on_while_a_joining_request_loads_its_kv(decode):
+    """A request's KV loads on a thread with its room held: the running rows get tokens meanwhile,
+    and it joins between two steps once loaded (held here until the test lets it go)."""
+    service, engine = decode.service, decode.engine
+    task = decode.task("r1")
+    engine.add("r1", decode.kv(), task.first_token, task.sampling, 1)
+    service.running["r1"] = Running(task, [task.first_token])
+    handle = kvfiles.write(service.cfg.shm_dir, "node-t", "r2.kv", decode.kv())
+    service.waiting.append(decode.task("r2", handle))
+    release = threading.Event()
+    load = service.load
+
+    def held_load(t):
+        release.wait(30)
+        return load(t)
+
+    service.load = held_load
+    loop = asyncio.create_task(service.loop())
+    try:
+        for _ in range(200):  # while r2's load is held, r1 keeps getting tokens
+            await asyncio.sleep(0.02)
+            if sum(1 for c in decode.chunks if c.request_id == "r1") >= 5:
+                break
+        assert sum(1 for c in decode.chunks if c.request_id == "r1") >= 5
+        assert "r2" in service.loading and "r2" not in engine
+        assert engine.reserved_tokens == 2 * service.needed(task)  # r2's room is held while it loads
+        assert service.report().joined[-1].request_id == "r2"  # the conductors count it as coming
+        release.set()
+        for _ in range(200):
+            await asyncio.sleep(0.02)
+            if any(c.request_id == "r2" for c in decode.chunks):
+                break
+        assert "r2" in engine and not service.loading
+        assert any(c.request_id == "r2" and c.token_ids for c in decode.chunks)
+    finally:
+        release.set()
+        loop.cancel()

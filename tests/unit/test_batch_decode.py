@@ -58,7 +58,7 @@ MIXED = [(3, GREEDY), (41, SEEDED), (17, GREEDY), (90, HOT), (1, GREEDY), (64, S
 
 
 def test_ragged_batch_equals_per_sequence_decoding(model):
-    batch = BatchEngine(Llama.from_hf(model), max_batch=8, kv_budget_tokens=10_000, grow_tokens=16)  # grows mid-run
+    batch = BatchEngine(Llama.from_hf(model), max_batch=8, kv_budget_tokens=10_000)
     for i, (n, params) in enumerate(MIXED):
         kv, first = make_start(model, make_prompt(n, i), params)
         batch.add(f"r{i}", kv, first, params, num_generated=1)
@@ -73,7 +73,7 @@ def test_admitted_mid_batch_leaves_the_others_unchanged(model):
     alone: dict[str, list[int]] = {}
     joined: dict[str, list[int]] = {}
     for into, late in ((alone, False), (joined, True)):
-        batch = BatchEngine(Llama.from_hf(model), max_batch=4, kv_budget_tokens=10_000, grow_tokens=8)
+        batch = BatchEngine(Llama.from_hf(model), max_batch=4, kv_budget_tokens=10_000)
         for i, (n, params) in enumerate(first_two):
             kv, first = make_start(model, make_prompt(n, i), params)
             batch.add(f"r{i}", kv, first, params)
@@ -135,34 +135,76 @@ def test_step_on_empty_batch_returns_nothing(model):
 
 
 async def test_engine_driven_as_the_decode_service_drives_it(model):
-    """Regression: the service calls add/remove/kv_of on its event loop and step() on a worker
-    thread, never inside torch.inference_mode(). A buffer grown by step() and then written by
-    add() crashed the live decode instance ("Inplace update to inference tensor outside
-    InferenceMode"): a request joins after the running one grew the buffer past a chunk."""
+    """The service builds a row's buffer (`make_row`) and runs step() on worker threads, and calls
+    add/remove/kv_of on its event loop, never inside torch.inference_mode(). Regression: a buffer
+    made inside the mode and written outside it crashed the live decode instance ("Inplace update
+    to inference tensor outside InferenceMode")."""
     import asyncio
 
     assert not torch.is_inference_mode_enabled()
-    batch = BatchEngine(Llama.from_hf(model), max_batch=4, kv_budget_tokens=10_000, grow_tokens=16)
-    kv, first = make_start(model, make_prompt(10, 0), GREEDY)
-    batch.add("first", kv, first, GREEDY)
+    batch = BatchEngine(Llama.from_hf(model), max_batch=4, kv_budget_tokens=10_000)
     got: dict[str, list[int]] = {}
-    for _ in range(12):  # 10 + 12 > 16: step() grows the buffer on the worker thread
-        result = await asyncio.to_thread(batch.step)
-        for rid, token in result.tokens.items():
-            got.setdefault(rid, []).append(token)
-    assert batch.kv.shape[4] > 16
+
+    async def steps(n: int) -> None:
+        for _ in range(n):
+            for rid, token in (await asyncio.to_thread(batch.step)).tokens.items():
+                got.setdefault(rid, []).append(token)
+
+    kv, first = make_start(model, make_prompt(10, 0), GREEDY)
+    batch.add("first", await asyncio.to_thread(batch.make_row, kv, GREEDY), first, GREEDY)
+    await steps(12)
     kv2, first2 = make_start(model, make_prompt(5, 1), GREEDY)
-    batch.add("second", kv2, first2, GREEDY)  # fits the grown buffer: written in place
-    for _ in range(3):
-        for rid, token in (await asyncio.to_thread(batch.step)).tokens.items():
-            got.setdefault(rid, []).append(token)
+    batch.reserve("second", batch.tokens_needed(5, GREEDY, 1))
+    row = await asyncio.to_thread(batch.make_row, kv2, GREEDY)  # beside a running step, as the service does
+    batch.add("second", row, first2, GREEDY)
+    await steps(3)
     stored = batch.kv_of("first")  # what the service stores in the pool when a request finishes
     target = torch.empty_like(stored)
     target.copy_(stored.narrow(3, 0, stored.shape[3]))  # as PoolClient writes a slab slot
     batch.remove("first")
     batch.add("third", kv, first, GREEDY)
+    await steps(1)
     assert got["first"] == reference(model, make_prompt(10, 0), GREEDY, 15)
-    assert got["second"] == reference(model, make_prompt(5, 1), GREEDY, 3)
+    assert got["second"] == reference(model, make_prompt(5, 1), GREEDY, 4)
+    assert got["third"] == reference(model, make_prompt(10, 0), GREEDY, 1)
+
+
+def test_a_reservation_holds_a_row_and_its_tokens_until_the_request_joins_or_leaves(model):
+    params = SamplingParams(temperature=0.0, max_tokens=10)
+    batch = BatchEngine(Llama.from_hf(model), max_batch=2, kv_budget_tokens=100)
+    need = batch.tokens_needed(20, params, num_generated=1)  # 29
+    batch.reserve("a", need)
+    assert batch.reserved_tokens == need and batch.admission_state().kv_free_tokens == 100 - need
+    assert batch.num_running == 0 and batch.can_admit(need)
+    batch.reserve("b", need)
+    assert not batch.can_admit(1)  # both rows held, though nothing runs yet
+    with pytest.raises(BatchFull):
+        batch.reserve("c", 1)
+    with pytest.raises(ValueError):
+        batch.reserve("a", need)
+    kv, first = make_start(model, make_prompt(20, 0), params)
+    batch.add("a", batch.make_row(kv, params), first, params)  # takes its reservation over
+    assert batch.reserved_tokens == 2 * need and batch.num_running == 1
+    batch.remove("b")  # its KV never came: the room goes back
+    assert batch.reserved_tokens == need and batch.can_admit(need)
+    batch.step()
+    batch.remove("a")
+    assert batch.reserved_tokens == 0 and batch.can_admit(100)
+
+
+def test_a_row_stepped_past_its_reservation_grows_and_decodes_on(model):
+    """The service ends a row at max_tokens; a caller that steps on (the benches do) still gets
+    per-sequence tokens: the row's buffer grows by a copy of that row alone."""
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    batch = BatchEngine(Llama.from_hf(model), max_batch=2, kv_budget_tokens=1000)
+    kv, first = make_start(model, make_prompt(6, 0), params)
+    row = batch.make_row(kv, params)
+    assert row.kv.shape[3] == 6 + 1  # its reservation: the KV now and the one step left
+    batch.add("a", row, first, params)
+    got: dict[str, list[int]] = {}
+    run(batch, 12, got)
+    assert got["a"] == reference(model, make_prompt(6, 0), params, 12)
+    assert batch.rows[0].kv.shape[3] >= 18
 
 
 def test_a_row_that_cannot_sample_fails_alone(model, monkeypatch):

@@ -79,7 +79,7 @@ def time_decode_step(prefill: LayerwisePrefill, model, batch: int, context: int,
     kv = prefill.run(random_ids(context, vocab, context)).kv
     for i in range(batch):
         engine.add(f"r{i}", kv, 5, SamplingParams(temperature=0, max_tokens=repeats + 2))
-    engine.step()  # grows the buffer once, as a running instance already has
+    engine.step()  # warm: the first step's pages and caches are a running instance's long since
     best = float("inf")
     for _ in range(repeats):
         started = time.perf_counter()
