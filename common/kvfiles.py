@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+import xxhash
 
 from common.kv import blocks
 from schemas.codec import check_file_name
@@ -119,6 +120,35 @@ def read(shm_dir: Path, handle: KvHandle, remove: bool = False) -> "torch.Tensor
     if array.size != int(np.prod(handle.shape)):
         raise KvChecksumError(f"KV {handle.name}: {array.size} values for shape {handle.shape}")
     return as_tensor(array, handle.dtype).view(*handle.shape)
+
+
+def read_into(shm_dir: Path, handle: KvHandle, out: "torch.Tensor", remove: bool = False) -> None:
+    """The KV in the file, read straight into `out` (shaped as the handle says, in its dtype; each
+    [tokens, head_dim] slice contiguous, as a row of a larger buffer is) and checked as `read` checks:
+    one pass over the bytes, no array of its own."""
+    if list(out.shape) != list(handle.shape) or str(out.dtype).removeprefix("torch.") != handle.dtype:
+        raise ValueError(f"KV {handle.name}: {handle.dtype} {handle.shape} cannot be read into "
+                         f"{out.dtype} {list(out.shape)}")
+    pieces = (out,) if out.is_contiguous() else out.view(-1, *out.shape[3:]).unbind(0)  # view: never a copy
+    if not pieces[0].is_contiguous():
+        raise ValueError(f"KV {handle.name}: each [tokens, head_dim] slice of the target must be contiguous")
+    path = path_of(shm_dir, handle)
+    hasher = None if handle.verified else xxhash.xxh3_64()
+    try:
+        with open(path, "rb", buffering=0) as f:
+            if os.fstat(f.fileno()).st_size != out.numel() * out.element_size():
+                raise KvChecksumError(f"KV {handle.name}: the file does not hold shape {handle.shape}")
+            for piece in pieces:
+                view = memoryview(as_array(piece)).cast("B")
+                if f.readinto(view) != len(view):
+                    raise KvChecksumError(f"KV {handle.name}: the file ended early")
+                if hasher is not None:
+                    hasher.update(view)
+    finally:
+        if remove:
+            path.unlink(missing_ok=True)
+    if hasher is not None and hasher.intdigest() != handle.checksum:
+        raise KvChecksumError(f"KV {handle.name}: checksum mismatch")
 
 
 def remove(shm_dir: Path, handle: KvHandle | None) -> None:

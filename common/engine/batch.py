@@ -11,10 +11,10 @@ padded or moved while the batch runs:
     row 2  | t0 t1 t2 t3 t4 t5 t6 t7 . |     kv_len 8
 
 The buffer is allocated empty: the pages of tokens not yet generated cost nothing until a step
-writes them, so the memory in use follows the tokens held, not the reservations. `make_row`
-builds a row's buffer from a prompt's KV without touching the engine, so the decode service
-builds it on a thread beside the running steps and the join itself (`add`) is a few list
-operations between two steps.
+writes them, so the memory in use follows the tokens held, not the reservations. `empty_row`
+and `make_row` build a row's buffer without touching the engine, so the decode service reads a
+joining request's KV file into it on a thread beside the running steps, and the join itself
+(`add`) is a few list operations between two steps.
 
 One `step()` feeds every row its last token at its own position (position id = its kv_len),
 writes the new K, V in place at that position, attends each row over exactly its own tokens,
@@ -168,14 +168,22 @@ class BatchEngine:
         """The buffer a request will run in, holding its KV so far (prompt_kv [L, 2, H, S, D]).
 
         Reads nothing of the engine's state but the model's shape, so it may run on any thread."""
-        num_layers, _, heads, kv_len, head_dim = prompt_kv.shape
+        row = self.empty_row(prompt_kv.shape, sampling, num_generated)
+        row.kv[:, :, :, : row.kv_len] = prompt_kv
+        return row
+
+    @torch.inference_mode()
+    def empty_row(self, shape, sampling: SamplingParams, num_generated: int = 1) -> RowKv:
+        """The buffer for a request whose KV so far has `shape` [L, 2, H, S, D], sized to its
+        reservation; the caller fills tokens [0, S) (`row.kv[:, :, :, :S]`, e.g. `kvfiles.read_into`)
+        before `add`. Any thread, as `make_row`."""
+        num_layers, _, heads, kv_len, head_dim = shape
         if (num_layers, heads, head_dim) != (self.num_layers, self.num_kv_heads, self.head_dim):
-            raise ValueError(f"KV shape {tuple(prompt_kv.shape)} does not fit the model")
+            raise ValueError(f"KV shape {tuple(shape)} does not fit the model")
         if kv_len >= self.max_context:
             raise ValueError(f"{kv_len} tokens leave no room in context {self.max_context}")
         capacity = max(self.tokens_needed(kv_len, sampling, num_generated), kv_len + 1)
         kv = torch.empty((num_layers, 2, heads, capacity, head_dim), dtype=self.dtype, device=self.device)
-        kv[:, :, :, :kv_len] = prompt_kv
         return RowKv(kv, kv_len)
 
     def add(self, request_id: str, prompt_kv: torch.Tensor | RowKv, last_token: int, sampling: SamplingParams,

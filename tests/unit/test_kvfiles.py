@@ -69,3 +69,24 @@ def test_a_bfloat16_slice_goes_out_as_its_own_bytes():
         for offset, view in geometry.pieces(layer, 0, kv[layer]):
             buf[offset:offset + len(view)] = view
     assert torch.equal(torch.frombuffer(buf, dtype=torch.bfloat16).view(kv.shape), kv)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_file_is_read_straight_into_the_front_of_a_larger_buffer_and_checked(tmp_path, dtype):
+    """As the decode service loads a joining request: into tokens [0, S) of its row's buffer."""
+    kv = torch.randn(3, 2, 2, 5, 4).to(dtype)
+    handle = kvfiles.write(tmp_path, "node-a", "out-r-a0.kv", kv)
+    buffer = torch.full((3, 2, 2, 9, 4), 7.0, dtype=dtype)
+    kvfiles.read_into(tmp_path, handle, buffer[:, :, :, :5])
+    assert torch.equal(buffer[:, :, :, :5], kv) and bool((buffer[:, :, :, 5:] == 7).all())  # the rest untouched
+    with pytest.raises(kvfiles.KvChecksumError):
+        kvfiles.read_into(tmp_path, KvHandle(handle.node, handle.name, handle.shape, handle.dtype, handle.checksum ^ 1),
+                          buffer[:, :, :, :5])
+    with pytest.raises(ValueError, match="cannot be read into"):
+        kvfiles.read_into(tmp_path, handle, buffer[:, :, :, :4])
+    short = KvHandle(handle.node, handle.name, [3, 2, 2, 6, 4], handle.dtype, handle.checksum)
+    with pytest.raises(kvfiles.KvChecksumError, match="does not hold"):
+        kvfiles.read_into(tmp_path, short, buffer[:, :, :, :6])
+    whole = torch.empty_like(kv)
+    kvfiles.read_into(tmp_path, handle, whole, remove=True)
+    assert torch.equal(whole, kv) and not (tmp_path / handle.name).exists()

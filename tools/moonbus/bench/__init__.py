@@ -3,6 +3,7 @@
     store.py       the DRAM slab and the SSD tier against memcpy and a file per block
     conductor.py   decisions per second at scale; route.py, route_report.py, fleet.py: the live route
     engine.py      batched decode, layer-wise prefill and the pipeline against the plain forward
+                   (join.py: what a request joining a running batch costs the batch)
     transfer.py    the KV transport against a plain socket and Mooncake's engine, on the patterns the
                    system sends (transfer_patterns.py: the patterns, timing and per-run checks;
                    transfer_peers.py, transfer_socket.py: the receiving processes and the cases;

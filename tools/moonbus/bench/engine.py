@@ -18,6 +18,9 @@ ttft     a long prompt chunked by --prefill-chunk, on one instance (all torch th
          SmolLM2 allows 8192 positions, tiny-random 4096; the default 4096 tokens keeps the run
          short on 2 cores (--ttft-tokens up to the model's context).
 
+join     a request joining a running batch: the batch's wait for it, its KV load on a thread,
+         and a step alone vs beside a load (tools/moonbus/bench/join.py).
+
 floors   the engines against what the machine can do: a batch-1 decode step vs copying the
          weights once, a prefill vs its matmuls alone, both vs transformers' own path, per dtype
          (tools/moonbus/bench/floors.py).
@@ -45,7 +48,7 @@ from schemas.route import SamplingParams
 from common.engine.batch import BatchEngine
 from common.engine.llama import Llama
 from common.engine.layerwise import FileSink, LayerwisePrefill, pipelined_prefill
-from tools.moonbus.bench import floors
+from tools.moonbus.bench import floors, join
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
 DECODE_GOAL = 0.9
@@ -69,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="floors: the engines' dtype, as the workers run (auto: bfloat16 where the CPU has it)")
     parser.add_argument("--compare-float32", action="store_true",
                         help="floors: also run them in float32 (the bfloat16 speed-up), when the dtype is bfloat16")
-    parser.add_argument("--skip", default="", help="comma-separated sections to skip: decode,prefill,ttft,floors")
+    parser.add_argument("--skip", default="", help="comma-separated sections to skip: decode,prefill,ttft,join,floors")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -84,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--ttft-tokens {args.ttft_tokens} exceeds {ref.name}'s context {max_context}")
     skip = set(filter(None, args.skip.split(",")))
     result = {"model": ref.name, "torch_threads": threads, "cpus": os.cpu_count(), "max_context": max_context,
-              "decode": [], "prefill": [], "ttft": [], "floors": []}
+              "decode": [], "prefill": [], "ttft": [], "join": [], "floors": []}
     with torch.inference_mode():
         if "decode" not in skip:
             result["decode"] = [_bench_decode(model, b, args) for b in map(int, args.batches.split(","))]
@@ -92,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
             result["prefill"] = _bench_prefill(model, args)
         if "ttft" not in skip:
             result["ttft"] = _bench_ttft(model, args, threads)
+        if "join" not in skip:
+            result["join"] = join.bench(Llama.from_hf(model), args.shm_dir, repeats=args.repeats)
     if "floors" not in skip:
         dtype = models.resolve_dtype(args.dtype)
         dtypes = [dtype] + (["float32"] if args.compare_float32 and dtype != "float32" else [])
@@ -120,6 +125,9 @@ def summary(result: dict) -> list[dict]:
     rows += [{"row": f"ttft {r['tokens']} tokens: {r['case']} vs {first['case']}", "ours": f"{r['ttft_s']:.2f} s",
               "baseline": f"{first['ttft_s']:.2f} s", "ratio": r["vs_one_instance"], "goal": None, "met": None}
              for r in result["ttft"][1:]]
+    rows += [{"row": f"join {r['tokens']} tokens into a batch of {r['rows']}: the batch's wait vs one step",
+              "ours": f"{r['join_wait_ms']:.2f} ms", "baseline": f"{r['step_ms']:.1f} ms",
+              "ratio": r["join_wait_ms"] / r["step_ms"], "goal": None, "met": None} for r in result.get("join", [])]
     return rows + floors.summary_rows(result.get("floors", []))
 
 
@@ -300,6 +308,7 @@ def _print(result: dict, args: argparse.Namespace) -> None:
         print(f"{'case':<36} {'ttft s':>8} {'x one instance':>14}")
         for r in result["ttft"]:
             print(f"{r['case']:<36} {r['ttft_s']:>8.2f} {r['vs_one_instance']:>14.2f}")
+    join.print_rows(result["join"])
     if result["floors"]:
         print("\nfloors: the engines against this machine's best (tools/moonbus/bench/floors.py)")
         for row in floors.summary_rows(result["floors"]):
