@@ -114,7 +114,7 @@ class BatchEngine:
         self.index: dict[str, int] = {}  # request_id -> row index
         self.kv_lens = torch.zeros(0, dtype=torch.long)  # row index -> tokens in its KV
         self.reserved_tokens = 0  # of the running rows and of `pending`
-        self.pending: dict[str, int] = {}  # request_id -> tokens held by `reserve` until its `add`
+        self.pending: dict[str, tuple[int, int]] = {}  # request_id -> (tokens held, its KV length), `reserve` to `add`
         self.last_step: StepStats | None = None
 
     # ------------------------------------------------------------------ admission
@@ -139,19 +139,21 @@ class BatchEngine:
         return has_room(len(self.rows) + len(self.pending), self.max_batch, self.reserved_tokens, num_tokens,
                         self.kv_budget_tokens)
 
-    def reserve(self, request_id: str, num_tokens: int) -> None:
-        """Hold a row and `num_tokens` of the budget for a request whose KV is on its way (`add`
-        takes them over; `remove` gives them back)."""
+    def reserve(self, request_id: str, num_tokens: int, kv_len: int = 0) -> None:
+        """Hold a row and `num_tokens` of the budget for a request whose KV (`kv_len` tokens) is on
+        its way (`add` takes them over; `remove` gives them back). `admission_state` counts it in the
+        batch already: it steps with it from its join on."""
         if request_id in self.index or request_id in self.pending:
             raise ValueError(f"request {request_id} already holds room")
         if not self.can_admit(num_tokens):
             raise BatchFull(f"request {request_id}: {num_tokens} tokens do not fit ({self._room()})")
-        self.pending[request_id] = num_tokens
+        self.pending[request_id] = (num_tokens, kv_len)
         self.reserved_tokens += num_tokens
 
     def admission_state(self, instance_id: str = "", node: str = "", step_factor: float = 1.0) -> DecodeCandidate:
         """This engine as the conductor sees a decode instance (heartbeats, `late_verdict`)."""
-        return DecodeCandidate(instance_id, node, len(self.rows), self.context_tokens,
+        joining = sum(kv_len for _, kv_len in self.pending.values())
+        return DecodeCandidate(instance_id, node, len(self.rows) + len(self.pending), self.context_tokens + joining,
                                self.kv_budget_tokens - self.reserved_tokens, step_factor)
 
     def _room(self) -> str:
@@ -199,11 +201,11 @@ class BatchEngine:
         reserved = self.tokens_needed(row.kv_len, sampling, num_generated)
         held = self.pending.pop(request_id, None)
         if held is not None:
-            self.reserved_tokens -= held
+            self.reserved_tokens -= held[0]
         if not self.can_admit(reserved):
             if held is not None:  # still its own: the caller decides whether to give it back
                 self.pending[request_id] = held
-                self.reserved_tokens += held
+                self.reserved_tokens += held[0]
             raise BatchFull(f"request {request_id}: {reserved} tokens do not fit ({self._room()})")
         self.rows.append(_Row(request_id, sampling, last_token, num_generated, reserved, row.kv))
         self.index[request_id] = len(self.rows) - 1
@@ -214,7 +216,7 @@ class BatchEngine:
         """Drop a finished or cancelled request, or the room reserved for it (a no-op for an unknown id)."""
         held = self.pending.pop(request_id, None)
         if held is not None:
-            self.reserved_tokens -= held
+            self.reserved_tokens -= held[0]
         row = self.index.pop(request_id, None)
         if row is None:
             return

@@ -189,7 +189,9 @@ class DecodeService:
             await self.drop_cancelled()
             if self.running:
                 await self.iterate()
-            elif self.loading:  # nothing to step: wait for a load (or new work)
+                continue
+            self.cycle_from = None  # the batch emptied (finished, cancelled, handed back): the next step starts afresh
+            if self.loading:  # nothing to step: wait for a load (or new work)
                 self.wakeup.clear()
                 if not any(e.job.done() for e in self.loading.values()):
                     await self.wakeup.wait()
@@ -243,7 +245,7 @@ class DecodeService:
             if not self.engine.can_admit(needed):
                 return
             self.waiting.popleft()
-            self.engine.reserve(task.request_id, needed)
+            self.engine.reserve(task.request_id, needed, len(task.prompt_token_ids))
             job = asyncio.ensure_future(asyncio.to_thread(self.load, task))
             job.add_done_callback(self.loaded)
             self.loading[task.request_id] = Loading(task, job)
@@ -267,6 +269,8 @@ class DecodeService:
 
     async def join_loaded(self) -> None:
         for entry in [e for e in self.loading.values() if e.job.done()]:
+            if self.loading.get(entry.task.request_id) is not entry:  # handed back while an earlier one joined
+                continue
             del self.loading[entry.task.request_id]
             await self.guarded(functools.partial(self.join, job=entry.job), entry.task)
 
@@ -317,6 +321,7 @@ class DecodeService:
             self.metrics.tokens.inc(len(result.tokens))
         except Exception as exc:  # the forward itself: no row got a token, so every row is resumed elsewhere
             log.exception("decode iteration failed; resuming its %d requests elsewhere", len(self.running))
+            self.cycle_from = None
             for seq in list(self.running.values()):
                 self.forget(seq.request_id)
                 await self.fail(seq.task, f"decode iteration failed: {exc}", 500, retryable=True)

@@ -173,9 +173,11 @@ def test_a_reservation_holds_a_row_and_its_tokens_until_the_request_joins_or_lea
     params = SamplingParams(temperature=0.0, max_tokens=10)
     batch = BatchEngine(Llama.from_hf(model), max_batch=2, kv_budget_tokens=100)
     need = batch.tokens_needed(20, params, num_generated=1)  # 29
-    batch.reserve("a", need)
+    batch.reserve("a", need, kv_len=20)
     assert batch.reserved_tokens == need and batch.admission_state().kv_free_tokens == 100 - need
     assert batch.num_running == 0 and batch.can_admit(need)
+    state = batch.admission_state()  # the late check counts it in the batch: it steps with it from its join
+    assert (state.num_running, state.context_tokens) == (1, 20)
     batch.reserve("b", need)
     assert not batch.can_admit(1)  # both rows held, though nothing runs yet
     with pytest.raises(BatchFull):
@@ -288,3 +290,16 @@ def test_on_packed_weights_a_rows_logits_do_not_depend_on_its_batch(model):
     small, large = logits_of(2, packed=True), logits_of(6, packed=True)
     assert torch.equal(small, large[:2])
     torch.testing.assert_close(large, logits_of(6, packed=False), rtol=1e-4, atol=1e-4)
+
+
+def test_a_join_that_does_not_fit_keeps_its_reservation(model):
+    params = SamplingParams(temperature=0.0, max_tokens=10)
+    batch = BatchEngine(Llama.from_hf(model), max_batch=2, kv_budget_tokens=40)
+    batch.reserve("a", 15, kv_len=6)
+    kv, first = make_start(model, make_prompt(30, 0), params)  # needs 30 + 9 = 39: fits the budget of 40
+    big, _ = make_start(model, make_prompt(35, 1), params)  # needs 35 + 9 = 44: never fits
+    with pytest.raises(BatchFull):
+        batch.add("a", batch.make_row(big, params), first, params)
+    assert batch.pending == {"a": (15, 6)} and batch.reserved_tokens == 15 and batch.num_running == 0
+    batch.add("a", batch.make_row(kv, params), first, params)
+    assert not batch.pending and batch.reserved_tokens == 39
