@@ -114,7 +114,8 @@ def prepare(model: str, home: Path) -> ModelRef:
     ref = resolve(model, home)
     if (ref.path / "config.json").is_file():
         return ref
-    ref.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)  # a home made here is its owner's alone (an existing one is kept)
+    ref.path.parent.mkdir(mode=0o700, exist_ok=True)
     with FileLock(ref.path.parent / ".lock", mode=0o600):  # across processes
         if (ref.path / "config.json").is_file():  # another process built it meanwhile
             return ref

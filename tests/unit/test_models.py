@@ -45,7 +45,7 @@ def test_a_prepared_model_is_its_owners_alone_whatever_the_umask(machine_cache):
     models._keep_machine_copy(converted)
     home = machine_cache / "home"
     ref = models.prepare(models.SMOLLM2, home)
-    made = list(home.rglob("*"))
+    made = [home, *home.rglob("*")]  # the home too: prepare made it
     assert any(p.name == "tokenizer.json" for p in made)
     for path in made:
         assert path.stat().st_mode & 0o077 == 0, f"{path} is {oct(path.stat().st_mode)}"
