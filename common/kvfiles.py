@@ -94,7 +94,7 @@ def as_tensor(array: np.ndarray, dtype: str) -> "torch.Tensor":
 
 
 def write(shm_dir: Path, node: str, name: str, kv: "torch.Tensor") -> KvHandle:
-    dtype = str(kv.dtype).removeprefix("torch.")
+    dtype = blocks.dtype_name(kv)
     array = as_array(kv)
     shm_dir.mkdir(parents=True, exist_ok=True)
     path = path_of(shm_dir, name)
@@ -109,24 +109,16 @@ def write(shm_dir: Path, node: str, name: str, kv: "torch.Tensor") -> KvHandle:
 
 def read(shm_dir: Path, handle: KvHandle, remove: bool = False) -> "torch.Tensor":
     """The KV in the file, checked against its checksum unless its slices were verified on arrival."""
-    path = path_of(shm_dir, handle)
-    try:
-        array = np.fromfile(path, dtype=numpy_dtype(handle.dtype))
-    finally:
-        if remove:
-            path.unlink(missing_ok=True)
-    if not handle.verified and checksum(array) != handle.checksum:
-        raise KvChecksumError(f"KV {handle.name}: checksum mismatch")
-    if array.size != int(np.prod(handle.shape)):
-        raise KvChecksumError(f"KV {handle.name}: {array.size} values for shape {handle.shape}")
-    return as_tensor(array, handle.dtype).view(*handle.shape)
+    out = as_tensor(np.empty(handle.shape, dtype=numpy_dtype(handle.dtype)), handle.dtype)
+    read_into(shm_dir, handle, out, remove)
+    return out
 
 
 def read_into(shm_dir: Path, handle: KvHandle, out: "torch.Tensor", remove: bool = False) -> None:
     """The KV in the file, read straight into `out` (shaped as the handle says, in its dtype; each
-    [tokens, head_dim] slice contiguous, as a row of a larger buffer is) and checked as `read` checks:
-    one pass over the bytes, no array of its own."""
-    if list(out.shape) != list(handle.shape) or str(out.dtype).removeprefix("torch.") != handle.dtype:
+    [tokens, head_dim] slice contiguous, as a row of a larger buffer is): one pass over the bytes,
+    checked against the checksum as they come unless the slices were verified on arrival."""
+    if list(out.shape) != list(handle.shape) or blocks.dtype_name(out) != handle.dtype:
         raise ValueError(f"KV {handle.name}: {handle.dtype} {handle.shape} cannot be read into "
                          f"{out.dtype} {list(out.shape)}")
     pieces = (out,) if out.is_contiguous() else out.view(-1, *out.shape[3:]).unbind(0)  # view: never a copy

@@ -134,7 +134,7 @@ def prepare(model: str, home: Path) -> ModelRef:
     return ref
 
 
-def _owner_only(tree: Path) -> Path:
+def _owner_only(tree: Path) -> None:
     """Take group and other access off every file and folder under `tree`, whatever the umask of
     the process that wrote them (a test, a bench, an older copy linked in): the owner's alone."""
     for folder, _, files in os.walk(tree):
@@ -145,7 +145,6 @@ def _owner_only(tree: Path) -> Path:
                     os.chmod(path, mode & 0o700)
                 except PermissionError:  # a file linked in from a cache another user owns: theirs to guard
                     log.warning("%s belongs to another user; its mode %o is left as it is", path, mode & 0o777)
-    return tree
 
 
 def load_tokenizer(ref: ModelRef):

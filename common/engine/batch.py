@@ -11,9 +11,9 @@ padded or moved while the batch runs:
     row 2  | t0 t1 t2 t3 t4 t5 t6 t7 . |     kv_len 8
 
 The buffer is allocated empty: the pages of tokens not yet generated cost nothing until a step
-writes them, so the memory in use follows the tokens held, not the reservations. `empty_row`
-and `make_row` build a row's buffer without touching the engine, so the decode service reads a
-joining request's KV file into it on a thread beside the running steps, and the join itself
+writes them, so the memory in use follows the tokens held, not the reservations. `make_row`
+and `row_from_file` build a row's buffer without touching the engine, so the decode service reads
+a joining request's KV file into it on a thread beside the running steps, and the join itself
 (`add`) is a few list operations between two steps.
 
 One `step()` feeds every row its last token at its own position (position id = its kv_len),
@@ -41,9 +41,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common import kvfiles
 from common.engine.llama import KvWriter, Llama
 from common.sampling import SamplingError, is_greedy, sample
 from schemas.route import SamplingParams
+from schemas.transfer import KvHandle
 from common.decide.admission import has_room, kv_reservation
 from common.decide.policy import DecodeCandidate
 
@@ -177,8 +179,7 @@ class BatchEngine:
     @torch.inference_mode()
     def empty_row(self, shape, sampling: SamplingParams, num_generated: int = 1) -> RowKv:
         """The buffer for a request whose KV so far has `shape` [L, 2, H, S, D], sized to its
-        reservation; the caller fills tokens [0, S) (`row.kv[:, :, :, :S]`, e.g. `kvfiles.read_into`)
-        before `add`. Any thread, as `make_row`."""
+        reservation; the caller fills tokens [0, S) (`make_row`, `row_from_file`) before `add`."""
         num_layers, _, heads, kv_len, head_dim = shape
         if (num_layers, heads, head_dim) != (self.num_layers, self.num_kv_heads, self.head_dim):
             raise ValueError(f"KV shape {tuple(shape)} does not fit the model")
@@ -187,6 +188,16 @@ class BatchEngine:
         capacity = max(self.tokens_needed(kv_len, sampling, num_generated), kv_len + 1)
         kv = torch.empty((num_layers, 2, heads, capacity, head_dim), dtype=self.dtype, device=self.device)
         return RowKv(kv, kv_len)
+
+    @torch.inference_mode()
+    def row_from_file(self, shm_dir, handle: KvHandle, sampling: SamplingParams, num_generated: int = 1,
+                      remove: bool = False) -> RowKv:
+        """A landed KV file read straight into the buffer the request will run in (`kvfiles.read_into`:
+        no copy of its own). Any thread, as `make_row`; a file in another dtype or shape than the
+        model's is refused (ValueError), as the cluster's layout check refuses such an instance."""
+        row = self.empty_row(handle.shape, sampling, num_generated)
+        kvfiles.read_into(shm_dir, handle, row.kv[:, :, :, : row.kv_len], remove)
+        return row
 
     def add(self, request_id: str, prompt_kv: torch.Tensor | RowKv, last_token: int, sampling: SamplingParams,
             num_generated: int = 1) -> None:

@@ -253,7 +253,12 @@ def _is_torch(value: Any) -> bool:
     return type(value).__module__.startswith("torch")
 
 
+def dtype_name(tensor: "torch.Tensor") -> str:
+    """A tensor's dtype as layouts and KV handles name it ("float32", "bfloat16")."""
+    return str(tensor.dtype).removeprefix("torch.")
+
+
 def _check_torch(tensor: "torch.Tensor", layout: KvLayout, shape: tuple[int, ...]) -> None:
-    dtype_name = str(tensor.dtype).removeprefix("torch.")
-    if tuple(tensor.shape) != shape or dtype_name != layout.dtype:
-        raise LayoutMismatch(f"tensor is {dtype_name}{list(tensor.shape)}, layout wants {layout.dtype}{list(shape)}")
+    name = dtype_name(tensor)
+    if tuple(tensor.shape) != shape or name != layout.dtype:
+        raise LayoutMismatch(f"tensor is {name}{list(tensor.shape)}, layout wants {layout.dtype}{list(shape)}")

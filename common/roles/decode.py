@@ -253,12 +253,7 @@ class DecodeService:
     def load(self, task: DecodeTask) -> RowKv:
         """On a thread: the landed file, checked, in the buffer the request will run in."""
         started = time.perf_counter()
-        if task.kv.dtype == str(self.engine.dtype).removeprefix("torch."):  # the file's bytes straight into the row
-            row = self.engine.empty_row(task.kv.shape, task.sampling, task.num_generated + 1)
-            kvfiles.read_into(self.cfg.shm_dir, task.kv, row.kv[:, :, :, : row.kv_len], True)
-        else:
-            row = self.engine.make_row(kvfiles.read(self.cfg.shm_dir, task.kv, True), task.sampling,
-                                       task.num_generated + 1)
+        row = self.engine.row_from_file(self.cfg.shm_dir, task.kv, task.sampling, task.num_generated + 1, remove=True)
         self.metrics.load_s.observe(time.perf_counter() - started)
         return row
 
@@ -278,9 +273,10 @@ class DecodeService:
         rid = task.request_id
         try:
             row = job.result()
-        except (OSError, ValueError) as exc:  # a missing or corrupt file (KvChecksumError is a ValueError)
+        except (OSError, ValueError) as exc:  # a missing, corrupt or misshapen file (KvChecksumError is a ValueError)
             log.error("request %s: cannot load its KV: %s", rid, exc)
             self.engine.remove(rid)
+            kvfiles.remove(self.cfg.shm_dir, task.kv)  # refused before it was read
             await self.fail(task, f"decode could not load the KV: {exc}", 500, retryable=True)
             return
         if self.cancelled.covers(rid, task.attempt):

@@ -1,7 +1,7 @@
 """`moonbus bench engine`'s join section: what a request joining a running batch costs the batch.
 
 The decode service reads a joining request's KV file into the buffer it will run in on a thread
-(`BatchEngine.empty_row` + `kvfiles.read_into`) while the batch steps, and joins it between two steps
+(`BatchEngine.row_from_file`) while the batch steps, and joins it between two steps
 (`BatchEngine.add`). Measured here on a batch of `rows` requests of `context` tokens, for each
 joining length: the batch's wait (the add), the load on its thread, and one step alone against
 one step while a load runs beside it (the two share the machine's cores and memory bandwidth).
@@ -35,15 +35,14 @@ def bench(model: Llama, shm_dir: str, rows: int = 12, context: int = 1024, lengt
         for n in lengths:
             waits, loads, alone, beside = [], [], [], []
             for r in range(repeats):
-                handle = kvfiles.write(Path(tmp), "bench", f"out-join-{n}-{r}.kv", _kv(model, n, 1000 + r))
+                kv = _kv(model, n, 1000 + r)
+                handle = kvfiles.write(Path(tmp), "bench", f"out-join-{n}-{r}.kv", kv)
                 alone.append(_timed(engine.step))
                 loaded: dict = {}
 
                 def load() -> None:
                     started = time.perf_counter()
-                    row = engine.empty_row(handle.shape, SAMPLING)  # as the decode service loads
-                    kvfiles.read_into(Path(tmp), handle, row.kv[:, :, :, : row.kv_len], True)
-                    loaded["row"] = row
+                    loaded["row"] = engine.row_from_file(Path(tmp), handle, SAMPLING, remove=True)  # as decode loads
                     loaded["s"] = time.perf_counter() - started
 
                 thread = threading.Thread(target=load)
@@ -52,8 +51,7 @@ def bench(model: Llama, shm_dir: str, rows: int = 12, context: int = 1024, lengt
                 thread.join()
                 loads.append(loaded["s"])
                 waits.append(_timed(lambda: engine.add(f"join-{n}-{r}", loaded["row"], 5, SAMPLING)))
-            kv_bytes = n * model.num_layers * 2 * model.num_kv_heads * model.head_dim * model.dtype.itemsize
-            out.append({"rows": rows, "context": context, "tokens": n, "kv_MB": round(kv_bytes / 1e6, 1),
+            out.append({"rows": rows, "context": context, "tokens": n, "kv_MB": round(kv.nbytes / 1e6, 1),
                         "join_wait_ms": 1e3 * min(waits),
                         "join_wait_max_ms": 1e3 * max(waits), "load_ms": 1e3 * min(loads),
                         "step_ms": 1e3 * min(alone), "step_beside_load_ms": 1e3 * min(beside)})
