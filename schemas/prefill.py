@@ -46,3 +46,6 @@ class PrefillTask(Wire):
     num_generated: int = 0  # completion tokens the client has: the first token sampled here is number num_generated
     predicted_s: float = 0.0  # the conductor's prediction of this task's work (prefill + transfer)
     key_seed: int = 0  # see schemas.route.RouteRequest
+    # wall clock (arrival_ts's) by which its first token is due; a prefill that cannot start in time
+    # for it is rejected instead of begun (common.decide.admission.late_start). 0: none
+    ttft_deadline_ts: float = 0.0

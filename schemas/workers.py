@@ -125,7 +125,7 @@ class StatusReply(Wire):
     decode_running: dict[str, int] = {}  # decode instance -> requests charged to it
 
 
-ProgressKind = Literal["accepted", "prefilled", "finished", "failed"]
+ProgressKind = Literal["accepted", "prefilled", "finished", "failed", "unstarted"]
 PROGRESS_KINDS = get_args(ProgressKind)
 
 
@@ -134,7 +134,9 @@ class Progress(Wire):
     with the instance's report as it is after the change. Control, not audit: conductors steer
     by it."""
 
-    kind: ProgressKind  # accepted | prefilled (handed to decode) | finished | failed (it left this instance)
+    # accepted | prefilled (handed to decode) | finished | failed (it left this instance) | unstarted
+    # (rejected at its prefill's start: it could no longer meet its TTFT SLO)
+    kind: ProgressKind
     request_id: Token
     attempt: int
     info: WorkerInfo

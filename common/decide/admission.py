@@ -24,6 +24,15 @@ that prefill, so the conductor predicts. Modes (AdmissionSettings.mode):
                 TtftMargin: how much later than predicted first tokens came, near the SLO), so
                 that what it admits is served within the SLO, not just predicted within it.
 
+A deadline at the prefill's start (`ttft_deadline`, `late_start`): admission predicts the queue a
+request joins, but the queue can change behind that prediction. When an instance is lost, the
+requests it held are resumed at their arrival's place in the queues (common/decide/queue_order.py),
+ahead of those admitted after them; a prediction can also simply miss. So each admitted request
+carries the time its first token is due, and a prefill instance about to start one that its
+predicted work would bring past that time rejects it instead (a late rejection that wastes no
+prefill: the queue behind it starts sooner). Admission "none" sets no deadline, and a resumed
+request (admitted at its arrival; its client may already hold tokens) has none.
+
 Retry-After on a rejection: for TTFT, the excess (ttft - slo), since a queue drains one second
 of work per second; for TBT, the time from the evaluated moment until departures alone bring
 the best instance under the SLO (arrivals after it are ignored, so it is optimistic). Both are
@@ -149,7 +158,7 @@ def admit(ttft_s: float, context_tokens: int, load: DecodeLoadSnapshot, settings
         return Verdict(True, "admission off", ttft_s=ttft_s)
     judged = ttft_s * ttft_margin if mode == "predictive" else ttft_s
     if judged > settings.ttft_slo_s:
-        retry = _clamp(judged - settings.ttft_slo_s, settings)
+        retry = clamp_retry_after(judged - settings.ttft_slo_s, settings)
         margin = f" (x{ttft_margin:.2f} margin: {judged:.3f}s)" if judged != ttft_s else ""
         return Verdict(False, f"ttft {ttft_s:.3f}s{margin} > slo {settings.ttft_slo_s:g}s", retry_after_s=retry,
                        ttft_s=ttft_s)
@@ -206,6 +215,18 @@ def judge(decision: Decision, context_tokens: int, load: DecodeLoadSnapshot, set
     return verdict, decision
 
 
+def ttft_deadline(arrival_ts: float, settings: AdmissionSettings, resumed: bool = False) -> float:
+    """When an admitted request's first token is due (0: no deadline), on its arrival's clock."""
+    return 0.0 if settings.mode == "none" or resumed else arrival_ts + settings.ttft_slo_s
+
+
+def late_start(now: float, deadline: float, work_s: float) -> float:
+    """Seconds by which a prefill begun `now` and predicted to take `work_s` (the conductor's
+    prediction: prefill and transfer) would bring the first token past `deadline`; <= 0 when it
+    would not, or when there is no deadline. Live (common/roles/prefill.py) and simulated alike."""
+    return now + work_s - deadline if deadline > 0 else 0.0
+
+
 def kv_reservation(kv_len: int, max_tokens: int, num_generated: int, max_context: int | None = None) -> int:
     """KV tokens a request reserves on a decode instance: its KV now plus one per step it may still
     run (each step feeds one token and yields the next), capped by the model's context."""
@@ -250,7 +271,7 @@ def _tbt_retry_after(at: float, context_tokens: int, judged: list, settings: Adm
             if step(batch + 1, ctx + context_tokens) * d.step_factor <= slo:
                 best = leave_s - at
                 break
-    return _clamp(best, settings)
+    return clamp_retry_after(best, settings)
 
 
 def kv_retry_after(prompt_tokens: int, decode: Sequence[DecodeCandidate], loads: Sequence[DecodeLoad], now: float,
@@ -265,8 +286,9 @@ def kv_retry_after(prompt_tokens: int, decode: Sequence[DecodeCandidate], loads:
             if missing <= 0:
                 best = min(best, leave_s - now)
                 break
-    return _clamp(best, settings)
+    return clamp_retry_after(best, settings)
 
 
-def _clamp(seconds: float, settings: AdmissionSettings) -> float:
+def clamp_retry_after(seconds: float, settings: AdmissionSettings = AdmissionSettings()) -> float:
+    """A Retry-After within the settings' bounds (the defaults where the caller has none)."""
     return min(max(seconds, settings.min_retry_after_s), settings.max_retry_after_s)

@@ -372,6 +372,18 @@ class ClusterState:
             request.pull_bytes = 0
             self.touched((request.decode_id,))
 
+    def unstarted(self, request_id: str, attempt: int, now: float) -> Routed | None:
+        """Its prefill instance found at `now` that it could no longer begin it in time for its
+        TTFT SLO (common/decide/admission.py `late_start`), and rejected it. The TTFT it would have
+        had, its wait so far and then its predicted work, is an outcome the TTFT margin learns from:
+        without it the margin would learn only from the requests fast enough to be served. It ends."""
+        request = self.routed.get(request_id)
+        if request is None or request.attempt != attempt:
+            return None
+        if request.attempt == 0 and not request.prefilled:
+            self.ttft_margin.observe(request.ttft_s, now + request.prefill_s - request.routed_at)
+        return self.end(request_id)
+
     def end(self, request_id: str, up_to_attempt: int | None = None) -> Routed | None:
         """The request ended (or, with up_to_attempt, those of its attempts were abandoned)."""
         request = self.routed.get(request_id)

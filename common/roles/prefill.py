@@ -4,6 +4,11 @@ task (NATS) -> the decode node reserves the KV's destination (common/roles/hando
 forward pass in a worker thread, each layer's KV written into that destination while the next
 layer computes -> first token to the gateway -> completion notice -> DecodeTask to decode.
 
+A task whose predicted work, begun now, would bring its first token past its deadline (the TTFT
+SLO it was admitted under: common/decide/admission.py `late_start`) is rejected with a 429 instead
+of begun: no prefill is wasted on a first token that would come too late, and the queue behind it
+starts sooner.
+
 Faults stay with their request: anything one task throws ends that task with one retryable
 error to its gateway (before the first token the gateway re-dispatches it once; after it, a
 failed hand-off is resumed like a lost decode instance), and the loop takes the next task. Drain
@@ -33,6 +38,7 @@ from common import bus, kvfiles, metrics, runner, sampling, security, worker
 from common.kv.blocks import DEFAULT_SEED, block_keys
 from common.pool_client import PoolClient, PoolUnavailable, Prefix
 from common.transport import TransportError, Transports
+from common.decide.admission import clamp_retry_after, late_start
 from common.decide.perf import queue_ends
 from common.decide.queue_order import ArrivalOrder
 from schemas import subjects
@@ -83,7 +89,7 @@ class PrefillMetrics:
         self.over_predicted = Histogram("moonbus_prefill_work_over_predicted", "a request's prefill work (pull and "
                                         "prefix load included) / the conductor's prediction of it (1 = exact)",
                                         buckets=metrics.RATIO_BUCKETS, registry=r)
-        self.requests = Counter("moonbus_prefill_requests", "requests by how they left (prefilled, finished, failed)",
+        self.requests = Counter("moonbus_prefill_requests", "requests by how they left (prefilled, finished, failed, rejected)",
                                 ["outcome"], registry=r)
 
 
@@ -146,6 +152,10 @@ class PrefillService:
                 await self.drop_stage(task)
                 await self.progress("finished", task)
                 continue
+            late_s = late_start(time.time(), task.ttft_deadline_ts, task.predicted_s)
+            if late_s > 0:
+                await self.reject_late(task, late_s)
+                continue
             self.running = 1
             self.current = task
             self.current_started = time.monotonic()
@@ -168,6 +178,24 @@ class PrefillService:
             if outcome is not None:
                 self.metrics.requests.labels(outcome).inc()
                 await self.progress(outcome, task)
+
+    async def reject_late(self, task: PrefillTask, late_s: float) -> None:
+        """Begun now, its prefill would bring the first token `late_s` past its deadline: rejected
+        before any of it is computed, so that the queue behind it starts sooner."""
+        rid = task.request_id
+        queued_s = self.arrived_at.waited(rid, task.attempt, time.monotonic())
+        why = (f"prefill instance {self.cfg.instance_id} would begin it {queued_s:.1f}s after it was queued, and its "
+               f"first token would come {late_s:.2f}s past its TTFT SLO")
+        log.warning("request %s: rejected late, before its prefill (%s)", rid, why)
+        self.metrics.queue_wait_s.observe(queued_s)
+        await self.events.request("rejected_late", rid, reason=why, stage="prefill", late_s=round(late_s, 6),
+                                  queued_s=round(queued_s, 6), predicted_s=task.predicted_s, wasted_prefill_tokens=0,
+                                  attempt=task.attempt)
+        await worker.reply(self.nc, task.reply_subject, worker.error_chunk(
+            rid, task.attempt, task.num_generated, why, 429, self.cfg.instance_id, False,
+            retry_after_s=clamp_retry_after(late_s), stage="prefill"))
+        self.metrics.requests.labels("rejected").inc()
+        await self.progress("unstarted", task)
 
     async def drop_stage(self, task: PrefillTask) -> None:
         if task.pipeline is not None:  # its region: waits for peers' writes in flight on it

@@ -132,6 +132,8 @@ class ConductorService:
         await self.heard(progress.info)
         if progress.kind == "prefilled":
             self.state.prefilled(progress.request_id, progress.attempt, time.monotonic())
+        elif progress.kind == "unstarted":
+            self.state.unstarted(progress.request_id, progress.attempt, time.monotonic())
         elif progress.kind in ("finished", "failed"):  # it left the cluster (from decode, or ended at prefill)
             self.state.end(progress.request_id, up_to_attempt=progress.attempt)
             if progress.kind == "finished" and progress.generated:
@@ -281,12 +283,14 @@ class ConductorService:
             return RouteReply(False, 429, f"rejected at arrival: {verdict.reason}", retry_after_s=verdict.retry_after_s)
         pull = decision.pull
         work = decision.prefill_s + decision.transfer_s
+        spec = self.pipeline_spec(decision, snapshot, len(ids))
+        # NOTE: the stages of a pipeline run in the same order on each instance; no stage may drop one
+        deadline = admission.ttft_deadline(request.arrival_ts, self.cfg.admission, resumed=request.attempt > 0)
         task = PrefillTask(rid, ids, request.sampling, request.reply_subject, decision.decode_id,
                            decision.decode_node, request.arrival_ts,
                            PullSpec(pull.source_node, pull.first_block, pull.num_blocks) if pull else None,
                            attempt=request.attempt, num_generated=request.num_generated, predicted_s=round(work, 6),
-                           key_seed=request.key_seed)
-        spec = self.pipeline_spec(decision, snapshot, len(ids))
+                           key_seed=request.key_seed, ttft_deadline_ts=deadline if spec is None else 0.0)
         self.state.route(Routed(
             rid, tuple(spec.stages) if spec else (decision.prefill_id,), decision.decode_id, request.reply_subject,
             len(ids), now, work, decision.ttft_s, pull.source_node if pull else "", pull.nbytes if pull else 0,

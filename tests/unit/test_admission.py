@@ -213,3 +213,17 @@ def test_a_resumed_attempt_is_not_judged_again():
     assert not verdict.admit
     verdict, decision = admission.judge(late, 100, load, make_settings("predictive"), PERF, resumed=True)
     assert verdict.admit and decision == late
+
+
+def test_an_admitted_request_carries_a_deadline_unless_admission_is_off_or_it_was_resumed():
+    assert admission.ttft_deadline(1000.0, make_settings("predictive")) == 1005.0
+    assert admission.ttft_deadline(1000.0, make_settings("baseline")) == 1005.0
+    assert admission.ttft_deadline(1000.0, make_settings("none")) == 0.0
+    assert admission.ttft_deadline(1000.0, make_settings("predictive"), resumed=True) == 0.0
+
+
+def test_a_prefill_that_would_bring_the_first_token_past_its_deadline_is_late_to_start():
+    assert admission.late_start(now=1003.0, deadline=1005.0, work_s=1.5) == pytest.approx(-0.5)  # in time
+    assert admission.late_start(now=1004.0, deadline=1005.0, work_s=1.5) == pytest.approx(0.5)
+    assert admission.late_start(now=1e9, deadline=0.0, work_s=1.5) == 0.0  # no deadline: never late
+    assert admission.clamp_retry_after(0.5) == 1.0 and admission.clamp_retry_after(1e6) == 60.0

@@ -4,7 +4,9 @@
                 on the load the instances report, kept by the live conductor's ClusterState
                 rejected -> done (rejected at arrival); else book the prefix pull on the NICs,
                 queue at p* (it counts at d* until d* holds it)
-    prefill     FIFO per instance; starts when the instance is free and the pulled prefix is in;
+    prefill     in arrival order per instance; one that its predicted work would bring past its TTFT
+                deadline is rejected late instead of begun (late_start, live code); the next
+                starts when the instance is free and the pulled prefix is in;
                 reuses the prefix still in its pool at that moment (+ the pulled blocks);
                 time = max(compute(n, prefix), prefix bytes / host-to-device) (layer-wise: loading
                 layer i+1 overlaps computing layer i). The KV streams to d* layer by layer from
@@ -32,7 +34,7 @@ from common.measures import FAILED, OK, REJECTED_ARRIVAL, REJECTED_LATE, Request
 from common.decide.perf import Profile
 from common.traces import TraceRow
 from common.decide.index import PrefixIndex
-from common.decide.admission import AdmissionSettings, DecodeLoadSnapshot, judge, late_verdict
+from common.decide.admission import AdmissionSettings, DecodeLoadSnapshot, judge, late_start, late_verdict, ttft_deadline
 from common.decide.policy import ClusterSnapshot, NoInstances, PolicySettings, RequestInfo, decide
 from tools.sim.config import SimConfig, build_profile
 from tools.sim.coupled import CoupledInstance
@@ -222,7 +224,19 @@ class Simulator:
     # --- prefill ---------------------------------------------------------------------------------------
 
     def start_prefill(self, p: PrefillInstance, t: float) -> None:
-        r = p.queue.pop()
+        """The next request in the queue that can still meet its TTFT deadline begins (the live
+        prefill instance's `late_start` check); those that cannot are rejected late, unprefilled."""
+        while True:
+            r = p.queue.pop()
+            late_s = late_start(t, ttft_deadline(r.arrival_s, self.admission), r.decision.prefill_s + r.decision.transfer_s)
+            if late_s <= 0:
+                break
+            self.state.unstarted(str(r.index), 0, t)
+            self.end(r, t, REJECTED_LATE, f"prefill {p.instance_id}: its first token would come {late_s:.2f}s past "
+                                          "its TTFT SLO")
+            self.dirty.add(p)
+            if not p.queue:
+                return
         p.current = r
         p.busy = True
         start = r.prefill_start_s = max(p.claim_gpu(t), r.ready_s)

@@ -82,7 +82,7 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
          "moonbus.messenger.*.reserve", "moonbus.messenger.*.commit", "moonbus.messenger.*.release",
          "moonbus.messenger.*.pull", "moonbus.messenger.*.accept", "moonbus.messenger.*.abort",
          f"moonbus.control.progress.{ID}", f"moonbus.control.alive.{ID}",
-         *_events("prefilled", "kv_pulled", "kv_transferred", "prefill_stage"), _STARTED],
+         *_events("prefilled", "kv_pulled", "kv_transferred", "prefill_stage", "rejected_late"), _STARTED],
         ["moonbus.prefill.*.tasks", "moonbus.requests.cancel", "moonbus.workers.*.probe", _HEARTBEAT,
          "moonbus.control.refused.*"],
     ),
