@@ -6,7 +6,8 @@ thread beside the running steps, with its room held -> join the batch between tw
 list operations: the batch never waits for a file) -> every iteration ONE
 forward for the whole batch (common/engine/batch.py), each request sampled with its own
 settings, its token published to its gateway -> finished or cancelled requests leave, and the
-KV of finished ones is stored in the node's pool so that the next turn of a conversation hits.
+KV of finished ones is stored in the node's pool so that the next turn of a conversation hits
+(common/roles/decode_keep.py, which also stores a running request's blocks as they fill).
 
 Faults stay with their request: a KV that cannot be loaded, a row that cannot sample or a
 publish that fails ends that request with one error (retryable when the cluster, not the
@@ -28,15 +29,14 @@ import collections
 import functools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import torch
 from nats.aio.msg import Msg
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from common import bus, kvfiles, metrics, runner, worker
-from common.pool_client import PoolClient, PoolUnavailable
+from common.pool_client import PoolClient
 from schemas import subjects
 from schemas.codec import WireError
 from schemas.decode import DecodeTask
@@ -46,11 +46,11 @@ from common.decide.admission import late_verdict
 from common.decide.learn import Factor
 from common.engine.batch import BatchEngine, RowKv
 from common.roles.decode_config import DecodeConfig
+from common.roles.decode_keep import KvKeeper, Running
 
 log = logging.getLogger(__name__)
 
 
-STORE_MAX_BLOCKS = 16  # blocks of one request copied out between two steps, at most (a long prompt takes several)
 LOADS_AT_ONCE = 2  # KV files read into row buffers at the same time, beside the steps
 
 
@@ -60,28 +60,6 @@ class Loading:
 
     task: DecodeTask
     job: asyncio.Future  # -> RowKv, from a thread
-
-
-@dataclass
-class Running:
-    task: DecodeTask
-    generated: list[int]  # this attempt's tokens so far (the first came from prefill)
-    started: float = field(default_factory=time.perf_counter)
-    stored_blocks: int = 0  # its leading blocks handed to the node's pool so far
-    storing: asyncio.Task | None = None  # a store of its blocks under way
-
-    @property
-    def request_id(self) -> str:
-        return self.task.request_id
-
-    @property
-    def kv_tokens(self) -> list[int]:
-        """The tokens whose KV it holds: all but the last one sampled (never fed back yet)."""
-        return self.task.prompt_token_ids + self.generated[:-1]
-
-    def index_of_last(self) -> int:
-        """Position of the newest token among the completion's tokens (earlier attempts included)."""
-        return self.task.num_generated + len(self.generated) - 1
 
 
 class DecodeMetrics:
@@ -104,11 +82,6 @@ class DecodeMetrics:
                                      buckets=metrics.SLOW_BUCKETS, registry=r)
         self.load_s = Histogram("moonbus_decode_kv_load_seconds", "reading a request's KV into its row buffer (on a "
                                 "thread, beside the steps)", buckets=metrics.FAST_BUCKETS + (2.5, 5.0), registry=r)
-        self.store_copy_s = Histogram("moonbus_decode_store_copy_seconds", "copying a running request's new full "
-                                      "blocks out of the batch between steps, to store them in the pool",
-                                      buckets=metrics.FAST_BUCKETS, registry=r)
-        self.blocks_stored = Counter("moonbus_decode_blocks_stored_running", "blocks of running requests stored in "
-                                     "the node's pool as they filled (a resumed request reloads them)", registry=r)
         self.requests = Counter("moonbus_decode_requests", "requests by how they left (finished, failed)",
                                 ["outcome"], registry=r)
 
@@ -141,6 +114,7 @@ class DecodeService:
         # token lost to a broker outage can be sent again when the gateway probes
         self.recent: collections.OrderedDict[str, tuple[DecodeTask, list[int], str]] = collections.OrderedDict()
         self.metrics = DecodeMetrics(registry or metrics.registry(), self)
+        self.keeper = KvKeeper(engine, self.pool, tasks, cfg.store_every_blocks, cfg.block_tokens, self.metrics.registry)
         self.draining = False
         self.closed = ""  # why everything held was handed back: what arrives after that goes back too
         self.measured: Measured | None = None  # the latest iteration's seconds, for the conductors to learn from
@@ -343,11 +317,11 @@ class DecodeService:
                 await self.events.request("decode_finished", rid, tokens=len(seq.generated),
                                           seconds=round(time.perf_counter() - seq.started, 6), finish_reason=finish,
                                           attempt=seq.task.attempt)
-                self.tasks.spawn(self.store_kv(seq, kv), f"store-{rid}", essential=False)
+                self.keeper.store_finished(seq, kv)
             await worker.reply(self.nc, seq.task.reply_subject,
                                TokenChunk(rid, seq.index_of_last(), [token], finish_reason=finish,
                                           source=self.cfg.instance_id, attempt=seq.task.attempt))
-        self.store_progress()
+        self.keeper.store_progress(self.running)
         self.cycle_from = time.perf_counter() if self.running else None
         step = self.engine.last_step
         if step is not None:  # the whole iteration, tokens out included: what a client waits between tokens
@@ -435,47 +409,6 @@ class DecodeService:
             rid, task.attempt, task.num_generated + 1, why, 429, self.cfg.instance_id, False, retry_after_s=1.0,
             stage="decode", wasted_prefill_tokens=wasted, wasted_prefill_s=task.prefill_s))
         await self.progress("failed", task)
-
-    def store_progress(self) -> None:
-        """Hand each running request's new full blocks to the node's pool, `store_every_blocks` at a
-        time, so that if this instance is lost the request resumes elsewhere by loading (or pulling)
-        its prompt and what it generated instead of recomputing it. Only the copy out of the batch's
-        buffer runs here, between steps (the buffer's rows move as requests leave); the store runs
-        beside the next steps."""
-        every, bt = self.cfg.store_every_blocks, self.cfg.block_tokens
-        if every <= 0:
-            return
-        for rid, seq in self.running.items():
-            if (seq.storing is not None and not seq.storing.done()) or rid not in self.engine.index:
-                continue
-            full = self.engine.kv_len(rid) // bt
-            if full - seq.stored_blocks < every:
-                continue
-            full = min(full, seq.stored_blocks + STORE_MAX_BLOCKS)  # a long prompt's blocks over several steps
-            started = time.perf_counter()
-            kv = self.engine.kv_span(rid, seq.stored_blocks * bt, full * bt)
-            self.metrics.store_copy_s.observe(time.perf_counter() - started)
-            tokens = seq.kv_tokens[: full * bt]
-            seq.storing = self.tasks.spawn(self.store_blocks(seq, tokens, kv, full), f"store-progress-{rid}",
-                                           essential=False)
-
-    async def store_blocks(self, seq: Running, tokens: list[int], kv: torch.Tensor, full: int) -> None:
-        try:
-            stored = await self.pool.store(seq.request_id, tokens, kv, seq.task.key_seed, first_block=seq.stored_blocks)
-            self.metrics.blocks_stored.inc(stored)
-            seq.stored_blocks = full
-        except PoolUnavailable as exc:
-            log.warning("request %s: running KV not stored: %s", seq.request_id, exc)
-
-    async def store_kv(self, seq: Running, kv: torch.Tensor) -> None:
-        """Keep the prompt's and the completion's KV in the node's pool, so the next turn hits."""
-        tokens = seq.kv_tokens
-        if seq.storing is not None:  # one store of a request at a time: they share its hold at the messenger
-            await asyncio.wait([seq.storing])
-        try:
-            await self.pool.store(seq.request_id, tokens, kv, seq.task.key_seed)
-        except PoolUnavailable as exc:
-            log.warning("request %s: KV not stored: %s", seq.request_id, exc)
 
     async def sweep_orphans(self) -> None:
         """Files landed for us whose task never came (lost while the broker was away): the request

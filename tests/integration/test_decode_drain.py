@@ -21,7 +21,8 @@ import torch
 from common import bus, kvfiles, models, profiles, runner
 from common.config import NatsAuth
 from common.engine.batch import BatchEngine
-from common.roles.decode import DecodeService, Running
+from common.roles.decode import DecodeService
+from common.roles.decode_keep import Running
 from common.roles.decode_config import DecodeConfig
 from schemas.decode import DecodeTask
 from schemas.route import SamplingParams
