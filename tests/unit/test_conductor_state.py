@@ -374,3 +374,21 @@ def test_views_kept_between_changes_equal_views_built_afresh(seed):
         kept = views()
         state.changed()
         assert kept == views(), step
+
+
+def test_a_request_its_prefill_could_not_begin_in_time_ends_and_the_ttft_margin_learns_from_it():
+    """Rejected at its prefill's start, a request leaves the loads, and the TTFT it would have had
+    (its wait until then, plus its predicted work) is one of the margin's outcomes: otherwise the
+    margin would learn only from requests fast enough to be served."""
+    from common.decide.admission import AdmissionSettings
+
+    state = ClusterState(3.0, 100.0, admission=AdmissionSettings("predictive", ttft_slo_s=20.0, tbt_slo_s=1.0))
+    state.heard(prefill(), 0.0)
+    state.heard(decode(), 0.0)
+    for i in range(8):  # predicted 10 s (4 of queue, 6 of work); found at 14 s: it would have come at 20 s
+        state.route(routed(f"r{i}", at=0.0, work=6.0, ttft=10.0))
+        assert state.unstarted(f"r{i}", 0, 14.0) is not None
+    assert not state.routed and state.decode_load("d0", 14.0).joins == ()
+    assert state.ttft_margin.value == 2.0
+    state.route(routed("r9", at=0.0, attempt=1))
+    assert state.unstarted("r9", 0, 14.0) is None and "r9" in state.routed  # another attempt's: not this one

@@ -2,7 +2,8 @@
 
 The conductor's `decide` and `admit` and its load bookkeeping (`ClusterState`), the decode
 instance's late check and KV reservations (`late_verdict`, `kv_reservation`, `has_room`), the
-prefill instance's queue report (`queue_ends`), the KV pool (`TieredPool` and its eviction
+prefill instance's queue order and report (`ArrivalOrder`, `queue_ends`) and its deadline check
+(`ttft_deadline`, `late_start`), the KV pool (`TieredPool` and its eviction
 policies, and `change_of`/`runs` for its events) and the cache index (`PrefixIndex`) are
 imported, not copied: the simulation schedules, admits and evicts exactly as the live cluster would, and only
 time (prefill, decode steps, transfers) comes from a performance model.
