@@ -30,8 +30,9 @@ requests it held are resumed at their arrival's place in the queues (common/deci
 ahead of those admitted after them; a prediction can also simply miss. So each admitted request
 carries the time its first token is due, and a prefill instance about to start one that its
 predicted work would bring past that time rejects it instead (a late rejection that wastes no
-prefill: the queue behind it starts sooner). Admission "none" sets no deadline, and a resumed
-request (admitted at its arrival; its client may already hold tokens) has none.
+prefill: the queue behind it starts sooner). Admission "none" sets no deadline; a resumed
+request (admitted at its arrival; its client may already hold tokens) has none, nor has a
+pipelined one (the conductor's choice: its stages must run in the same order on every instance).
 
 Retry-After on a rejection: for TTFT, the excess (ttft - slo), since a queue drains one second
 of work per second; for TBT, the time from the evaluated moment until departures alone bring
