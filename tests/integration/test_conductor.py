@@ -154,23 +154,29 @@ async def test_flood_beyond_capacity_gets_429_with_retry_after(tight_slo):
 
 
 async def test_a_prefill_that_can_no_longer_start_in_time_is_rejected_before_it_is_computed(tight_slo):
-    """Admitted while its prefill instance looked idle, a request waits there while the instance is
-    frozen (SIGSTOP) for several times the TTFT SLO. When it runs again, the request's first token
-    could no longer come in time: it is rejected with a 429 and Retry-After and one terminal event,
-    and no prefill is spent on it. The next request is served. (The conductor's heartbeat timeout
+    """Admitted while their prefill instance looked idle, two requests (one streaming) wait there
+    while the instance is frozen (SIGSTOP) for several times the TTFT SLO. When it runs again,
+    their first tokens could no longer come in time: each is rejected with a 429 (Retry-After on
+    the non-streaming one's response) and one terminal event, and no prefill is spent on them. The next request is served. (The conductor's heartbeat timeout
     and the gateway's probe are set far beyond the freeze: no one takes the instance for lost.)"""
     from tests.integration.conftest import collect_request_events, post
 
     cluster, slo = tight_slo
     prefill = cluster.procs["prefill-0"].popen
     body = {"model": "tiny-random", "prompt": text_of(300, seed=400), "max_tokens": 4}
-    prefill.send_signal(signal.SIGSTOP)
-    try:
-        asking = asyncio.ensure_future(post(f"{cluster.spec.url}/v1/completions", body))
-        await asyncio.sleep(max(3.0, 10 * slo))
-    finally:
-        prefill.send_signal(signal.SIGCONT)
-    status, reply, headers = await asking
+    async with aiohttp.ClientSession() as session:
+        prefill.send_signal(signal.SIGSTOP)
+        try:
+            asking = asyncio.ensure_future(post(f"{cluster.spec.url}/v1/completions", body))
+            streaming = asyncio.ensure_future(timed_completion(session, cluster.spec.url, text_of(300, seed=402)))
+            await asyncio.sleep(max(3.0, 10 * slo))
+        finally:
+            prefill.send_signal(signal.SIGCONT)
+        status, reply, headers = await asking
+        streamed = await streaming
+    # a streaming client had its headers at admission: its one event is the 429, before any token
+    assert streamed["status"] == 200 and streamed["ttft"] is None, streamed
+    assert streamed["error"]["code"] == 429 and "past its TTFT SLO" in streamed["error"]["message"], streamed
     assert status == 429, reply
     assert int(headers["Retry-After"]) >= 1
     assert reply["error"]["type"] == "rate_limit_exceeded" and "past its TTFT SLO" in reply["error"]["message"]

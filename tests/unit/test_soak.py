@@ -28,8 +28,10 @@ def make_rows(*timestamps_ms: int, input_length: int = 1024) -> list[TraceRow]:
     return [TraceRow(t, input_length, 64, (i, i + 1)) for i, t in enumerate(timestamps_ms)]
 
 
-def make_result(status=OK, http_status=200, error="", error_code=0, request_id="cmpl-1") -> RequestResult:
-    r = RequestResult(0, status, 0.0, 10, error=error, request_id=request_id, http_status=http_status)
+def make_result(status=OK, http_status=200, error="", error_code=0, request_id="cmpl-1",
+                first_token_s: float | None = None) -> RequestResult:
+    r = RequestResult(0, status, 0.0, 10, error=error, request_id=request_id, http_status=http_status,
+                      first_token_s=first_token_s)
     r.error_code = error_code
     return r
 
@@ -100,8 +102,9 @@ def test_load_sets_the_time_scale_from_the_target_rate():
 @pytest.mark.parametrize("result, kind, reason", [
     (make_result(), "completed", ""),
     (make_result(REJECTED_ARRIVAL, 429, "HTTP 429: busy"), "429", ""),
-    (make_result(REJECTED_LATE, 200, "{'code': 429}", 429), "failed",
+    (make_result(REJECTED_LATE, 200, "{'code': 429}", 429, first_token_s=1.0), "failed",
      "rejected late, after the stream started (its prefill wasted): {'code': 429}"),
+    (make_result(REJECTED_LATE, 200, "{'code': 429}", 429), "429", ""),  # at its prefill's start: no token
     (make_result(FAILED, 503, "HTTP 503: no instance"), "503", ""),
     (make_result(FAILED, 200, "{'code': 503}", 503), "failed", "error event 503 in the stream: {'code': 503}"),
     (make_result(FAILED, 500, "HTTP 500: internal"), "failed", "HTTP 500: internal"),
