@@ -216,9 +216,12 @@ def judge(decision: Decision, context_tokens: int, load: DecodeLoadSnapshot, set
     return verdict, decision
 
 
-def ttft_deadline(arrival_ts: float, settings: AdmissionSettings, resumed: bool = False) -> float:
-    """When an admitted request's first token is due (0: no deadline), on its arrival's clock."""
-    return 0.0 if settings.mode == "none" or resumed else arrival_ts + settings.ttft_slo_s
+def ttft_deadline(arrival_ts: float, settings: AdmissionSettings, resumed: bool = False,
+                  pipelined: bool = False) -> float:
+    """When an admitted request's first token is due (0: no deadline), on its arrival's clock. A
+    pipelined prefill has none: its stages run in the same order on every instance of the group,
+    so no stage may drop one."""
+    return 0.0 if settings.mode == "none" or resumed or pipelined else arrival_ts + settings.ttft_slo_s
 
 
 def late_start(now: float, deadline: float, work_s: float) -> float:

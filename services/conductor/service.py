@@ -284,13 +284,13 @@ class ConductorService:
         pull = decision.pull
         work = decision.prefill_s + decision.transfer_s
         spec = self.pipeline_spec(decision, snapshot, len(ids))
-        # NOTE: the stages of a pipeline run in the same order on each instance; no stage may drop one
-        deadline = admission.ttft_deadline(request.arrival_ts, self.cfg.admission, resumed=request.attempt > 0)
+        deadline = admission.ttft_deadline(request.arrival_ts, self.cfg.admission, resumed=request.attempt > 0,
+                                           pipelined=spec is not None)
         task = PrefillTask(rid, ids, request.sampling, request.reply_subject, decision.decode_id,
                            decision.decode_node, request.arrival_ts,
                            PullSpec(pull.source_node, pull.first_block, pull.num_blocks) if pull else None,
                            attempt=request.attempt, num_generated=request.num_generated, predicted_s=round(work, 6),
-                           key_seed=request.key_seed, ttft_deadline_ts=deadline if spec is None else 0.0)
+                           key_seed=request.key_seed, ttft_deadline_ts=deadline)
         self.state.route(Routed(
             rid, tuple(spec.stages) if spec else (decision.prefill_id,), decision.decode_id, request.reply_subject,
             len(ids), now, work, decision.ttft_s, pull.source_node if pull else "", pull.nbytes if pull else 0,

@@ -220,6 +220,7 @@ def test_an_admitted_request_carries_a_deadline_unless_admission_is_off_or_it_wa
     assert admission.ttft_deadline(1000.0, make_settings("baseline")) == 1005.0
     assert admission.ttft_deadline(1000.0, make_settings("none")) == 0.0
     assert admission.ttft_deadline(1000.0, make_settings("predictive"), resumed=True) == 0.0
+    assert admission.ttft_deadline(1000.0, make_settings("predictive"), pipelined=True) == 0.0
 
 
 def test_a_prefill_that_would_bring_the_first_token_past_its_deadline_is_late_to_start():
