@@ -3,7 +3,10 @@
 Pure: no I/O. `parse` validates a decoded JSON body with its endpoint's model (strict: no
 string is read as a number, no boolean or 2.0 as an integer; null means "not set"; fields the
 OpenAI API has and this gateway ignores are allowed) and returns the GenerateRequest the gateway
-works with. The first problem found, in the order of FIELD_ORDER, is an ApiError answered as
+works with. What the API can ask for and this server cannot do (logprobs, tool calls, penalties,
+a logit bias, a response format other than text, echo, best_of, a suffix) is refused with a 400
+(code "unsupported_value") rather than silently ignored; each such field is typed so that the
+generated document says which values are accepted (null, or the one that asks for nothing). The first problem found, in the order of FIELD_ORDER, is an ApiError answered as
 {"error": {"message", "type", "param", "code"}} with its HTTP status, worded for a person.
 The OpenAPI document's request schemas are generated from these models (openapi.py).
 """
@@ -32,7 +35,22 @@ ROLES = ("system", "developer", "user", "assistant")  # developer is read as sys
 # the order parse checks fields in: of several problems, the first in this order is answered
 FIELD_ORDER = ("model", "prompt", "messages", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p",
                "stream_options", "seed", "stop", "stream", "ignore_eos", "return_token_ids", "cache_salt",
-               "expected_output_tokens")
+               "expected_output_tokens", "logprobs", "top_logprobs", "echo", "best_of", "suffix", "logit_bias",
+               "presence_penalty", "frequency_penalty", "response_format", "tools", "tool_choice")
+# what the OpenAI API can ask for and this server cannot do: refused (400), not ignored
+UNSUPPORTED = {
+    "logprobs": "logprobs are not supported by this server",
+    "top_logprobs": "top_logprobs are not supported by this server (only 0)",
+    "echo": "echo is not supported by this server",
+    "best_of": "only best_of=1 is supported",
+    "suffix": "suffix is not supported by this server",
+    "logit_bias": "logit_bias is not supported by this server (only an empty object)",
+    "presence_penalty": "presence_penalty is not supported by this server (only 0)",
+    "frequency_penalty": "frequency_penalty is not supported by this server (only 0)",
+    "response_format": 'only the response_format {"type": "text"} is supported',
+    "tools": "tool calls are not supported by this server (tools must be empty)",
+    "tool_choice": 'tool calls are not supported by this server (tool_choice may be "none" or "auto")',
+}
 
 
 class ApiError(Exception):
@@ -83,6 +101,10 @@ class TextPart(_Strict):
     text: str
 
 
+class ResponseFormat(_Strict):
+    type: Literal["text"]
+
+
 class Message(_Strict):
     role: Literal[ROLES]  # type: ignore[valid-type]
     content: str | list[TextPart]
@@ -94,6 +116,7 @@ Text = Annotated[str, Field(min_length=1)]
 TokenIds = TypeAliasType("TokenIds", Annotated[list[int], Field(min_length=1)])
 MaxTokens = TypeAliasType("MaxTokens", Annotated[int, Field(ge=1)])
 StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+Zero = Annotated[float, Field(ge=0, le=0)]  # a number only its neutral value is accepted for
 
 
 def _one_prompt(value: Any) -> Any:
@@ -142,6 +165,10 @@ class _Generate(_Strict):
         None, description="Extension: how many tokens the client expects the completion to have. A hint for "
                           "admission, which predicts each decode instance's load from every request's remaining "
                           "output (without a hint, from the lengths of recent completions); it limits nothing.")
+    # not supported (UNSUPPORTED): accepted only as null or the value that asks for nothing
+    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = Field(None, description="Not supported.")
+    presence_penalty: Zero | None = Field(None, description="Not supported: only 0.")
+    frequency_penalty: Zero | None = Field(None, description="Not supported: only 0.")
 
     @field_validator("model")
     @classmethod
@@ -160,6 +187,11 @@ class CompletionRequest(_Generate):
     prompt: Prompt = Field(description="Text or token ids; an array of exactly one of them is a batch of one. "
                                        "The prompt plus max_tokens must fit in the context (else 400).")
     max_tokens: MaxTokens | None = Field(None, description=_MAX_TOKENS_NOTE)
+    # not supported (UNSUPPORTED)
+    logprobs: None = Field(None, description="Not supported.")
+    echo: Literal[False] | None = Field(None, description="Not supported.")
+    best_of: Annotated[int, Field(ge=1, le=1)] | None = Field(None, description="Only 1.")
+    suffix: None = Field(None, description="Not supported.")
 
 
 class ChatCompletionRequest(_Generate):
@@ -171,6 +203,12 @@ class ChatCompletionRequest(_Generate):
     max_tokens: MaxTokens | None = Field(None, description=_MAX_TOKENS_NOTE)
     max_completion_tokens: MaxTokens | None = Field(
         None, description=f"{_MAX_TOKENS_NOTE} Takes precedence over max_tokens when set.")
+    # not supported (UNSUPPORTED)
+    logprobs: Literal[False] | None = Field(None, description="Not supported.")
+    top_logprobs: Annotated[int, Field(ge=0, le=0)] | None = Field(None, description="Not supported: only 0.")
+    response_format: ResponseFormat | None = Field(None, description='Only {"type": "text"}.')
+    tools: Annotated[list[Any], Field(max_length=0)] | None = Field(None, description="Tool calls are not supported.")
+    tool_choice: Literal["none", "auto"] | None = Field(None, description="Tool calls are not supported.")
 
     @field_validator("messages")
     @classmethod
@@ -275,6 +313,8 @@ def _wording(e: dict[str, Any]) -> tuple[str, str | None, str | None]:
         return _stop_wording(kind), name, None
     if len(loc) == 1 and kind in _TYPE_NAMES:
         return f"field {name!r} must be {_TYPE_NAMES[kind]}, got {_json_type(value)}", name, None
+    if name in UNSUPPORTED:
+        return UNSUPPORTED[name], name, "unsupported_value"
     if name in ("max_tokens", "max_completion_tokens"):
         return f"{name} must be at least 1, got {value}", name, None
     if name == "n":

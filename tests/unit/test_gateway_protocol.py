@@ -143,3 +143,39 @@ def test_every_body_sent_is_what_its_model_says(kind, body, return_token_ids):
         assert model.model_validate(sent).model_dump(mode="json") == sent
     assert ("token_ids" in full[1]["choices"][0]) == return_token_ids
     assert "usage" not in chunks[0][1] and chunks[-1][1]["choices"] == []
+
+
+@pytest.mark.parametrize("kind,body,message", [
+    ("chat", CHAT | {"logprobs": True}, "logprobs are not supported by this server"),
+    ("chat", CHAT | {"top_logprobs": 2}, "top_logprobs are not supported by this server"),
+    ("chat", CHAT | {"tools": [{"type": "function", "function": {"name": "get_weather"}}]},
+     "tool calls are not supported by this server"),
+    ("chat", CHAT | {"tool_choice": "required"}, "tool calls are not supported by this server"),
+    ("chat", CHAT | {"response_format": {"type": "json_schema"}}, 'only the response_format {"type": "text"}'),
+    ("chat", CHAT | {"presence_penalty": 0.6}, "presence_penalty is not supported by this server"),
+    ("completion", OK | {"frequency_penalty": -0.5}, "frequency_penalty is not supported by this server"),
+    ("completion", OK | {"logit_bias": {"50256": -100}}, "logit_bias is not supported by this server"),
+    ("completion", OK | {"logprobs": 1}, "logprobs are not supported by this server"),
+    ("completion", OK | {"echo": True}, "echo is not supported by this server"),
+    ("completion", OK | {"best_of": 3}, "only best_of=1 is supported"),
+    ("completion", OK | {"suffix": "}"}, "suffix is not supported by this server"),
+])
+def test_what_this_server_cannot_do_is_refused_not_ignored(kind, body, message):
+    """A client asking for logprobs, tool calls or penalties gets a 400 that names the field, not an
+    answer that silently lacks what it asked for."""
+    with pytest.raises(ApiError) as err:
+        parse(body, kind, "m")
+    assert err.value.status == 400 and err.value.message.startswith(message), err.value.message
+    (asked,) = set(body) - set(CHAT) - set(OK)
+    assert err.value.code == "unsupported_value" and err.value.param == asked
+
+
+@pytest.mark.parametrize("kind,body", [
+    ("chat", CHAT | {"logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none",
+                     "response_format": {"type": "text"}, "presence_penalty": 0, "frequency_penalty": 0.0,
+                     "logit_bias": {}}),
+    ("completion", OK | {"logprobs": None, "echo": False, "best_of": 1, "suffix": None, "logit_bias": None}),
+])
+def test_the_neutral_values_of_what_is_not_supported_are_accepted(kind, body):
+    """SDKs and frameworks send these defaults with every request."""
+    assert parse(body, kind, "m").model == "m"

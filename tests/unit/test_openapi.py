@@ -69,11 +69,17 @@ SHARED_CASES = [
     {"stream_options": {"include_usage": True}}, {"stream_options": []}, {"stream_options": None},
     {"ignore_eos": True}, {"ignore_eos": 0}, {"return_token_ids": False}, {"return_token_ids": "no"},
     {"unknown_field": [1, {"a": None}]},
+    # what this server cannot do is refused, not ignored; the neutral values are accepted
+    {"logit_bias": {}}, {"logit_bias": {"5": 1.0}}, {"logit_bias": None}, {"logit_bias": []},
+    {"presence_penalty": 0}, {"presence_penalty": 0.5}, {"presence_penalty": None}, {"presence_penalty": "0"},
+    {"frequency_penalty": 0.0}, {"frequency_penalty": -1},
 ]
 COMPLETION_CASES = [
     {"prompt": "x"}, {"prompt": ""}, {"prompt": [1, 2]}, {"prompt": []}, {"prompt": ["x"]}, {"prompt": [[1, 2]]},
     {"prompt": ["a", "b"]}, {"prompt": [[]]}, {"prompt": [""]}, {"prompt": [1.5]}, {"prompt": [True]},
     {"prompt": None}, {"prompt": 5}, {"prompt": {"text": "x"}},
+    {"logprobs": None}, {"logprobs": 0}, {"logprobs": 5}, {"echo": False}, {"echo": True}, {"best_of": 1},
+    {"best_of": 2}, {"suffix": None}, {"suffix": "x"},
 ]
 CHAT_CASES = [
     {"messages": []}, {"messages": None}, {"messages": "hi"}, {"messages": ["hi"]},
@@ -86,6 +92,10 @@ CHAT_CASES = [
     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
     {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
     {"max_completion_tokens": 2}, {"max_completion_tokens": 0}, {"max_completion_tokens": 2.5},
+    {"logprobs": False}, {"logprobs": True}, {"logprobs": None}, {"top_logprobs": 0}, {"top_logprobs": 3},
+    {"response_format": {"type": "text"}}, {"response_format": {"type": "json_object"}}, {"response_format": "text"},
+    {"tools": []}, {"tools": [{"type": "function", "function": {"name": "f"}}]}, {"tool_choice": "none"},
+    {"tool_choice": "auto"}, {"tool_choice": "required"}, {"tool_choice": {"type": "function", "function": {"name": "f"}}},
 ]
 
 
