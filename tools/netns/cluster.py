@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 from common.security import new_secret_file
-from tools.moonbus.cluster.processes import Cluster, ClusterError, ClusterSpec, nats_server_binary
+from tools.moonbus.cluster.processes import Cluster, ClusterError, ClusterSpec, Planned, nats_server_binary
 from tools.moonbus.cluster.security import NatsRoutes, nats_config
 from tools.netns.net import Network
 
@@ -129,14 +129,15 @@ class HostsCluster(Cluster):
         raise ClusterError(f"{name} did not listen on {self.net.address[host]}:{port}; see {self.log_dir}")
 
     # --- services -------------------------------------------------------------------------
-    def start_disaggregated(self) -> None:
-        counts = {"prefill": 0, "decode": 0}
+    def plan_workers(self) -> list[Planned]:
+        """Each host's messenger, then the workers the spec puts on it."""
+        counts, planned = {"prefill": 0, "decode": 0}, []
         for node, kinds in self.spec.nodes:
-            self.messenger(f"messenger-{node.removeprefix('node-')}", node)
+            planned.append(Planned(f"messenger-{node.removeprefix('node-')}", "messenger", node))
             for kind in kinds:
-                start = self.prefill_worker if kind == "prefill" else self.decode_worker
-                start(counts[kind], node)
+                planned.append(Planned(f"{kind}-{counts[kind]}", kind, node, counts[kind]))
                 counts[kind] += 1
+        return planned
 
     def service(self, name: str, kind: str, *args: str, node: str = "") -> None:
         """Cluster.service, bound to the host's address instead of the loopback."""

@@ -45,6 +45,24 @@ def replica(kind: str, i: int) -> str:
     return kind if i == 0 else f"{kind}-{i}"
 
 
+@dataclass(frozen=True)
+class Planned:
+    """One service process a cluster starts: its name (`--instance-id`), kind, node ("" for the
+    control plane) and index among the processes of its kind."""
+
+    name: str
+    kind: str
+    node: str = ""
+    index: int = 0
+
+    def instance_ids(self) -> tuple[str, ...]:
+        """The instances it speaks for on the bus (a coupled process: its prefill and its decode half)."""
+        return tuple(publisher.split("/", 1)[1] for publisher in publishers(self.name, self.kind))
+
+
+OWN_USER_KINDS = ("cache_index", "messenger", "prefill", "decode", "coupled")  # each gets a NATS user of its own
+
+
 def publishers(name: str, kind: str) -> list[str]:
     """The event publishers (`<service>/<instance>`) a process of `kind` named `name` writes as."""
     if kind == "coupled":
@@ -300,67 +318,75 @@ class Cluster:
         registered in signers.json for the publishers it writes events as."""
         return signing.register(self.secrets.directory, name, publishers)
 
-    def planned_instances(self) -> dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]]:
-        """name -> (kind, instance ids, nodes) of every process start_services starts that speaks for
-        instances: each gets a NATS user of its own, allowed to speak only as itself (a messenger,
-        only for its node's pool)."""
-        spec, planned = self.spec, {}
-        for i in range(spec.cache_indexes):
-            name = replica("cache_index", i)
-            planned[name] = ("cache_index", (instance_id_of(name, "cache_index"),), ())
-        if spec.coupled:
-            for i in range(spec.coupled):
-                planned[f"messenger-c{i}"] = ("messenger", (f"messenger-c{i}",), (f"node-c{i}",))
-                planned[f"coupled-{i}"] = ("coupled", (f"coupled-{i}-prefill", f"coupled-{i}-decode"), ())
-        else:
-            for kind, letter, count in (("prefill", "p", spec.prefill), ("decode", "d", spec.decode)):
-                for i in range(count):
-                    planned[f"messenger-{letter}{i}"] = ("messenger", (f"messenger-{letter}{i}",), (f"node-{letter}{i}",))
-                    planned[f"{kind}-{i}"] = (kind, (f"{kind}-{i}",), ())
+    def plan(self) -> list[Planned]:
+        """Every service process, in start order: the one place their names are made (the services
+        are started from it, and the closed bus's users are made from it)."""
+        spec = self.spec
+        planned = [Planned(replica("conductor", i), "conductor", index=i) for i in range(spec.conductors)]
+        planned += [Planned(replica("cache_index", i), "cache_index", index=i) for i in range(spec.cache_indexes)]
+        planned += self.plan_workers()
+        planned += [Planned(replica("gateway", i), "gateway", index=i) for i in range(spec.gateways)]
         return planned
 
+    def plan_workers(self) -> list[Planned]:
+        """Each node's messenger, then its workers: node-pI holds prefill-I, node-dI decode-I, and
+        node-cI coupled-I (which replaces both)."""
+        spec, planned = self.spec, []
+        if spec.coupled:
+            for i in range(spec.coupled):
+                planned += [Planned(f"messenger-c{i}", "messenger", f"node-c{i}", i),
+                            Planned(f"coupled-{i}", "coupled", f"node-c{i}", i)]
+            return planned
+        for kind, letter, count in (("prefill", "p", spec.prefill), ("decode", "d", spec.decode)):
+            for i in range(count):
+                planned += [Planned(f"messenger-{letter}{i}", "messenger", f"node-{letter}{i}", i),
+                            Planned(f"{kind}-{i}", kind, f"node-{letter}{i}", i)]
+        return planned
+
+    def planned_instances(self) -> dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]]:
+        """name -> (kind, instance ids, nodes) of every planned process that speaks for instances:
+        each gets a NATS user of its own, allowed to speak only as itself (a messenger, only for
+        its node's pool)."""
+        return {p.name: (p.kind, p.instance_ids(), (p.node,) if p.kind == "messenger" else ())
+                for p in self.plan() if p.kind in OWN_USER_KINDS}
+
     def start_services(self) -> None:
+        for planned in self.plan():
+            self.start_planned(planned)
+
+    def start_planned(self, p: Planned) -> None:
         spec = self.spec
-        for i in range(spec.conductors):
-            self.service(replica("conductor", i), "conductor", *self.model_args(), "--policy", spec.policy,
+        if p.kind == "conductor":
+            self.service(p.name, "conductor", *self.model_args(), "--policy", spec.policy,
                          "--ttft-slo", str(spec.ttft_slo_s), *self.slo_args(), *(["--colocate"] if spec.coupled else []),
                          "--pipeline-group", str(spec.pipeline_group), "--prefill-chunk", str(spec.prefill_chunk))
-        for i in range(spec.cache_indexes):
-            self.service(replica("cache_index", i), "cache_index")
-        if spec.coupled:
-            self.start_coupled()
+        elif p.kind == "cache_index":
+            self.service(p.name, "cache_index")
+        elif p.kind == "messenger":
+            self.messenger(p.name, p.node)
+        elif p.kind == "prefill":
+            self.prefill_worker(p.name, p.node)
+        elif p.kind == "decode":
+            self.decode_worker(p.name, p.node)
+        elif p.kind == "coupled":
+            self.service(p.name, "coupled", *self.node_args(p.node), *self.threads_args("coupled"),
+                         *self.model_args(), *self.transport_args(), *self.slo_args(), node=p.node)
+        elif p.kind == "gateway":
+            self.service(p.name, "gateway", "--model", spec.model, "--host", spec.host,
+                         "--port", str(spec.port + p.index), *(["--api-keys", spec.api_keys] if spec.api_keys else []))
         else:
-            self.start_disaggregated()
-        for i in range(spec.gateways):
-            self.service(replica("gateway", i), "gateway", "--model", spec.model, "--host", spec.host,
-                         "--port", str(spec.port + i), *(["--api-keys", spec.api_keys] if spec.api_keys else []))
+            raise ValueError(f"no such service kind: {p.kind!r}")
 
-    def start_disaggregated(self) -> None:
-        for i in range(self.spec.prefill):
-            self.messenger(f"messenger-p{i}", f"node-p{i}")
-            self.prefill_worker(i, f"node-p{i}")
-        for i in range(self.spec.decode):
-            self.messenger(f"messenger-d{i}", f"node-d{i}")
-            self.decode_worker(i, f"node-d{i}")
-
-    def prefill_worker(self, i: int, node: str) -> None:
-        """prefill-i on `node` (whose messenger is started apart: a node may hold several workers)."""
+    def prefill_worker(self, name: str, node: str) -> None:
+        """A prefill instance on `node` (whose messenger is started apart: a node may hold several workers)."""
         spec = self.spec
-        self.service(f"prefill-{i}", "prefill", *self.node_args(node), *self.threads_args("prefill"),
+        self.service(name, "prefill", *self.node_args(node), *self.threads_args("prefill"),
                      *self.model_args(), "--prefill-chunk", str(spec.prefill_chunk), *self.transport_args(),
                      *(["--pipeline-listener"] if spec.pipeline_group >= 2 else []), node=node)
 
-    def decode_worker(self, i: int, node: str) -> None:
-        self.service(f"decode-{i}", "decode", *self.node_args(node), *self.threads_args("decode"),
+    def decode_worker(self, name: str, node: str) -> None:
+        self.service(name, "decode", *self.node_args(node), *self.threads_args("decode"),
                      *self.model_args(), *self.slo_args(), node=node)
-
-    def start_coupled(self) -> None:
-        """Each coupled instance announces `coupled-i-prefill` and `coupled-i-decode` on node-ci."""
-        for i in range(self.spec.coupled):
-            node = f"node-c{i}"
-            self.messenger(f"messenger-c{i}", node)
-            self.service(f"coupled-{i}", "coupled", *self.node_args(node), *self.threads_args("coupled"),
-                         *self.model_args(), *self.transport_args(), *self.slo_args(), node=node)
 
     def service(self, name: str, kind: str, *args: str, node: str = "") -> None:
         argv = [sys.executable, "-m", f"services.{kind}", "--nats-url", self.spec.nats_addr,

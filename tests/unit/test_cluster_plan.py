@@ -1,0 +1,55 @@
+"""The processes a local cluster starts come from one plan: each is started once, under the name,
+node and kind the plan gives it, and the closed bus's users are made from the same plan."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from tools.moonbus.cluster.processes import Cluster, ClusterSpec
+
+
+def started(spec: ClusterSpec, monkeypatch) -> list[tuple[str, str, str, list[str]]]:
+    """(name, kind, node, argv) of every process start_services spawns, none of them run."""
+    spawned = []
+
+    def spawn(self, name, kind, argv, node="", restarts=None):
+        spawned.append((name, kind, node, argv))
+        self.procs[name] = SimpleNamespace()
+
+    monkeypatch.setattr(Cluster, "spawn", spawn)
+    Cluster(spec).start_services()
+    return spawned
+
+
+@pytest.mark.parametrize("shape", [{}, {"prefill": 2, "decode": 3, "conductors": 3, "gateways": 2, "cache_indexes": 2},
+                                   {"coupled": 2}])
+def test_every_process_is_started_once_as_the_plan_names_it(shape, monkeypatch, tmp_path):
+    spec = ClusterSpec(home=tmp_path, auth=False, **shape)
+    cluster = Cluster(spec)
+    plan = cluster.plan()
+    spawned = started(spec, monkeypatch)
+    assert [(name, kind, node) for name, kind, node, _ in spawned] == [(p.name, p.kind, p.node) for p in plan]
+    assert len({p.name for p in plan}) == len(plan)
+    for (name, kind, _, argv), p in zip(spawned, plan):
+        assert argv[argv.index("-m") + 1] == f"services.{kind}" and argv[argv.index("--instance-id") + 1] == name
+        if kind in ("messenger", "prefill", "decode", "coupled"):
+            assert argv[argv.index("--node") + 1] == p.node
+        if kind == "gateway":
+            assert argv[argv.index("--port") + 1] == str(spec.port + p.index)
+    # each worker shares its node with that node's messenger, and only with it
+    nodes = {}
+    for p in plan:
+        if p.node:
+            nodes.setdefault(p.node, []).append(p.kind)
+    assert all(kinds[0] == "messenger" and len(kinds) == 2 for kinds in nodes.values())
+
+
+def test_the_closed_bus_gives_a_user_to_every_planned_process_that_speaks_for_instances(tmp_path):
+    cluster = Cluster(ClusterSpec(home=tmp_path, auth=False, prefill=2, coupled=0, cache_indexes=2))
+    users = cluster.planned_instances()
+    assert users["prefill-1"] == ("prefill", ("prefill-1",), ())
+    assert users["messenger-p1"] == ("messenger", ("messenger-p1",), ("node-p1",))
+    assert users["cache_index-1"][1] == ("cache-index-1",)
+    assert "conductor" not in users and "gateway" not in users
+    coupled = Cluster(ClusterSpec(home=tmp_path, auth=False, coupled=1)).planned_instances()
+    assert coupled["coupled-0"] == ("coupled", ("coupled-0-prefill", "coupled-0-decode"), ())
