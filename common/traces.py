@@ -146,6 +146,13 @@ def scaled_input_length(row: TraceRow, tokens_per_block: int) -> int:
     return max(1, min(scaled, len(row.hash_ids) * tokens_per_block))
 
 
+def prompt_length(row: TraceRow, tokens_per_block: int, max_tokens: int | None = None) -> int:
+    """The length of the row's replayed prompt: `scaled_input_length`, cut to `max_tokens` if given.
+    It uses the row's first ceil(length / tokens_per_block) hash ids."""
+    length = scaled_input_length(row, tokens_per_block)
+    return length if max_tokens is None else max(1, min(length, max_tokens))
+
+
 def prompt_token_ids(row: TraceRow, tokens_per_block: int, vocab_size: int, min_token_id: int = 3,
                      seed: int = 0, max_tokens: int | None = None) -> list[int]:
     """A prompt whose i-th block of `tokens_per_block` tokens is `block_token_ids(row.hash_ids[i])`.
@@ -154,9 +161,7 @@ def prompt_token_ids(row: TraceRow, tokens_per_block: int, vocab_size: int, min_
     a prefix of k ids get prompts sharing a prefix of k full blocks, so their chained block keys
     (common.kv.blocks.block_keys with block_tokens == tokens_per_block) share exactly that prefix.
     """
-    length = scaled_input_length(row, tokens_per_block)
-    if max_tokens is not None:
-        length = max(1, min(length, max_tokens))
+    length = prompt_length(row, tokens_per_block, max_tokens)
     tokens: list[int] = []
     for hash_id in row.hash_ids[: -(-length // tokens_per_block)]:
         tokens.extend(block_token_ids(hash_id, tokens_per_block, vocab_size, min_token_id, seed))

@@ -44,3 +44,27 @@ def test_block_keys_reproduce_hash_id_sharing():
             assert common_prefix(keys[i], keys[j]) == want, (i, j)
             shared_pairs += want > 0
     assert shared_pairs > 100  # the check is not vacuous: many pairs share prefixes
+
+
+def test_the_exported_trace_is_what_replay_sends():
+    """`moonbus replay --export`: each row names the hash ids its prompt is built from and that
+    prompt's length, so another client (aiperf, block size B) builds prompts of the same lengths
+    sharing the same prefixes; times are divided by --speed."""
+    import argparse
+
+    from tools.moonbus.traces.replay import add_arguments, exported, output_tokens
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--trace", "conversation", "--speed", "0.5", "--tokens-per-block", "32",
+                              "--max-output", "32", "--max-input", "900"])
+    rows = load_trace(TRACE, 200)
+    out = exported(rows, args)
+    for row, e in zip(rows, out):
+        length = len(prompt_token_ids(row, 32, 259, max_tokens=900))
+        n = len(e["hash_ids"])
+        assert e["input_length"] == length and (n - 1) * 32 < length <= n * 32  # aiperf's rule for a block size
+        assert tuple(e["hash_ids"]) == row.hash_ids[:n]
+        assert e["timestamp"] == round((row.timestamp_ms - rows[0].timestamp_ms) * 2)
+        assert e["output_length"] == output_tokens(row, args) <= 32
+    assert any(len(e["hash_ids"]) < len(r.hash_ids) for r, e in zip(rows, out))  # --max-input cut some

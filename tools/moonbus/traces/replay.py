@@ -6,6 +6,12 @@ hash id -> a fixed block of --tokens-per-block ids, so prompts share exactly the
 hash ids share (set the cluster's KV block size to the same B for the cache to line up).
 `ignore_eos` makes the server produce exactly the (scaled) output length.
 
+`--export FILE` writes the trace as it would be sent instead (Mooncake format: timestamps /
+--speed, the scaled lengths, the hash ids each prompt uses), for another client to replay the
+same load: aiperf reads it with `--custom-dataset-type mooncake_trace
+--prompt-input-tokens-block-size B`, building its prompts from the hash ids as this command does
+(shared ids, shared prefixes), with its own text.
+
 Per request: status (ok / rejected_arrival = HTTP 429 before any token / rejected_late = a 429
 after the stream started / failed), TTFT, every inter-token interval (a chunk carrying k tokens
 counts one interval then k-1 of zero), cached tokens from usage. Writes results.jsonl and
@@ -18,6 +24,7 @@ import argparse
 import asyncio
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -25,13 +32,16 @@ import aiohttp
 import orjson
 
 from common.measures import FAILED, OK, REJECTED_ARRIVAL, REJECTED_LATE, RequestResult, format_summary, summarize, tbt_of
-from common.traces import TRACE_BLOCK_TOKENS, TraceRow, add_trace_arguments, load_trace, prompt_token_ids
+from common.traces import (TRACE_BLOCK_TOKENS, TraceRow, add_trace_arguments, load_trace, prompt_length,
+                           prompt_token_ids)
 from tools.moonbus.observe.cpu import MachineCpu
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_trace_arguments(parser)
-    parser.add_argument("--url", required=True, help="gateway base URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--url", help="gateway base URL, e.g. http://127.0.0.1:8000 (required unless --export)")
+    parser.add_argument("--export", type=Path, default=None, metavar="FILE",
+                        help="write the scaled trace (Mooncake format) instead of replaying it, for another client")
     parser.add_argument("--speed", type=float, default=1.0, help="divide trace timestamps by this")
     parser.add_argument("--tokens-per-block", type=int, default=16, metavar="B",
                         help="tokens per trace hash id (trace: 512); lengths scale by B/512")
@@ -157,8 +167,34 @@ async def replay(rows: list[TraceRow], args: argparse.Namespace) -> list[Request
     return results
 
 
+def exported(rows: list[TraceRow], args: argparse.Namespace) -> list[dict]:
+    """The rows as this command sends them, in the trace's own format: timestamps from the first
+    row's, divided by --speed; the prompt's length and the hash ids it is built from; the output
+    length asked for."""
+    base = rows[0].timestamp_ms if rows else 0
+    out = []
+    for row in rows:
+        length = prompt_length(row, args.tokens_per_block, args.max_input)
+        out.append({"timestamp": round((row.timestamp_ms - base) / args.speed), "input_length": length,
+                    "output_length": output_tokens(row, args),
+                    "hash_ids": row.hash_ids[: -(-length // args.tokens_per_block)]})
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     rows = load_trace(args.trace, args.limit)
+    if args.export is not None:
+        with open(args.export, "wb") as f:
+            for row in exported(rows, args):
+                f.write(orjson.dumps(row) + b"\n")
+        print(f"wrote {len(rows)} rows to {args.export} ({'; '.join(scalings(args, len(rows)))})")
+        print(f"aiperf replays it with: --custom-dataset-type mooncake_trace --input-file {args.export} "
+              f"--prompt-input-tokens-block-size {args.tokens_per_block} --fixed-schedule --streaming "
+              f"--extra-inputs ignore_eos:true")
+        return 0
+    if not args.url:
+        print("moonbus replay: give --url (the gateway to replay against) or --export FILE", file=sys.stderr)
+        return 2
     cpu = MachineCpu()
     results = asyncio.run(replay(rows, args))
     summary = summarize(results, args.ttft_slo, args.tbt_slo)
