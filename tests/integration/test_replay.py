@@ -1,7 +1,7 @@
 """`moonbus replay` against a live tiny cluster: every request accounted for, a valid summary."""
 
 import json
-from argparse import Namespace
+from argparse import ArgumentParser
 from pathlib import Path
 
 from common.traces import TraceRow
@@ -15,9 +15,11 @@ def test_short_replay_gives_a_valid_summary(cluster, tmp_path: Path):
     trace.write_text("".join(json.dumps({"timestamp": r.timestamp_ms, "input_length": r.input_length,
                                          "output_length": r.output_length, "hash_ids": list(r.hash_ids)}) + "\n"
                              for r in rows))
-    args = Namespace(trace=trace, limit=None, url=cluster.spec.url, speed=1.0, tokens_per_block=16,
-                     max_output=None, output_scale=None, max_input=None, vocab_size=259, seed=0,
-                     ttft_slo=60.0, tbt_slo=10.0, timeout=120.0, out=tmp_path / "out", plot=True, no_progress=True)
+    parser = ArgumentParser()
+    replay.add_arguments(parser)  # the command's own flags and defaults, as `moonbus replay` parses them
+    args = parser.parse_args(["--trace", str(trace), "--url", cluster.spec.url, "--tokens-per-block", "16",
+                              "--ttft-slo", "60", "--tbt-slo", "10", "--timeout", "120", "--out", str(tmp_path / "out"),
+                              "--plot", "--no-progress"])
     assert replay.run(args) == 0
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())["summary"]
     assert summary["requests"] == 4 and summary["ok"] == 4, summary
