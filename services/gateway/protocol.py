@@ -3,11 +3,13 @@
 Pure: no I/O. `parse` validates a decoded JSON body with its endpoint's model (strict: no
 string is read as a number, no boolean or 2.0 as an integer; null means "not set"; fields the
 OpenAI API has and this gateway ignores are allowed) and returns the GenerateRequest the gateway
-works with. What the API can ask for and this server cannot do (logprobs, tool calls, penalties,
-a logit bias, a response format other than text, echo, best_of, a suffix) is refused with a 400
-(code "unsupported_value") rather than silently ignored; each such field is typed so that the
-generated document says which values are accepted (null, or the one that asks for nothing). The first problem found, in the order of FIELD_ORDER, is an ApiError answered as
+works with. The first problem found, in the order of FIELD_ORDER, is an ApiError answered as
 {"error": {"message", "type", "param", "code"}} with its HTTP status, worded for a person.
+
+What the API can ask for and this server cannot do (logprobs, tool calls, penalties, a logit
+bias, a response format other than text, echo, best_of, a suffix) is refused with a 400 (code
+"unsupported_value") rather than silently ignored; each such field is typed so that the
+generated document says which values are accepted (null, or the one that asks for nothing).
 The OpenAPI document's request schemas are generated from these models (openapi.py).
 """
 
