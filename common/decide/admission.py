@@ -30,9 +30,10 @@ requests it held are resumed at their arrival's place in the queues (common/deci
 ahead of those admitted after them; a prediction can also simply miss. So each admitted request
 carries the time its first token is due, and a prefill instance about to start one that its
 predicted work would bring past that time rejects it instead (a late rejection that wastes no
-prefill: the queue behind it starts sooner). Admission "none" sets no deadline; a resumed
-request (admitted at its arrival; its client may already hold tokens) has none, nor has a
-pipelined one (the conductor's choice: its stages must run in the same order on every instance).
+prefill: the queue behind it starts sooner). Admission "none" sets no deadline; a request
+resumed after its first token has none (it came), nor has a pipelined one (the conductor's
+choice: its stages must run in the same order on every instance). One re-dispatched before its
+first token keeps its deadline.
 
 Retry-After on a rejection: for TTFT, the excess (ttft - slo), since a queue drains one second
 of work per second; for TBT, the time from the evaluated moment until departures alone bring
@@ -216,12 +217,15 @@ def judge(decision: Decision, context_tokens: int, load: DecodeLoadSnapshot, set
     return verdict, decision
 
 
-def ttft_deadline(arrival_ts: float, settings: AdmissionSettings, resumed: bool = False,
+def ttft_deadline(arrival_ts: float, settings: AdmissionSettings, holds_tokens: bool = False,
                   pipelined: bool = False) -> float:
-    """When an admitted request's first token is due (0: no deadline), on its arrival's clock. A
-    pipelined prefill has none: its stages run in the same order on every instance of the group,
-    so no stage may drop one."""
-    return 0.0 if settings.mode == "none" or resumed or pipelined else arrival_ts + settings.ttft_slo_s
+    """When an admitted request's first token is due (0: no deadline), on its arrival's clock.
+    An attempt resumed after its first token (`holds_tokens`: its client has tokens) has none:
+    its first token came. One re-dispatched before it (its instance was lost) keeps the deadline:
+    its client holds nothing yet, and a first token past the SLO is as late as a first attempt's.
+    A pipelined prefill has none: its stages run in the same order on every instance of the
+    group, so no stage may drop one."""
+    return 0.0 if settings.mode == "none" or holds_tokens or pipelined else arrival_ts + settings.ttft_slo_s
 
 
 def late_start(now: float, deadline: float, work_s: float) -> float:

@@ -284,8 +284,8 @@ class ConductorService:
         pull = decision.pull
         work = decision.prefill_s + decision.transfer_s
         spec = self.pipeline_spec(decision, snapshot, len(ids))
-        deadline = admission.ttft_deadline(request.arrival_ts, self.cfg.admission, resumed=request.attempt > 0,
-                                           pipelined=spec is not None)
+        deadline = admission.ttft_deadline(request.arrival_ts, self.cfg.admission,
+                                           holds_tokens=request.num_generated > 0, pipelined=spec is not None)
         task = PrefillTask(rid, ids, request.sampling, request.reply_subject, decision.decode_id,
                            decision.decode_node, request.arrival_ts,
                            PullSpec(pull.source_node, pull.first_block, pull.num_blocks) if pull else None,

@@ -215,11 +215,13 @@ def test_a_resumed_attempt_is_not_judged_again():
     assert verdict.admit and decision == late
 
 
-def test_an_admitted_request_carries_a_deadline_unless_admission_is_off_or_it_was_resumed():
+def test_an_admitted_request_carries_a_deadline_unless_admission_is_off_or_its_first_token_came():
     assert admission.ttft_deadline(1000.0, make_settings("predictive")) == 1005.0
     assert admission.ttft_deadline(1000.0, make_settings("baseline")) == 1005.0
     assert admission.ttft_deadline(1000.0, make_settings("none")) == 0.0
-    assert admission.ttft_deadline(1000.0, make_settings("predictive"), resumed=True) == 0.0
+    assert admission.ttft_deadline(1000.0, make_settings("predictive"), holds_tokens=True) == 0.0
+    # re-dispatched before its first token (the default): its client holds nothing, the deadline stands
+    assert admission.ttft_deadline(1000.0, make_settings("predictive"), holds_tokens=False) == 1005.0
     assert admission.ttft_deadline(1000.0, make_settings("predictive"), pipelined=True) == 0.0
 
 
