@@ -158,8 +158,9 @@ async def test_a_prefill_that_can_no_longer_start_in_time_is_rejected_before_it_
     """Admitted while their prefill instance looked idle, two requests (one streaming) wait there
     while the instance is frozen (SIGSTOP) for several times the TTFT SLO. When it runs again,
     their first tokens could no longer come in time: each is rejected with a 429 (Retry-After on
-    the non-streaming one's response) and one terminal event, and no prefill is spent on them. The next request is served. (The conductor's heartbeat timeout
-    and the gateway's probe are set far beyond the freeze: no one takes the instance for lost.)"""
+    the non-streaming one's response) and one terminal event, and no prefill is spent on them.
+    The next request is served. (The conductor's heartbeat timeout and the gateway's probe are
+    set far beyond the freeze: no one takes the instance for lost.)"""
     from tests.integration.conftest import collect_request_events, post
 
     cluster, slo = tight_slo

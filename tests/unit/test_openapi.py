@@ -95,7 +95,8 @@ CHAT_CASES = [
     {"logprobs": False}, {"logprobs": True}, {"logprobs": None}, {"top_logprobs": 0}, {"top_logprobs": 3},
     {"response_format": {"type": "text"}}, {"response_format": {"type": "json_object"}}, {"response_format": "text"},
     {"tools": []}, {"tools": [{"type": "function", "function": {"name": "f"}}]}, {"tool_choice": "none"},
-    {"tool_choice": "auto"}, {"tool_choice": "required"}, {"tool_choice": {"type": "function", "function": {"name": "f"}}},
+    {"tool_choice": "auto"}, {"tool_choice": "required"},
+    {"tool_choice": {"type": "function", "function": {"name": "f"}}},
 ]
 
 
