@@ -5,9 +5,15 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip -q --disable-pip-version-check
 STAMP := $(VENV)/.moonbus-installed
 
-.PHONY: setup browser run test unit integration soak clean compose-test docker-tools bench bench-transfer rdma-tools rdma-test
+.PHONY: setup kernels browser run test unit integration soak clean compose-test docker-tools bench bench-transfer rdma-tools rdma-test
 
-setup: $(STAMP)
+setup: $(STAMP) kernels
+
+# The decode attention kernel (common/engine/kernels), compiled for this machine's CPU with torch's
+# cpp_extension (g++, OpenMP); a no-op when this CPU's build exists. Without a compiler the engine
+# attends with torch's ops and says so in its log.
+kernels: $(STAMP)
+	$(PY) -m common.engine.kernels
 
 # Mooncake's Transfer Engine, which `moonbus bench transfer` runs next to ours (TCP mode). The non-CUDA
 # build: the default wheel needs libcudart/libcuda. Installed with everything else, so that the

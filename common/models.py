@@ -24,6 +24,8 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from common import machine
+
 # Never reach for a hub, whatever the caller's environment says.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -34,6 +36,9 @@ SMOLLM2 = "SmolLM2-135M-Instruct"
 TINY_RANDOM = "tiny-random"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_SEED = 0
+# tiny-random's dimensions (its KV: 4 layers x K, V x 2 kv heads x 16 dims a token)
+TINY_CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=4096)
 # NOTE: built-in models are rebuilt when this changes, so cached copies never go stale.
 BUILD_VERSION = "1"
 
@@ -42,13 +47,8 @@ DTYPES = ("bfloat16", "float32")  # compute and KV dtypes a worker can run
 
 
 def cpu_has_bf16() -> bool:
-    """Does this CPU compute bfloat16 natively (AVX-512 BF16 or AMX), where torch's bf16 matmuls
-    beat float32 (2.5x on a 1,024-token prefill here)? Read from the kernel's CPU flags."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
+    """Does this CPU compute bfloat16 natively (common/machine.py)?"""
+    return machine.has_bf16()
 
 
 def resolve_dtype(requested: str) -> str:
@@ -307,12 +307,7 @@ def _build_tiny_random(out: Path) -> None:
     tokenizer = _byte_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
+        **TINY_CONFIG,
         # NOTE: a wide init makes the random model's greedy output vary with the prompt, so
         # equality tests compare real sequences rather than one repeated token.
         initializer_range=0.5,

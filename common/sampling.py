@@ -1,12 +1,23 @@
-"""Token sampling shared by prefill (first token) and decode (the rest).
+"""Token sampling shared by prefill (first token) and decode (the rest), vectorised over rows.
 
-Seeded requests are reproducible across processes: the generator for step i is seeded from
-(seed, i), so prefill can sample token 0 and decode token 1.. without sharing RNG state.
+`sample_rows(logits [B, vocab], params, steps)` picks every row's next token in one pass: greedy
+rows by one batched argmax; the sampled rows scaled by their temperatures, cut to their top-k and
+top-p, and drawn by inverse transform (one uniform per row against the row's cumulative
+distribution). `sample` is one row of it, so prefill's first token and decode's later ones come
+from the same code.
+
+Seeded requests are reproducible across processes: the uniform of step i is drawn from a
+generator seeded from (seed, i), so prefill can sample token 0 and decode token 1.. without
+sharing RNG state, whatever batch the row is in.
+
+Top-p over a vocabulary of tens of thousands would sort every row; the rows' top CANDIDATES
+logits are taken first (torch.topk), and a row is sorted whole only when those do not already
+hold its top-p mass (a flat distribution), so the result is exact either way.
 
 Never NaN: a temperature below MIN_TEMPERATURE is greedy (dividing by 1e-40 overflows every
 logit to inf, and softmax of inf is NaN); NaN logits count as impossible; +inf logits (a model
 that overflowed) are the only candidates, with equal weight; and a row with no finite candidate
-at all raises `SamplingError`, which fails that request alone.
+at all is that row's error (`SamplingError` from `sample`), which fails that request alone.
 """
 
 from __future__ import annotations
@@ -19,10 +30,12 @@ _SEED_STRIDE = 1_000_003
 # NOTE: at 1e-4, logits of a float32 model (|x| < 1e4 in practice) divided by T stay below 1e8,
 # far from float32's 3.4e38; the distribution is then one-hot anyway.
 MIN_TEMPERATURE = 1e-4
+CANDIDATES = 256  # logits a sampled row is cut to before top-p, when they hold its top-p mass
 
 
 class SamplingError(ValueError):
-    """Raised when a row of logits has no finite value to sample from (the model output is broken)."""
+    """Raised by `sample` when a row of logits has no finite value to sample from (the model output
+    is broken)."""
 
 
 def step_generator(seed: int | None, step: int) -> torch.Generator | None:
@@ -37,28 +50,94 @@ def is_greedy(params: SamplingParams) -> bool:
 
 def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
     """Pick the next token from one row of logits ([vocab])."""
-    logits = _sanitized(logits)
-    if is_greedy(params):
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits / params.temperature, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < params.top_p
-        keep[0] = True  # the top token always stays (a top_p below float32's smallest value would drop it)
-        sorted_probs = sorted_probs * keep
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=step_generator(params.seed, step)))
+    [token] = sample_rows(logits[None], [params], [step])
+    if isinstance(token, str):
+        raise SamplingError(token)
+    return token
 
 
-def _sanitized(logits: torch.Tensor) -> torch.Tensor:
-    """float32 logits with NaN -> -inf and, if any +inf, those alone kept (as 0, the rest -inf)."""
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[int | str]:
+    """Each row's token, or why the row has none (its logits have no finite value)."""
     logits = logits.float()
-    if bool(torch.isfinite(logits).all()):
-        return logits
+    out: list[int | str] = [0] * len(params)
+    finite = torch.isfinite(logits.sum(dim=-1)).tolist()  # NaN and inf carry through a sum: one pass
+    broken = [i for i, ok in enumerate(finite) if not ok]
+    if broken:  # rare: sanitize those rows alone
+        logits = logits.clone()
+        for i in broken:
+            row = _sanitized(logits[i])
+            if row is None:
+                out[i] = "the model produced no finite logit"
+            else:
+                logits[i] = row
+    live = [i for i in range(len(params)) if not isinstance(out[i], str)]
+    greedy = [i for i in live if is_greedy(params[i])]
+    if greedy:
+        for i, token in zip(greedy, torch.argmax(logits[greedy], dim=-1).tolist()):
+            out[i] = token
+    drawn = [i for i in live if not is_greedy(params[i])]
+    if drawn:
+        for i, token in zip(drawn, _draw(logits[drawn], [params[i] for i in drawn], [steps[i] for i in drawn])):
+            out[i] = token
+    return out
+
+
+def _draw(logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[int]:
+    """Sampled rows: temperature, top-k, top-p, then one uniform each against the kept mass."""
+    vocab = logits.shape[1]
+    scaled = logits / torch.tensor([p.temperature for p in params])[:, None]
+    uniform = _uniforms(params, steps)
+    tokens = [0] * len(params)
+    whole = [i for i, p in enumerate(params) if p.top_p >= 1.0 and not 0 < p.top_k < vocab]
+    if whole:  # no cut: the row's distribution as it is, in vocabulary order
+        probs = torch.softmax(scaled[whole], dim=-1)
+        for i, token in zip(whole, _pick(probs, uniform[whole]).tolist()):
+            tokens[i] = token
+    cut = [i for i in range(len(params)) if i not in set(whole)]
+    if cut:
+        top_k = torch.tensor([params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in cut])[:, None]
+        top_p = torch.tensor([params[i].top_p for i in cut])[:, None]
+        rows = scaled[cut]
+        width = min(vocab, max([CANDIDATES] + [k for k in top_k[:, 0].tolist() if k < vocab]))
+        full = torch.softmax(rows, dim=-1)
+        order = torch.topk(rows, width, dim=-1).indices  # sorted, descending
+        probs = full.gather(1, order)
+        # the top-p cut is exact only where the candidates hold the row's top-p mass (or its top-k)
+        if width < vocab and bool(((probs.sum(dim=-1, keepdim=True) < top_p) & (top_k > width)).any()):
+            order = torch.sort(rows, dim=-1, descending=True).indices
+            probs = full.gather(1, order)
+        keep = torch.arange(order.shape[1])[None, :] < top_k
+        keep &= torch.cumsum(probs, dim=-1) - probs < top_p
+        keep[:, 0] = True  # the top token always stays (a top_p below float32's smallest value would drop it)
+        picked = _pick(probs * keep, uniform[cut])
+        for i, token in zip(cut, order.gather(1, picked[:, None])[:, 0].tolist()):
+            tokens[i] = token
+    return tokens
+
+
+def _uniforms(params: list[SamplingParams], steps: list[int]) -> torch.Tensor:
+    """One uniform in [0, 1) per row: a seeded row's from its (seed, step) generator."""
+    uniform = torch.rand(len(params))
+    for i, p in enumerate(params):
+        if p.seed is not None:
+            uniform[i] = torch.rand(1, generator=step_generator(p.seed, steps[i]))
+    return uniform
+
+
+def _pick(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index whose cumulative weight passes uniform * the row's total: an index
+    of positive weight (the cumulative sum rises there)."""
+    cdf = torch.cumsum(weights, dim=-1)
+    return torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:], right=True)[:, 0].clamp_(max=weights.shape[1] - 1)
+
+
+def _sanitized(logits: torch.Tensor) -> torch.Tensor | None:
+    """A float32 row with NaN -> -inf and, if any +inf, those alone kept (as 0, the rest -inf);
+    None when no finite value is left."""
     logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
     top = torch.isposinf(logits)
     if bool(top.any()):
         return torch.zeros_like(logits).masked_fill(~top, float("-inf"))
     if not bool(torch.isfinite(logits).any()):
-        raise SamplingError("the model produced no finite logit")
+        return None
     return logits

@@ -12,6 +12,7 @@ class SamplingParams(Wire):
     seed: int | None = None
     ignore_eos: bool = False
     expected_tokens: int = 0  # the client's hint of its output length (0: none); decode load is predicted from it
+    top_k: int = 0  # sample among the k most likely tokens only (0: no cut)
 
 
 class RouteRequest(Wire):

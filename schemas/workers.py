@@ -82,6 +82,7 @@ class DecodeReport(Wire):
     predicted_tbt_s: float  # its step time now, by the profile
     joined: list[Joined] = []  # every request held: the `running` members, then waiting
     measured: Measured | None = None  # its latest step
+    kv_cache_bytes: int = 0  # its KV pool (`--kv-cache-bytes`): room for kv_used_tokens + kv_free_tokens
 
 
 class WorkerInfo(Wire):

@@ -225,9 +225,10 @@ class DecodeService:
             self.loading[task.request_id] = Loading(task, job)
 
     def load(self, task: DecodeTask) -> RowKv:
-        """On a thread: the landed file, checked, in the buffer the request will run in."""
+        """On a thread: the landed file, checked, in the blocks the request holds in the batch's pool."""
         started = time.perf_counter()
-        row = self.engine.row_from_file(self.cfg.shm_dir, task.kv, task.sampling, task.num_generated + 1, remove=True)
+        row = self.engine.load_file(task.request_id, self.cfg.shm_dir, task.kv, task.sampling, task.num_generated + 1,
+                                    remove=True)
         self.metrics.load_s.observe(time.perf_counter() - started)
         return row
 
@@ -395,7 +396,8 @@ class DecodeService:
         context = engine.context_tokens
         tbt = self.perf.decode.step_seconds(max(1, engine.num_running), context) * self.speed.value
         return DecodeReport(engine.num_running, context, engine.reserved_tokens,
-                            engine.kv_budget_tokens - engine.reserved_tokens, round(tbt, 6), joined, self.measured)
+                            engine.kv_budget_tokens - engine.reserved_tokens, round(tbt, 6), joined, self.measured,
+                            engine.kv_cache_bytes)
 
     async def reject_late(self, task: DecodeTask, why: str) -> None:
         rid = task.request_id
@@ -447,8 +449,9 @@ class DecodeService:
         await self.heartbeat()
         await self.events.instance("started", cfg.instance_id, role="decode", node=cfg.node, model=model_name,
                                    incarnation=self.incarnation)
-        log.info("decode %s ready on node %s (model %s): batch <= %d, KV budget %d tokens, late TBT check %s "
-                 "(slo %gs), profile %s", cfg.instance_id, cfg.node, model_name, cfg.max_batch, cfg.kv_budget_tokens,
+        log.info("decode %s ready on node %s (model %s): batch <= %d, KV %.2f GiB (%d tokens), attention %s, "
+                 "late TBT check %s (slo %gs), profile %s", cfg.instance_id, cfg.node, model_name, cfg.max_batch,
+                 self.engine.kv_cache_bytes / (1 << 30), self.engine.kv_budget_tokens, self.engine.attention,
                  "on" if cfg.late_check else "off", cfg.tbt_slo_s, profile_source)
 
     async def drain(self, stop: runner.Stop, grace_s: float) -> None:

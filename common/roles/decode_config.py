@@ -6,7 +6,11 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import config as common, models
+from common import config as common, machine, models
+
+# A decode instance's KV pool, by default: a quarter of the machine's memory (vLLM's CPU backend
+# takes a fixed 4 GiB by default; the rest stays for the weights, the node's pool, prefill)
+KV_MEMORY_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -31,7 +35,7 @@ class DecodeConfig:
     orphan_kv_s: float  # a KV file landed for us this long ago whose task never came is removed
     store_every_blocks: int  # a running request's new full blocks go to the node's pool this many at a time (0: at its end only)
     max_batch: int
-    kv_budget_tokens: int  # KV tokens the batch may reserve (prompt + tokens still to generate)
+    kv_cache_bytes: int  # the batch's KV pool, K and V of every layer in the KV dtype (`--kv-cache-bytes` resolved)
     tbt_slo_s: float  # a request whose KV arrives when the batch could not meet this is rejected (late)
     late_check: bool  # False with admission "none"
     profile: str
@@ -52,8 +56,8 @@ class DecodeConfig:
             raise ValueError("heartbeat interval must be > 0")
         if self.tbt_slo_s <= 0:
             raise ValueError("tbt slo must be > 0")
-        if self.kv_budget_tokens < 1:
-            raise ValueError("kv budget must be >= 1 token")
+        if self.kv_cache_bytes < 1:
+            raise ValueError("kv cache bytes must be >= 1")
         if self.max_batch < 1:
             raise ValueError("max batch must be >= 1")
 
@@ -73,13 +77,24 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     common.flag(parser, "--drain-grace", "MOONBUS_DRAIN_GRACE", 30.0, float, dest="drain_grace_s",
                 help="seconds to finish held work after SIGTERM; what is left is resumed elsewhere")
     common.flag(parser, "--max-batch", "MOONBUS_MAX_BATCH", 64, int, help="most requests decoding at once")
-    common.flag(parser, "--kv-budget-tokens", "MOONBUS_KV_BUDGET_TOKENS", 32768, int,
-                help="KV tokens the batch may hold, counting what each request may still generate")
+    common.flag(parser, "--kv-cache-bytes", "MOONBUS_KV_CACHE_BYTES", 0, int, dest="kv_cache_bytes",
+                help="bytes of KV the batch may hold, counting what each request may still generate (K and V of "
+                     f"every layer, in the KV dtype; 0 = {KV_MEMORY_SHARE:.0%} of this machine's memory, or of its "
+                     "cgroup's limit where lower); allocated once, pages touched as tokens are held")
     common.flag(parser, "--tbt-slo", "MOONBUS_TBT_SLO", 1.0, float, help="seconds; checked when a request's KV arrives", dest="tbt_slo_s")
     common.flag(parser, "--admission", "MOONBUS_ADMISSION", "predictive", help="none turns the arrival check off")
     common.flag(parser, "--profile", "MOONBUS_PROFILE", "", help="performance profile file")
 
 
 def from_args(args: argparse.Namespace) -> DecodeConfig:
+    if args.kv_cache_bytes < 0:
+        raise ValueError("--kv-cache-bytes must be >= 0 (0 = a share of the machine's memory)")
     return common.build(DecodeConfig, args, shm_dir=common.shm_dir_for(args.node, args.shm_dir), home=Path(args.home),
-                        late_check=args.admission != "none", dtype=models.resolve_dtype(args.dtype))
+                        late_check=args.admission != "none", dtype=models.resolve_dtype(args.dtype),
+                        kv_cache_bytes=args.kv_cache_bytes or default_kv_cache_bytes())
+
+
+def default_kv_cache_bytes(instances: int = 1) -> int:
+    """KV_MEMORY_SHARE of the memory this process may use, shared by `instances` decode instances
+    on the machine (`moonbus up` passes each its share)."""
+    return int(machine.memory_bytes() * KV_MEMORY_SHARE) // max(1, instances)

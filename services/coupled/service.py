@@ -38,7 +38,7 @@ async def serve(cfg: CoupledConfig, stop: runner.Stop) -> bool:
     compute_lock = asyncio.Lock()  # a prefill forward and a decode iteration never overlap
     registry = metrics.registry()  # one process, one metrics port: both halves report into it
     prefill = PrefillService(pcfg, nc, model, eos, layout, compute_lock, registry)
-    engine = BatchEngine(model, dcfg.max_batch, dcfg.kv_budget_tokens)
+    engine = BatchEngine.for_memory(model, dcfg.max_batch, dcfg.kv_cache_bytes)
     decode = DecodeService(dcfg, nc, engine, eos, layout, tasks, perf, compute_lock, registry)
     await prefill.start(tasks, stop, ref.name)
     await decode.start(stop, ref.name, source)

@@ -216,9 +216,14 @@ class Api:
         ready = roles.get("prefill", 0) > 0 and roles.get("decode", 0) > 0
         # the KV layouts the workers run ("30x2x3x64 bfloat16": the dtype is the last word)
         layouts = sorted({w.layout.kv for w in status.workers if w.layout is not None and w.layout.kv})
+        # each decode instance's KV room: its pool's bytes, the tokens they hold, the tokens free
+        kv = {w.instance_id: {"kv_cache_bytes": w.decode.kv_cache_bytes,
+                              "kv_tokens": w.decode.kv_used_tokens + (w.decode.kv_free_tokens or 0),
+                              "kv_free_tokens": w.decode.kv_free_tokens}
+              for w in status.workers if w.decode is not None}
         body = {"status": "ok" if ready else "unavailable", "model": self.gateway.served_model,
                 "instances": roles, "in_flight": status.in_flight, "kv_layouts": layouts,
-                "dtypes": sorted({layout.rsplit(" ", 1)[-1] for layout in layouts})}
+                "dtypes": sorted({layout.rsplit(" ", 1)[-1] for layout in layouts}), "decode_kv": kv}
         return json_response(body, 200 if ready else 503)
 
     async def openapi_document(self, request: web.Request) -> web.Response:

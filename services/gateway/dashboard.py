@@ -164,10 +164,15 @@ async def ask(nc, subject: str, body: bytes, decode: Callable[[bytes], Any]) -> 
 def instances_view(status: StatusReply) -> list[dict[str, Any]]:
     rows = []
     for w in sorted(status.workers, key=lambda w: (w.role, w.instance_id)):
+        kv = w.decode
         rows.append({"instance_id": w.instance_id, "role": w.role, "node": w.node, "num_queued": w.num_queued,
                      "num_running": w.num_running, "draining": w.draining,
                      "queue_s": status.prefill_queue_s.get(w.instance_id),
-                     "decode_running": status.decode_running.get(w.instance_id)})
+                     "decode_running": status.decode_running.get(w.instance_id),
+                     # a decode instance's KV room: its pool's bytes, and the share of its tokens held
+                     "kv_cache_bytes": kv.kv_cache_bytes if kv is not None else None,
+                     "kv_used_tokens": kv.kv_used_tokens if kv is not None else None,
+                     "kv_free_tokens": kv.kv_free_tokens if kv is not None else None})
     return rows
 
 

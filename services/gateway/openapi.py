@@ -145,7 +145,12 @@ def _health() -> Schema:
                   "kv_layouts": {"type": "array", "items": {"type": "string"},
                                  "description": "The workers' KV layouts, e.g. 30x2x3x64 bfloat16."},
                   "dtypes": {"type": "array", "items": {"enum": ["bfloat16", "float32"]},
-                             "description": "The workers' compute and KV dtypes."}})
+                             "description": "The workers' compute and KV dtypes."},
+                  "decode_kv": {"type": "object", "description": "Each decode instance's KV room: its pool's bytes "
+                                "(--kv-cache-bytes), the tokens it holds and those free.",
+                                "additionalProperties": _object({"kv_cache_bytes": {"type": "integer"},
+                                                                 "kv_tokens": {"type": "integer"},
+                                                                 "kv_free_tokens": {"type": ["integer", "null"]}})}})
     down = {"type": "object", "required": ["status"], "properties": {"status": {"const": "unavailable"}}}
     return {"operationId": "health", "responses": {
         "200": {"description": "A prefill and a decode instance are up.", "content": _json(up)},

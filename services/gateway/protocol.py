@@ -35,7 +35,7 @@ JSON_INT_MIN = -(2**63)
 JSON_INT_MAX = 2**64 - 1
 ROLES = ("system", "developer", "user", "assistant")  # developer is read as system
 # the order parse checks fields in: of several problems, the first in this order is answered
-FIELD_ORDER = ("model", "prompt", "messages", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+FIELD_ORDER = ("model", "prompt", "messages", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
                "stream_options", "seed", "stop", "stream", "ignore_eos", "return_token_ids", "cache_salt",
                "expected_output_tokens", "logprobs", "top_logprobs", "echo", "best_of", "suffix", "logit_bias",
                "presence_penalty", "frequency_penalty", "response_format", "tools", "tool_choice")
@@ -152,6 +152,8 @@ class _Generate(_Strict):
     temperature: Annotated[float, Field(ge=0, le=TEMPERATURE_MAX)] | None = Field(
         None, description="Default 1; 0 is greedy.")
     top_p: Annotated[float, Field(gt=0, le=1)] | None = Field(None, description="Default 1.")
+    top_k: Annotated[int, Field(ge=-1, le=JSON_INT_MAX)] | None = Field(
+        None, description="Extension (as in vLLM): sample among the k most likely tokens only; -1 or 0: all.")
     seed: Annotated[int, Field(ge=JSON_INT_MIN, le=JSON_INT_MAX)] | None = Field(
         None, description="Reproducible across processes: step i is seeded from (seed, i).")
     stop: Stop | None = None
@@ -238,6 +240,7 @@ class GenerateRequest:
     top_p: float
     seed: int | None
     stop: list[str] = field(default_factory=list)
+    top_k: int = 0  # extension (as in vLLM): the k most likely tokens only (0: no cut)
     stream: bool = False
     include_usage: bool = False
     ignore_eos: bool = False  # extension (as in vLLM): generate max_tokens even past EOS
@@ -247,7 +250,7 @@ class GenerateRequest:
 
     def sampling(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_p, max_tokens, self.seed, self.ignore_eos,
-                              min(self.expected_output_tokens, max_tokens))
+                              min(self.expected_output_tokens, max_tokens), max(self.top_k, 0))
 
 
 def parse(body: Any, kind: str, served_model: str) -> GenerateRequest:
@@ -268,6 +271,7 @@ def parse(body: Any, kind: str, served_model: str) -> GenerateRequest:
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
         seed=req.seed,
         stop=req.stop or [],
         stream=bool(req.stream),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import json
 import os
 import shutil
@@ -20,9 +19,23 @@ import torch
 
 from common import models
 from common.traces import resolve_trace
+from tests import greedy
 from tools.moonbus.cluster.processes import Cluster, ClusterSpec, free_port, nats_server_binary
 
 TINY = models.TINY_RANDOM
+# The KV dtypes a cluster runs in: the dtype-sensitive tests run in both, whatever `--dtype auto`
+# picks on this machine (AUTO_DTYPE), so a CPU without bf16 units catches what one with them would
+KV_DTYPES = ("float32", "bfloat16")
+AUTO_DTYPE = models.resolve_dtype("auto")
+
+
+def tiny_kv_bytes_per_token(dtype: str) -> int:
+    """tiny-random's KV bytes a token in `dtype` (auto resolved): every layer's K and V."""
+    from common.kv.blocks import DTYPES
+
+    c = models.TINY_CONFIG
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    return c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head_dim * DTYPES[models.resolve_dtype(dtype)][0]
 
 
 def start_cluster(home: Path, model: str = TINY, **kwargs) -> Cluster:
@@ -93,16 +106,32 @@ def tiny(cluster):
     return models.load_tokenizer(ref), models.load_model(ref, models.resolve_dtype(cluster.spec.dtype))
 
 
-def reference_greedy(model, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = False) -> list[int]:
-    """transformers' own greedy generate; `ignore_eos` as the service's: EOS is a token like any other."""
-    config = copy.deepcopy(model.generation_config)
-    config.max_new_tokens, config.do_sample = max_tokens, False
-    if ignore_eos:
-        config.eos_token_id = []  # NOTE: None falls back to the model's EOS; an empty list stops at none
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt_ids]), generation_config=config,
-                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
-    return out[0, len(prompt_ids):].tolist()
+@pytest.fixture(scope="session")
+def tiny_in(cluster):
+    """dtype -> (tokenizer, tiny-random in that dtype), for the reference outputs of a cluster
+    that runs in a dtype of its own."""
+    ref, loaded = models.prepare(TINY, cluster.spec.home), {}
+
+    def load(dtype: str):
+        dtype = models.resolve_dtype(dtype)
+        if dtype not in loaded:
+            loaded[dtype] = models.load_tokenizer(ref), models.load_model(ref, dtype)
+        return loaded[dtype]
+
+    return load
+
+
+def reference_greedy(model, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = False) -> greedy.Greedy:
+    """transformers' own greedy decoding, with each step's margin (tests/greedy.py); `ignore_eos`
+    as the service's: EOS is a token like any other."""
+    return greedy.reference(model, prompt_ids, max_tokens, ignore_eos)
+
+
+def assert_greedy(got: list[int], model, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = False,
+                  what: str = "") -> None:
+    """`got` is transformers' greedy output for the prompt, up to a near-tie (tests/greedy.py)."""
+    want = reference_greedy(model, prompt_ids, max_tokens, ignore_eos)
+    greedy.assert_matches(got, want, str(model.dtype).removeprefix("torch."), what)
 
 
 async def post(url: str, body: dict | bytes, timeout_s: float = 120, api_key: str = "") -> tuple[int, dict, dict]:

@@ -31,11 +31,13 @@ from schemas.transfer import KvHandle
 
 pytestmark = pytest.mark.integration
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
+# 4,096 tokens of tiny-random's float32 KV (1 KiB a token), plus a block of slack for each of 4 rows
+KV_CACHE_BYTES = (4096 + 4 * 16) * 1024
 
 
 def config(url: str, home: Path) -> DecodeConfig:
     return DecodeConfig(url, NatsAuth(), "", "decode-t", "node-t", home / "shm", models.TINY_RANDOM, 16, "float32",
-                        home, "INFO", "", 0, "127.0.0.1", 1, 0.15, 0.0, 60.0, 0, 4, 4096, 1.0, False, "")
+                        home, "INFO", "", 0, "127.0.0.1", 1, 0.15, 0.0, 60.0, 0, 4, KV_CACHE_BYTES, 1.0, False, "")
 
 
 class Decode:
@@ -67,7 +69,7 @@ REPLY = "moonbus.test.decode-drain"
 async def decode(bare_nats_url, tmp_path):
     cfg = config(bare_nats_url, tmp_path)
     worker = models.load_for_worker(cfg.model, cfg.home, 1, cfg.dtype)
-    engine = BatchEngine(worker.model, cfg.max_batch, cfg.kv_budget_tokens)
+    engine = BatchEngine.for_memory(worker.model, cfg.max_batch, cfg.kv_cache_bytes)
     perf, _ = profiles.load(cfg.home, cfg.model, "", cfg.dtype)
     nc = await bus.connect(bare_nats_url, "decode-t")
     service = DecodeService(cfg, nc, engine, None, worker.kv_layout(cfg.block_tokens), runner.TaskGroup(runner.Stop()),

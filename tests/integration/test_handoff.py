@@ -28,16 +28,21 @@ from common.transport.tcp import recv_exactly
 from common.transport import resolve
 from schemas import subjects
 from schemas.pool import PoolStatus
-from tests.integration.conftest import collect_request_events, free_port, post, reference_greedy, start_cluster
+from tests.integration.conftest import (AUTO_DTYPE, KV_DTYPES, collect_request_events, free_port, post,
+                                        assert_greedy, start_cluster, tiny_kv_bytes_per_token)
 from tests.integration.test_kv_pool import text_of
 
 pytestmark = pytest.mark.integration
 CHUNK = 128
 BOUND_S = 90
-KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 16 * 4  # tiny-random: 4 layers x K,V x 2 kv heads x 16 dims x float32
 STRIPE_MIN = 16 << 10
 RELAY_HOST = "127.0.0.2"  # loopback too: node-d1's KV goes through the relay there
-assert CHUNK * KV_BYTES_PER_TOKEN // 4 >= STRIPE_MIN  # one layer's slice of a chunk is striped
+assert CHUNK * min(map(tiny_kv_bytes_per_token, KV_DTYPES)) // 4 >= STRIPE_MIN  # one layer's slice of a chunk is striped
+# (transport, KV dtype) of the clusters: every transport this host can run (rdma: a device), each in
+# both dtypes for the test of the bytes moved; the fault tests run in the dtype `auto` picks here
+TRANSPORTS = resolve("auto")
+EVERY_DTYPE = [(t, d) for t in TRANSPORTS for d in KV_DTYPES]
+AUTO = [(t, AUTO_DTYPE) for t in TRANSPORTS]
 
 
 class CorruptingRelay:
@@ -105,13 +110,14 @@ class CorruptingRelay:
         dst.sendall(payload)
 
 
-@pytest.fixture(scope="module", params=resolve("auto"))  # every transport this host can run (rdma: a device)
+@pytest.fixture(scope="module")
 def streamed(request, tmp_path_factory, tiny_profile):
-    striped = ["--tcp-streams", "2", "--tcp-stripe-min", str(STRIPE_MIN)] if request.param == "tcp" else []
+    transport, dtype = request.param
+    striped = ["--tcp-streams", "2", "--tcp-stripe-min", str(STRIPE_MIN)] if transport == "tcp" else []
     port = free_port()  # node-d1's transport listener; the relay listens on the same port of another address
     relay = CorruptingRelay((RELAY_HOST, port), ("127.0.0.1", port))
     cluster = start_cluster(tmp_path_factory.mktemp("handoff"), decode=2, prefill_chunk=CHUNK, profile=tiny_profile,
-                            transport=request.param, service_args={
+                            transport=transport, dtype=dtype, service_args={
                                 "prefill": ["--transfer-timeout", "3", *striped],
                                 "messenger-d1": ["--transfer-port", str(port), "--advertise-host", RELAY_HOST]})
     cluster.relay = relay
@@ -125,19 +131,20 @@ def body(prompt: str, max_tokens: int = 16) -> dict:
             "return_token_ids": True}
 
 
-async def test_greedy_output_is_identical_with_the_streamed_handoff(streamed, tiny):
-    tokenizer, model = tiny
+@pytest.mark.parametrize("streamed", EVERY_DTYPE, indirect=True, ids=lambda p: "-".join(p))
+async def test_greedy_output_is_identical_with_the_streamed_handoff(streamed, tiny_in):
+    tokenizer, model = tiny_in(streamed.spec.dtype)
     prompt = text_of(1500, seed=900)
     ids = tokenizer(prompt)["input_ids"]
     assert len(ids) > 10 * CHUNK  # many chunks, each layer's slices streamed while the next computes
     status, first, headers = await post(f"{streamed.spec.url}/v1/completions", body(prompt))
     assert status == 200, first
-    assert first["choices"][0]["token_ids"] == reference_greedy(model, ids, 16, True)
+    assert_greedy(first["choices"][0]["token_ids"], model, ids, 16, True)
     events = await collect_request_events(streamed.spec.nats_url, headers["X-Request-Id"])
     [moved] = [e["data"] for e in events if e["kind"] == "kv_transferred"]
     assert moved["streamed"] and moved["transport"] == streamed.spec.transport
     assert moved["src_node"] != moved["dest_node"]
-    assert moved["bytes"] == len(ids) * KV_BYTES_PER_TOKEN  # every slice, once
+    assert moved["bytes"] == len(ids) * tiny_kv_bytes_per_token(streamed.spec.dtype)  # every slice, once
     assert moved["tail_s"] < 5.0  # measured by `moonbus bench transfer`; here only bounded
     # the same prompt again: its prefix comes from the prefill node's pool and is streamed too
     status, again, _ = await post(f"{streamed.spec.url}/v1/completions", body(prompt))
@@ -203,6 +210,7 @@ async def no_request_files_left(cluster, nodes=("node-p0", "node-d0", "node-d1")
         await nc.drain()
 
 
+@pytest.mark.parametrize("streamed", AUTO, indirect=True, ids=lambda p: "-".join(p))
 async def test_a_frozen_destination_fails_the_handoff_and_the_request_resumes_with_the_same_tokens(streamed, tiny):
     cluster = streamed
     tokenizer, model = tiny
@@ -228,7 +236,7 @@ async def test_a_frozen_destination_fails_the_handoff_and_the_request_resumes_wi
         assert hit, "every request was handed off before its destination could be frozen"
         ids = tokenizer(prompt)["input_ids"]
         assert events[-1] == {"done": True} and not [e for e in events if "error" in e], events[-3:]
-        assert tokens_of(events) == reference_greedy(model, ids, 24, True)  # resumed: nothing lost or repeated
+        assert_greedy(tokens_of(events), model, ids, 24, True)  # resumed: nothing lost or repeated
         path = await collect_request_events(cluster.spec.nats_url, request_id)
         kinds = [e["kind"] for e in path]
         assert [k for k in kinds if k in ("completed", "failed", "cancelled", "rejected")] == ["completed"]
@@ -238,6 +246,7 @@ async def test_a_frozen_destination_fails_the_handoff_and_the_request_resumes_wi
     await no_request_files_left(cluster)
 
 
+@pytest.mark.parametrize("streamed", AUTO, indirect=True, ids=lambda p: "-".join(p))
 async def test_a_destination_killed_midway_fails_or_resumes_the_request_cleanly(streamed, tiny):
     cluster = streamed
     tokenizer, model = tiny
@@ -258,7 +267,7 @@ async def test_a_destination_killed_midway_fails_or_resumes_the_request_cleanly(
     if errors:  # one clear error, no hang
         assert len(errors) == 1 and errors[0]["error"]["message"], errors
     else:
-        assert tokens_of(events) == reference_greedy(model, tokenizer(prompt)["input_ids"], 24, True)
+        assert_greedy(tokens_of(events), model, tokenizer(prompt)["input_ids"], 24, True)
     path = await collect_request_events(cluster.spec.nats_url, request_id)
     assert len([e for e in path if e["kind"] in ("completed", "failed", "cancelled", "rejected")]) == 1
     for messenger in killed:
@@ -270,6 +279,7 @@ async def test_a_destination_killed_midway_fails_or_resumes_the_request_cleanly(
     await no_request_files_left(cluster)
 
 
+@pytest.mark.parametrize("streamed", AUTO, indirect=True, ids=lambda p: "-".join(p))
 async def test_a_slice_corrupted_on_the_wire_is_caught_on_arrival_and_the_request_completes_elsewhere(streamed, tiny):
     """One bit of a slice flipped between prefill and node-d1 (the relay): node-d1's messenger finds
     the slice's checksum wrong on arrival, the completion fails naming it, and the request is
@@ -286,7 +296,7 @@ async def test_a_slice_corrupted_on_the_wire_is_caught_on_arrival_and_the_reques
                                          for p in prompts))
         for prompt, (status, out, headers) in zip(prompts, answers):
             assert status == 200, out
-            assert out["choices"][0]["token_ids"] == reference_greedy(model, tokenizer(prompt)["input_ids"], 16, True)
+            assert_greedy(out["choices"][0]["token_ids"], model, tokenizer(prompt)["input_ids"], 16, True)
             path = await collect_request_events(cluster.spec.nats_url, headers["X-Request-Id"])
             kinds = [e["kind"] for e in path]
             assert [k for k in kinds if k in ("completed", "failed", "cancelled", "rejected")] == ["completed"]

@@ -158,7 +158,8 @@ def guest_suite(image, home: Path) -> vm.GuestResult:
     expected = []
     for prompt in MODEL_PROMPTS:  # the references, here: the guest has no transformers to spend minutes on
         ids = tokenizer(prompt)["input_ids"]
-        expected.append([prompt, ids, reference_greedy(model, ids, MODEL_TOKENS, ignore_eos=True)])
+        want = reference_greedy(model, ids, MODEL_TOKENS, ignore_eos=True)
+        expected.append([prompt, ids, want.tokens, want.margins])
     spec = ClusterSpec(home=home, model=str(ref.path), prefill=0, decode=0, auth=False, admission="none",
                        ttft_slo_s=600.0, dtype="float32", port=free_port(), nats_port=free_port())
     cluster = Cluster(spec)  # nats-server, conductor, cache index, gateway: the nodes join from the guest

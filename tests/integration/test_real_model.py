@@ -6,7 +6,7 @@ import openai
 import pytest
 
 from common import models
-from tests.integration.conftest import reference_greedy, start_cluster
+from tests.integration.conftest import assert_greedy, start_cluster
 
 pytestmark = pytest.mark.integration
 
@@ -23,11 +23,13 @@ def test_chat_answers_and_matches_single_process_greedy(smol):
     cluster, tokenizer, model = smol
     client = openai.OpenAI(base_url=f"{cluster.spec.url}/v1", api_key="unused", max_retries=0)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    reply = client.chat.completions.create(model=models.SMOLLM2, messages=messages, max_tokens=20, temperature=0)
+    reply = client.chat.completions.create(model=models.SMOLLM2, messages=messages, max_tokens=20, temperature=0,
+                                           extra_body={"return_token_ids": True})
     prompt_ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                     return_dict=True)["input_ids"])
-    expected = reference_greedy(model, prompt_ids, 20)
-    assert reply.choices[0].message.content == tokenizer.decode(expected, skip_special_tokens=True)
+    ids = reply.choices[0].model_extra["token_ids"]
+    assert_greedy(ids, model, prompt_ids, 20, what="the chat answer")
+    assert reply.choices[0].message.content == tokenizer.decode(ids, skip_special_tokens=True)
     assert "Paris" in reply.choices[0].message.content
     assert reply.usage.prompt_tokens == len(prompt_ids)
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(

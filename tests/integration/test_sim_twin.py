@@ -17,19 +17,20 @@ import pytest
 from common.decide.index import PrefixIndex
 from common.kv.blocks import block_keys
 from schemas.route import SamplingParams
-from tests.integration.conftest import start_cluster
+from tests.integration.conftest import KV_DTYPES, start_cluster, tiny_kv_bytes_per_token
 from tests.integration.test_kv_pool import BLOCK, index_entries, messenger_entries, run_prefill_task, wait_until
 from tools.sim.instances import PoolNode
 
 pytestmark = pytest.mark.integration
 DRAM_BLOCKS, SSD_BLOCKS = 8, 12
-BLOCK_NBYTES = 4 * 2 * 2 * BLOCK * 16 * 4  # tiny-random: 4 layers, K and V, 2 kv heads, head_dim 16, float32
 
 
-@pytest.fixture(scope="module")
-def small_pool(tmp_path_factory, tiny_profile):
-    cluster = start_cluster(tmp_path_factory.mktemp("twin"), prefill=1, dram_bytes=DRAM_BLOCKS * BLOCK_NBYTES,
-                            ssd_bytes=SSD_BLOCKS * BLOCK_NBYTES, profile=tiny_profile)
+@pytest.fixture(scope="module", params=KV_DTYPES)
+def small_pool(request, tmp_path_factory, tiny_profile):
+    """A prefill node whose tiers hold DRAM_BLOCKS and SSD_BLOCKS blocks in the KV dtype of the parameter."""
+    block_nbytes = BLOCK * tiny_kv_bytes_per_token(request.param)
+    cluster = start_cluster(tmp_path_factory.mktemp("twin"), prefill=1, dram_bytes=DRAM_BLOCKS * block_nbytes,
+                            ssd_bytes=SSD_BLOCKS * block_nbytes, profile=tiny_profile, dtype=request.param)
     yield cluster
     cluster.stop()
 

@@ -9,7 +9,7 @@ import pytest
 
 from schemas.events import Event
 from schemas.pool import PoolStatus
-from schemas.workers import StatusReply, WorkerInfo
+from schemas.workers import DecodeReport, StatusReply, WorkerInfo
 from services.gateway.dashboard import OutcomeSeries, RatioSeries, RecentDecisions, StateCache, instances_view, pool_view
 
 
@@ -127,18 +127,21 @@ def test_an_unknown_outcome_is_refused():
 # --- views -----------------------------------------------------------------------------------
 
 def test_instances_are_listed_by_role_then_id_with_the_conductors_load():
+    decode = DecodeReport(3, 900, 1200, 8800, 0.05, kv_cache_bytes=10 << 20)
     status = StatusReply(
         workers=[WorkerInfo("prefill-1", "prefill", "node-p1", num_queued=2, num_running=1),
-                 WorkerInfo("decode-0", "decode", "node-d0", num_running=3, draining=True),
+                 WorkerInfo("decode-0", "decode", "node-d0", num_running=3, draining=True, decode=decode),
                  WorkerInfo("prefill-0", "prefill", "node-p0")],
         in_flight=4, prefill_queue_s={"prefill-1": 1.5}, decode_running={"decode-0": 3})
+    no_kv = {"kv_cache_bytes": None, "kv_used_tokens": None, "kv_free_tokens": None}
     assert instances_view(status) == [
         {"instance_id": "decode-0", "role": "decode", "node": "node-d0", "num_queued": 0, "num_running": 3,
-         "draining": True, "queue_s": None, "decode_running": 3},
+         "draining": True, "queue_s": None, "decode_running": 3, "kv_cache_bytes": 10 << 20, "kv_used_tokens": 1200,
+         "kv_free_tokens": 8800},
         {"instance_id": "prefill-0", "role": "prefill", "node": "node-p0", "num_queued": 0, "num_running": 0,
-         "draining": False, "queue_s": None, "decode_running": None},
+         "draining": False, "queue_s": None, "decode_running": None, **no_kv},
         {"instance_id": "prefill-1", "role": "prefill", "node": "node-p1", "num_queued": 2, "num_running": 1,
-         "draining": False, "queue_s": 1.5, "decode_running": None},
+         "draining": False, "queue_s": 1.5, "decode_running": None, **no_kv},
     ]
 
 

@@ -6,7 +6,8 @@ the conductor, cache index and gateway on the host (tests/integration/test_rdma_
     node-d0: messenger + decode    --transport rdma      gateway (MOONBUS_RDMA_GATEWAY_URL)
 
 Each prompt is sent to the host's gateway; its tokens must equal those of transformers' generate()
-run on the host in float32 (MOONBUS_RDMA_EXPECTED: [[prompt, prompt ids, tokens], ...]; the nodes
+run on the host in float32, up to a near-tie (tests/greedy.py; MOONBUS_RDMA_EXPECTED: [[prompt,
+prompt ids, tokens, margins], ...]; the nodes
 run float32 too), and its KV must have gone node-p0 -> node-d0 streamed over rdma (the request's
 kv_transferred event). The model is tiny-random, built once on the host into the shared tree
 (MOONBUS_RDMA_MODEL_DIR): the same weights on both sides. The four node processes are forked from
@@ -30,6 +31,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from common import bus
 from schemas import subjects
+from tests import greedy
 
 NATS_URL = os.environ.get("MOONBUS_RDMA_MODEL_NATS_URL", "")  # the host cluster's (the transport tests have their own)
 TORCH_PATH = os.environ.get("MOONBUS_RDMA_TORCH_PATH", "")  # the host venv's site-packages, for the node processes only
@@ -134,10 +136,11 @@ async def transferred(request_ids: list[str]) -> dict[str, dict]:
 
 def test_greedy_output_with_the_kv_handed_off_over_rdma_equals_generate(nodes):
     request_ids = []
-    for prompt, ids, tokens in EXPECTED:
+    for prompt, ids, tokens, margins in EXPECTED:
         out, request_id = complete(prompt, len(tokens))
         assert out["usage"]["prompt_tokens"] == len(ids)
-        assert out["choices"][0]["token_ids"] == tokens, (prompt, out)
+        assert not greedy.mismatch(out["choices"][0]["token_ids"], greedy.Greedy(tokens, margins),
+                                   greedy.LOGIT_TOL["float32"]), (prompt, out, tokens)
         request_ids.append(request_id)
     events = asyncio.run(transferred(request_ids))
     for rid in request_ids:

@@ -200,8 +200,9 @@ def _bench_decode(model, batch: int, args: argparse.Namespace) -> dict:
     tokens = batch * (args.new_tokens - 1)
     gen, ours, dense, add, loop = [], [], [], [], []
     llama = Llama.from_hf(model)
-    engine_ = BatchEngine(llama, max_batch=batch, kv_budget_tokens=1 << 30)
-    dense_ = BatchEngine(llama, max_batch=batch, kv_budget_tokens=1 << 30, packed=False)  # before Llama.packed
+    room = batch * llama.max_context  # every row may run to the model's context
+    engine_ = BatchEngine(llama, max_batch=batch, kv_budget_tokens=room)
+    dense_ = BatchEngine(llama, max_batch=batch, kv_budget_tokens=room, packed=False)  # before Llama.packed
     for _ in range(args.repeats):
         gen.append(_time_generate(model, prompts, args.new_tokens))
         s, a = _time_batch(engine_, starts, args.new_tokens)

@@ -1,7 +1,7 @@
 """`moonbus bench engine`'s join section: what a request joining a running batch costs the batch.
 
-The decode service reads a joining request's KV file into the buffer it will run in on a thread
-(`BatchEngine.row_from_file`) while the batch steps, and joins it between two steps
+The decode service reads a joining request's KV file into the blocks it will run in on a thread
+(`BatchEngine.load_file`) while the batch steps, and joins it between two steps
 (`BatchEngine.add`). Measured here on a batch of `rows` requests of `context` tokens, for each
 joining length: the batch's wait (the add), the load on its thread, and one step alone against
 one step while a load runs beside it (the two share the machine's cores and memory bandwidth).
@@ -26,7 +26,8 @@ SAMPLING = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 def bench(model: Llama, shm_dir: str, rows: int = 12, context: int = 1024, lengths: tuple[int, ...] = (512, 2048),
           repeats: int = 3) -> list[dict]:
-    engine = BatchEngine(model, rows + len(lengths) * repeats + 1, 1 << 30)
+    joins = len(lengths) * repeats
+    engine = BatchEngine(model, rows + joins + 1, rows * (context + 64) + joins * (max(lengths) + SAMPLING.max_tokens))
     for i in range(rows):
         engine.add(f"r{i}", _kv(model, context, i), 100 + i, SAMPLING)
     engine.step()
@@ -42,7 +43,8 @@ def bench(model: Llama, shm_dir: str, rows: int = 12, context: int = 1024, lengt
 
                 def load() -> None:
                     started = time.perf_counter()
-                    loaded["row"] = engine.row_from_file(Path(tmp), handle, SAMPLING, remove=True)  # as decode loads
+                    loaded["row"] = engine.load_file(f"join-{n}-{r}", Path(tmp), handle, SAMPLING,
+                                                     remove=True)  # as decode loads
                     loaded["s"] = time.perf_counter() - started
 
                 thread = threading.Thread(target=load)

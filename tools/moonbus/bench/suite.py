@@ -20,7 +20,6 @@ import argparse
 import datetime
 import importlib
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import orjson
 
+from common import machine
 from tools.moonbus.bench import TARGETS
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--with {item!r}: no target {name!r}")
         extra.setdefault(name, []).extend(shlex.split(rest))
     args.out.mkdir(parents=True, exist_ok=True)
-    report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "machine": machine(),
+    report = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "machine": machine.describe(),
               "targets": {}}
     for name in targets:
         print(f"moonbus bench {name} ...", file=sys.stderr, flush=True)
@@ -64,20 +64,6 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "BENCH.md").write_text(markdown(report))
     print(f"wrote {args.out / 'bench.json'} and {args.out / 'BENCH.md'}", file=sys.stderr)
     return 0 if all(t["exit"] == 0 for t in report["targets"].values()) else 1
-
-
-def machine() -> dict:
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
-    return {"cpu": model, "cores": os.cpu_count(), "memory_gib": round(memory / (1 << 30), 1),
-            "system": f"{platform.system()} {platform.release()}", "python": platform.python_version()}
 
 
 def run_target(name: str, extra: list[str], out: Path) -> dict:

@@ -33,11 +33,10 @@ from pathlib import Path
 
 import orjson
 
-from common import models
+from common import machine, models
 from common.measures import summarize
 from common.traces import load_trace, prompt_token_ids, resolve_trace
 from tools.moonbus.bench import vllm_report
-from tools.moonbus.bench.suite import machine
 from tools.moonbus.bench.vllm_load import Plan, engine_prompts, run_plan
 from tools.moonbus.bench.vllm_servers import (CpuMeter, MoonbusServer, ServerError, VllmLaunch, VllmServer, all_cores,
                                               cache_dir, ensure_profile, ensure_venv, free_port, moonbus_spec)
@@ -148,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
               "speed": args.speed, "max_tokens": args.max_tokens, "ttft_slo_s": args.ttft_slo,
               "tbt_slo_s": args.tbt_slo, "dtype": dtype, "prefill_tokens": args.prefill_tokens,
               "decode_batches": decode_batches(args), "decode_tokens": args.decode_tokens,
-              "machine": machine() | {"bf16": models.cpu_has_bf16(), "allowed_cores": cores},
+              "machine": machine.describe() | {"bf16": models.cpu_has_bf16(), "allowed_cores": cores},
               "vllm": "vllm not run", "servers": {}}
     try:
         home = work / "home"

@@ -1,0 +1,388 @@
+// Decode attention over a paged KV pool: one call per layer for the whole batch.
+//
+// Each running request's K and V live in fixed-size blocks of one pool per layer,
+//
+//     k_cache           [num_blocks, kv_heads, head_dim, block_size]  (K transposed in its block)
+//     v_cache           [num_blocks, kv_heads, block_size, head_dim]
+//     block_tables      [batch, max_blocks]  int32: row b's i-th block holds its tokens
+//                                            [i * block_size, (i + 1) * block_size)
+//
+// `decode_attention` first writes every row's new K and V at its position (positions[b]), then
+// attends each row's query heads over its tokens [0, positions[b]]. It is a flash-decoding loop:
+// the work is split into items (row, kv head, a span of at most `span_tokens` tokens), so that a
+// short batch of long contexts still spreads over every thread; an item reads each K and V of its
+// span once for all the query heads that share that kv head (GQA), keeps a running max and sum of
+// the softmax (no scores are materialised beyond one block), and, when a row was split, the spans'
+// partial results are merged exactly (log-sum-exp rescaling) in a second pass.
+//
+// Numerics: products and sums in float32 whatever the KV dtype (bfloat16 values widen exactly),
+// the output rounded once to the query's dtype. The order of the sums differs from torch's SDPA,
+// so a row agrees with it to float32 rounding, not bit for bit.
+//
+// Threads: at::parallel_for, so the kernel follows torch.set_num_threads like every other op.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int kMaxGroup = 16;     // query heads per kv head the kernel supports
+constexpr int kMaxHeads = 64;     // query heads the kernel supports
+constexpr int kMaxHeadDim = 256;  // head_dim the kernel supports
+constexpr int kMaxBlock = 256;    // block_size the kernel supports
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// ---- vectors of float32: AVX-512 (16 lanes), AVX2 (8 lanes) or one lane, by what -march=native has
+#if defined(__AVX512F__)
+#include <immintrin.h>
+constexpr int kLanes = 16;
+using vf = __m512;
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vset(float x) { return _mm512_set1_ps(x); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vf vload(const c10::BFloat16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline void vstore(float* p, vf x) { _mm512_storeu_ps(p, x); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline float vsum(vf x) { return _mm512_reduce_add_ps(x); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+constexpr int kLanes = 8;
+using vf = __m256;
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vset(float x) { return _mm256_set1_ps(x); }
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vf vload(const c10::BFloat16* p) {
+  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline void vstore(float* p, vf x) { _mm256_storeu_ps(p, x); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline float vsum(vf x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#else
+constexpr int kLanes = 1;
+using vf = float;
+inline vf vzero() { return 0.f; }
+inline vf vset(float x) { return x; }
+inline vf vload(const float* p) { return *p; }
+inline vf vload(const c10::BFloat16* p) { return to_float(*p); }
+inline void vstore(float* p, vf x) { *p = x; }
+inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
+inline vf vmul(vf a, vf b) { return a * b; }
+inline vf vadd(vf a, vf b) { return a + b; }
+inline float vsum(vf x) { return x; }
+#endif
+
+// exp(x) for x <= 0 (a score minus the running max), float32-accurate to a few ulp: 2^n * p(r)
+// with x = n ln2 + r, |r| <= ln2 / 2, p Cephes' degree-6 polynomial of expf. Scalar, written so
+// that a loop over it vectorises.
+inline float exp_nonpositive(float x) {
+  x = x < -87.f ? -87.f : x;
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+template <typename scalar_t>
+void write_new_kv(const scalar_t* k_new, const scalar_t* v_new, scalar_t* k_cache, scalar_t* v_cache,
+                  const int32_t* tables, const int64_t* positions, int64_t batch, int64_t kv_heads,
+                  int64_t block_size, int64_t head_dim, int64_t max_blocks) {
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t pos = positions[b];
+    const int64_t block = tables[b * max_blocks + pos / block_size];
+    const int64_t offset = pos % block_size;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const scalar_t* k = k_new + (b * kv_heads + h) * head_dim;
+      scalar_t* kb = k_cache + (block * kv_heads + h) * head_dim * block_size;  // [head_dim, block_size]
+      for (int64_t d = 0; d < head_dim; ++d) kb[d * block_size + offset] = k[d];
+      std::memcpy(v_cache + ((block * kv_heads + h) * block_size + offset) * head_dim,
+                  v_new + (b * kv_heads + h) * head_dim, head_dim * sizeof(scalar_t));
+    }
+  }
+}
+
+// float32 -> the nearest bfloat16 (ties to even), kept as a float32 value.
+inline float round_to_bfloat16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// One item: every query head of row b over its tokens [start, end), one span (start on a block
+// boundary). q [heads, head_dim] in float32. Leaves, per query head, the span's max score, the sum
+// of exp(score - max) and the unnormalised output sum of exp(score - max) * V.
+//
+// The span is computed the way torch's CPU flash attention computes one of its key blocks, so
+// that a request decoded here agrees with one decoded by transformers (scaled_dot_product_attention)
+// in the same dtype: scores q.k in float32, then scaled; the span's max; the weights exp(s - max)
+// summed in float32; in bfloat16, the weights rounded to bfloat16 before they multiply V (torch
+// multiplies them as bfloat16 matrices), accumulated in float32.
+//
+// K is stored transposed within a block ([head_dim, block_size]), so a block's scores come out
+// as vectors of kLanes tokens, each dimension one FMA with the query's value broadcast: no
+// horizontal sums. A block's K (then V) of every kv head is one contiguous read, so the hardware
+// prefetcher streams it. block_size is a multiple of kLanes (checked by the caller).
+template <typename scalar_t, int kGroup>
+void attend_span(const float* q, const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* table,
+                 int64_t kv_heads, int64_t block_size, int64_t head_dim, int64_t runtime_group, float scale,
+                 int64_t start, int64_t end, float* scores_buf, float* max_out, float* sum_out, float* acc_out) {
+  // kGroup > 0: query heads per kv head known at compile time, so the per-head loops unroll and
+  // their accumulators stay in registers; 0: the group size of a model no instance below covers
+  const int64_t group = kGroup > 0 ? kGroup : runtime_group;
+  const int64_t heads = kv_heads * group, token_vecs = block_size / kLanes, span = end - start;
+  const int64_t stride = (span + block_size - 1) / block_size * block_size;  // a head's row of scores_buf
+  auto scores = [&](int64_t g) { return scores_buf + g * stride; };
+  // the span's scores, kLanes tokens at a time, for every query head of each kv head
+  for (int64_t t = start; t < end; t += block_size) {
+    const int64_t block = table[t / block_size];
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const scalar_t* kb = k_cache + (block * kv_heads + h) * head_dim * block_size;  // [head_dim, block_size]
+      const float* qh = q + h * group * head_dim;
+      for (int64_t tv = 0; tv < token_vecs; ++tv) {
+        // four partial sums per query head (dimensions d mod 4): independent FMA chains
+        vf dots[4][kMaxGroup];
+        for (int u = 0; u < 4; ++u)
+          for (int64_t g = 0; g < group; ++g) dots[u][g] = vzero();
+        int64_t d = 0;
+        for (; d + 4 <= head_dim; d += 4) {
+          for (int u = 0; u < 4; ++u) {
+            const vf kd = vload(kb + (d + u) * block_size + tv * kLanes);
+            for (int64_t g = 0; g < group; ++g) dots[u][g] = vfma(vset(qh[g * head_dim + d + u]), kd, dots[u][g]);
+          }
+        }
+        for (; d < head_dim; ++d) {
+          const vf kd = vload(kb + d * block_size + tv * kLanes);
+          for (int64_t g = 0; g < group; ++g) dots[0][g] = vfma(vset(qh[g * head_dim + d]), kd, dots[0][g]);
+        }
+        const vf sc = vset(scale);
+        for (int64_t g = 0; g < group; ++g)
+          vstore(scores(h * group + g) + (t - start) + tv * kLanes,
+                 vmul(vadd(vadd(dots[0][g], dots[1][g]), vadd(dots[2][g], dots[3][g])), sc));
+      }
+    }
+  }
+  // the weights: exp(score - the span's max), summed; rounded as torch rounds them in bfloat16
+  constexpr bool kRound = std::is_same<scalar_t, c10::BFloat16>::value;
+  for (int64_t g = 0; g < heads; ++g) {
+    float* sg = scores(g);
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < span; ++i) m = std::max(m, sg[i]);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t i = 0; i < span; ++i) {
+      const float p = exp_nonpositive(sg[i] - m);
+      total += p;
+      sg[i] = kRound ? round_to_bfloat16(p) : p;
+    }
+    max_out[g] = m;
+    sum_out[g] = total;
+  }
+  // the weighted V ([block_size, head_dim] per block): each V read once for its group, the
+  // group's output in registers across a block's tokens
+  std::fill(acc_out, acc_out + heads * head_dim, 0.f);
+  for (int64_t t = start; t < end; t += block_size) {
+    const int64_t block = table[t / block_size];
+    const int64_t count = std::min(block_size, end - t);  // slots past `count` are not tokens yet
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const scalar_t* vb = v_cache + (block * kv_heads + h) * block_size * head_dim;
+      for (int64_t c = 0; c < head_dim; c += kLanes) {
+        // four partial outputs per query head (tokens i mod 4): independent FMA chains
+        vf acc[4][kMaxGroup];
+        for (int64_t g = 0; g < group; ++g) {
+          acc[0][g] = vload(acc_out + (h * group + g) * head_dim + c);
+          acc[1][g] = acc[2][g] = acc[3][g] = vzero();
+        }
+        int64_t i = 0;
+        for (; i + 4 <= count; i += 4) {
+          for (int u = 0; u < 4; ++u) {
+            const vf vc = vload(vb + (i + u) * head_dim + c);
+            for (int64_t g = 0; g < group; ++g)
+              acc[u][g] = vfma(vset(scores(h * group + g)[t - start + i + u]), vc, acc[u][g]);
+          }
+        }
+        for (; i < count; ++i) {
+          const vf vc = vload(vb + i * head_dim + c);
+          for (int64_t g = 0; g < group; ++g) acc[0][g] = vfma(vset(scores(h * group + g)[t - start + i]), vc, acc[0][g]);
+        }
+        for (int64_t g = 0; g < group; ++g)
+          vstore(acc_out + (h * group + g) * head_dim + c, vadd(vadd(acc[0][g], acc[1][g]), vadd(acc[2][g], acc[3][g])));
+      }
+    }
+  }
+}
+
+template <typename scalar_t>
+void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& tables, const at::Tensor& positions, double scale,
+                           int64_t span_tokens, at::Tensor& out) {
+  const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
+  const int64_t kv_heads = v_cache.size(1), block_size = v_cache.size(2);
+  const int64_t group = heads / kv_heads, max_blocks = tables.size(1);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int32_t* tab = tables.data_ptr<int32_t>();
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const scalar_t* kc = k_cache.data_ptr<scalar_t>();
+  const scalar_t* vc = v_cache.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+
+  // the items: per row, its spans (every head of the row in each)
+  std::vector<int64_t> first_item(batch + 1, 0), spans(batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    spans[b] = (pos[b] + 1 + span_tokens - 1) / span_tokens;
+    first_item[b + 1] = first_item[b] + spans[b];
+  }
+  const int64_t num_items = first_item[batch];
+  // per item and query head: max, sum, and the unnormalised output
+  std::vector<float> maxes(num_items * heads), sums(num_items * heads), accs(num_items * heads * head_dim);
+  const float fscale = static_cast<float>(scale);
+  auto span_fn = &attend_span<scalar_t, 0>;
+  switch (group) {
+    case 1: span_fn = &attend_span<scalar_t, 1>; break;
+    case 2: span_fn = &attend_span<scalar_t, 2>; break;
+    case 3: span_fn = &attend_span<scalar_t, 3>; break;
+    case 4: span_fn = &attend_span<scalar_t, 4>; break;
+    case 5: span_fn = &attend_span<scalar_t, 5>; break;
+    case 6: span_fn = &attend_span<scalar_t, 6>; break;
+    case 7: span_fn = &attend_span<scalar_t, 7>; break;
+    case 8: span_fn = &attend_span<scalar_t, 8>; break;
+    default: break;
+  }
+
+  const int64_t span_stride = (span_tokens + block_size - 1) / block_size * block_size;
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t stop) {
+    alignas(64) float qf[kMaxHeads * kMaxHeadDim];
+    std::vector<float> scores(heads * span_stride);  // one span's scores of every query head
+    for (int64_t item = begin; item < stop; ++item) {
+      const int64_t b = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
+      const int64_t span = item - first_item[b];
+      const int64_t start = span * span_tokens, end = std::min(pos[b] + 1, start + span_tokens);
+      const scalar_t* qrow = qp + b * heads * head_dim;
+      for (int64_t i = 0; i < heads * head_dim; ++i) qf[i] = to_float(qrow[i]);
+      span_fn(qf, kc, vc, tab + b * max_blocks, kv_heads, block_size, head_dim, group, fscale, start, end,
+              scores.data(), &maxes[item * heads], &sums[item * heads], &accs[item * heads * head_dim]);
+    }
+  });
+
+  // merge each row's spans per query head and write the output
+  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t stop) {
+    float merged[kMaxHeadDim];
+    for (int64_t bh = begin; bh < stop; ++bh) {
+      const int64_t b = bh / heads, g = bh % heads;
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t s = 0; s < spans[b]; ++s) m = std::max(m, maxes[(first_item[b] + s) * heads + g]);
+      float total = 0.f;
+      std::fill(merged, merged + head_dim, 0.f);
+      for (int64_t s = 0; s < spans[b]; ++s) {
+        const int64_t at = (first_item[b] + s) * heads + g;
+        const float w = std::exp(maxes[at] - m);
+        total += sums[at] * w;
+        const float* a = &accs[at * head_dim];
+        for (int64_t d = 0; d < head_dim; ++d) merged[d] += w * a[d];
+      }
+      scalar_t* o = op + bh * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<scalar_t>(merged[d] / total);
+    }
+  });
+}
+
+void check(bool ok, const char* what) { TORCH_CHECK(ok, "decode_attention: ", what); }
+
+}  // namespace
+
+// q [B, Hq, D], k_new / v_new [B, Hkv, D], k_cache [NB, Hkv, D, BS], v_cache [NB, Hkv, BS, D], tables [B, MB] int32,
+// positions [B] int64 (where each row's new token lands). Returns [B, Hq, D].
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
+                            at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& tables,
+                            const at::Tensor& positions, double scale, int64_t span_tokens) {
+  check(q.dim() == 3 && k_new.dim() == 3 && v_new.dim() == 3, "q, k_new, v_new must be [B, H, D]");
+  check(k_cache.dim() == 4 && v_cache.dim() == 4, "caches must be 4-d");
+  check(q.is_contiguous() && k_new.is_contiguous() && v_new.is_contiguous() && k_cache.is_contiguous() &&
+            v_cache.is_contiguous() && tables.is_contiguous() && positions.is_contiguous(),
+        "every tensor must be contiguous");
+  check(q.scalar_type() == k_cache.scalar_type() && k_new.scalar_type() == k_cache.scalar_type() &&
+            v_new.scalar_type() == k_cache.scalar_type(),
+        "q, the new K, V and the caches must share one dtype");
+  check(tables.scalar_type() == at::kInt && positions.scalar_type() == at::kLong, "tables int32, positions int64");
+  const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
+  const int64_t kv_heads = v_cache.size(1), block_size = v_cache.size(2);
+  check(k_cache.size(0) == v_cache.size(0) && k_cache.size(1) == kv_heads && k_cache.size(2) == head_dim &&
+            k_cache.size(3) == block_size && v_cache.size(3) == head_dim,
+        "k_cache must be [blocks, kv heads, D, block], v_cache [blocks, kv heads, block, D]");
+  check(k_new.size(1) == kv_heads && k_new.size(2) == head_dim && v_new.sizes() == k_new.sizes(), "shapes disagree");
+  check(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup && heads <= kMaxHeads, "query heads out of range");
+  check(head_dim <= kMaxHeadDim && head_dim % kLanes == 0, "head_dim must be a multiple of the CPU's vector width, <= 256");
+  check(block_size <= kMaxBlock && block_size % kLanes == 0,
+        "the block size must be a multiple of the CPU's vector width (16 floats with AVX-512), <= 256");
+  check(tables.size(0) == batch && positions.size(0) == batch, "one table and one position per row");
+  check(span_tokens > 0 && span_tokens % block_size == 0, "span_tokens must be a multiple of the block size");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int32_t* tab = tables.data_ptr<int32_t>();
+  const int64_t num_blocks = k_cache.size(0), max_blocks = tables.size(1);
+  for (int64_t b = 0; b < batch; ++b) {
+    check(pos[b] >= 0 && pos[b] / block_size < max_blocks, "a position past its row's block table");
+    for (int64_t i = 0; i <= pos[b] / block_size; ++i) {
+      const int32_t block = tab[b * max_blocks + i];
+      check(block >= 0 && block < num_blocks, "a block id outside the pool");
+    }
+  }
+  at::Tensor out = at::empty_like(q);
+  if (q.scalar_type() == at::kFloat) {
+    write_new_kv<float>(k_new.data_ptr<float>(), v_new.data_ptr<float>(), k_cache.data_ptr<float>(),
+                        v_cache.data_ptr<float>(), tab, pos, batch, kv_heads, block_size, head_dim, max_blocks);
+    decode_attention_impl<float>(q, k_cache, v_cache, tables, positions, scale, span_tokens, out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    write_new_kv<c10::BFloat16>(k_new.data_ptr<c10::BFloat16>(), v_new.data_ptr<c10::BFloat16>(),
+                                k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(), tab, pos, batch,
+                                kv_heads, block_size, head_dim, max_blocks);
+    decode_attention_impl<c10::BFloat16>(q, k_cache, v_cache, tables, positions, scale, span_tokens, out);
+  } else {
+    TORCH_CHECK(false, "decode_attention: float32 or bfloat16 only");
+  }
+  return out;
+}
+
+TORCH_LIBRARY(moonbus, m) {
+  m.def("decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor tables, Tensor positions, float scale, int span_tokens) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(moonbus, CPU, m) { m.impl("decode_attention", &decode_attention); }
