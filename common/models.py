@@ -172,24 +172,28 @@ class WorkerModel:
     eos_token_id: int | None
     shape: ModelShape
     dtype: str = "float32"  # compute and KV dtype
+    cores: object = None  # a common.cores.CoreShare when the worker follows the work; None: fixed threads
 
     def kv_layout(self, block_tokens: int):
         return self.shape.kv_layout(block_tokens, self.dtype)
 
 
-def load_for_worker(model: str, home: Path, threads: int = 0, dtype: str = "auto") -> WorkerModel:
+def load_for_worker(model: str, home: Path, threads: int = 0, dtype: str = "auto", role: str = "") -> WorkerModel:
     """Prepare, load and describe the model as the engines run it (common.engine.llama: no
-    transformers in a worker); `threads` > 0 sets torch's intra-op threads first; `dtype` auto is
+    transformers in a worker); `threads` > 0 sets torch's intra-op threads first, 0 shares the
+    machine's cores with the other workers computing (common/cores.py, as `role`); `dtype` auto is
     bfloat16 where the CPU has it (resolve_dtype)."""
     import torch
 
+    from common import cores
     from common.engine.llama import Llama
 
     if threads:
         torch.set_num_threads(threads)
     ref = prepare(model, home)
     dtype = resolve_dtype(dtype)
-    return WorkerModel(ref, Llama.load(ref.path, dtype), eos_token_id(ref), read_shape(ref), dtype)
+    share = cores.for_worker(role, threads) if role else None
+    return WorkerModel(ref, Llama.load(ref.path, dtype), eos_token_id(ref), read_shape(ref), dtype, share)
 
 
 def eos_token_id(ref: ModelRef) -> int | None:

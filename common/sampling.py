@@ -72,6 +72,8 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], steps: list[
                 logits[i] = row
     live = [i for i in range(len(params)) if not isinstance(out[i], str)]
     greedy = [i for i in live if is_greedy(params[i])]
+    if len(greedy) == len(params):  # the common case: one argmax, no copy of the rows
+        return torch.argmax(logits, dim=-1).tolist()
     if greedy:
         for i, token in zip(greedy, torch.argmax(logits[greedy], dim=-1).tolist()):
             out[i] = token

@@ -99,10 +99,14 @@ class DecodeLoad:
     join_leaves: tuple[float, ...] = ()  # ... and when each of those leaves
     join_context: tuple[int, ...] = ()
     step_factor: float = 1.0  # its steps take the profile's prediction times this (learned)
+    leave_room: tuple[int, ...] = ()  # ... and the KV room each gives back as it leaves (() = its context)
+    join_room: tuple[int, ...] = ()  # the room each coming request takes when it joins and gives back as it leaves
     _cum: tuple[int, ...] = field(init=False, repr=False, compare=False)  # running sums of leave_context
 
     def __post_init__(self) -> None:
-        if len(self.leaves) != len(self.leave_context) or not (len(self.joins) == len(self.join_leaves) == len(self.join_context)):
+        if len(self.leaves) != len(self.leave_context) or not (len(self.joins) == len(self.join_leaves) == len(self.join_context)) \
+                or (self.leave_room and len(self.leave_room) != len(self.leaves)) \
+                or (self.join_room and len(self.join_room) != len(self.joins)):
             raise ValueError(f"DecodeLoad {self.decode_id}: times and contexts differ in length")
         object.__setattr__(self, "_cum", tuple(accumulate(self.leave_context, initial=0)))
 
@@ -295,6 +299,30 @@ def kv_retry_after(prompt_tokens: int, decode: Sequence[DecodeCandidate], loads:
                 best = min(best, leave_s - now)
                 break
     return clamp_retry_after(best, settings)
+
+
+def room_within(decode: Sequence[DecodeCandidate], loads: Sequence[DecodeLoad], now: float,
+                horizon_s: float) -> tuple[DecodeCandidate, ...]:
+    """The decode instances as a request finds them if it may wait up to `horizon_s` for KV room:
+    each one's free room grown by the room its requests predicted to leave by then give back
+    (their reservations; the requests coming to it count too, their room already taken in
+    `kv_free_tokens`). The conductor routes by this snapshot when none has room now, so
+    a request that will fit once running requests finish waits in that instance's queue (its KV
+    arrives only when its prefill ends) instead of being refused at arrival."""
+    out = []
+    for candidate, load in zip(decode, loads):
+        if candidate.kv_free_tokens is None:
+            out.append(candidate)
+            continue
+        rooms = load.leave_room or load.leave_context
+        freed = 0
+        for leave_s, room in zip(load.leaves, rooms):  # ascending leave times
+            if leave_s > now + horizon_s:
+                break
+            freed += room
+        freed += sum(room for leave_s, room in zip(load.join_leaves, load.join_room) if leave_s <= now + horizon_s)
+        out.append(candidate._replace(kv_free_tokens=candidate.kv_free_tokens + freed))
+    return tuple(out)
 
 
 def clamp_retry_after(seconds: float, settings: AdmissionSettings = AdmissionSettings()) -> float:

@@ -142,7 +142,8 @@ class ClusterState:
         self._decode_candidates: dict[str, DecodeCandidate] = {}  # decode_id -> the policy's view, likewise
         # decode_id -> the tokens each request it reported will still generate (ascending) and their
         # contexts: its admission view's costly part, kept until its own next report
-        self._outputs_of: dict[str, tuple[tuple[float, ...], tuple[int, ...]]] = {}
+        # decode id -> what each request it reported will still generate, its context, its reserved room
+        self._outputs_of: dict[str, tuple[tuple[float, ...], tuple[int, ...], tuple[int, ...]]] = {}
         # nodes whose messenger stopped heartbeating: their workers can neither send nor receive KV
         # (a messenger that was never heard of, as in the simulator, marks nothing)
         self.lost_nodes: set[str] = set()
@@ -544,23 +545,28 @@ class ClusterState:
         coming = self.coming_to(decode_id)
         step_s = self._step_s(decode_id, report, coming)
         remaining = self.outputs.remaining
-        outputs, contexts = self._outputs_of.get(decode_id) or self._reported_outputs(decode_id, report)
+        outputs, contexts, rooms = self._outputs_of.get(decode_id) or self._reported_outputs(decode_id, report)
         # NOTE: list comprehensions, not generators: this runs for every decode instance a report touches
         return DecodeLoad(decode_id, tuple([seen_at + step_s * n for n in outputs]), contexts,
                           tuple([c[0] for c in coming]),
                           tuple([finish + step_s * (remaining(1, max_tokens, hint) if max_tokens else UNKNOWN_OUTPUT_TOKENS)
                                  for finish, _, max_tokens, hint in coming]),
-                          tuple([c[1] for c in coming]), self.learned.factor(decode_id, "step"))
+                          tuple([c[1] for c in coming]), self.learned.factor(decode_id, "step"), rooms,
+                          tuple([c[1] + c[2] for c in coming]))  # as decode_candidates counts their room
 
-    def _reported_outputs(self, decode_id: str, report: DecodeReport | None) -> tuple[tuple[float, ...], tuple[int, ...]]:
+    def _reported_outputs(self, decode_id: str, report: DecodeReport | None
+                          ) -> tuple[tuple[float, ...], tuple[int, ...], tuple[int, ...]]:
         """What each request of the instance's report will still generate, ascending (they leave in
-        that order, whatever its step time), and their contexts; waiting ones count as decoding.
-        Kept until the instance's next report: what completed requests teach about output lengths
-        (self.outputs) reaches it then."""
+        that order, whatever its step time), their contexts, and the KV room each gives back as it
+        leaves (its reservation: its KV and what it may still generate); waiting ones count as
+        decoding. Kept until the instance's next report: what completed requests teach about output
+        lengths (self.outputs) reaches it then."""
         remaining = self.outputs.remaining
-        pairs = sorted(((remaining(j.generated, j.max_tokens, j.expected_tokens) if j.max_tokens
-                         else UNKNOWN_OUTPUT_TOKENS), j.tokens) for j in (report.joined if report is not None else ()))
-        kept = self._outputs_of[decode_id] = (tuple(n for n, _ in pairs), tuple(c for _, c in pairs))
+        rows = sorted(((remaining(j.generated, j.max_tokens, j.expected_tokens) if j.max_tokens
+                        else UNKNOWN_OUTPUT_TOKENS), j.tokens, j.tokens + max(j.max_tokens - j.generated, 0))
+                      for j in (report.joined if report is not None else ()))
+        kept = self._outputs_of[decode_id] = (tuple(r[0] for r in rows), tuple(r[1] for r in rows),
+                                              tuple(r[2] for r in rows))
         return kept
 
     def _step_s(self, decode_id: str, report: DecodeReport | None, coming: list) -> float:

@@ -28,7 +28,7 @@ from common.engine.paged import BLOCK, KvPool
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "kernel", "padded", "rows")
-SPAN_TOKENS = 256  # a row's tokens per work item of the kernel: a long row spreads over threads
+SPAN_TOKENS = 512  # a row's tokens per work item of the kernel (a long row spreads over threads): torch's key block
 
 
 def resolve_backend(name: str) -> str:

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common import kvfiles
+from common.cores import CoreShare
 from common.engine.attention import PagedAttention, resolve_backend
 from common.engine.llama import Llama
 from common.engine.paged import BLOCK, KvPool
@@ -103,12 +104,13 @@ class StepStats:
 
 class BatchEngine:
     def __init__(self, model: Llama, max_batch: int, kv_budget_tokens: int, packed: bool = True,
-                 attention: str = "auto") -> None:
+                 attention: str = "auto", cores: CoreShare | None = None) -> None:
         if max_batch < 1 or kv_budget_tokens < 1:
             raise ValueError("max_batch and kv_budget_tokens must be >= 1")
         self.model = model
         self.packed = model.packed() if packed else None  # the projections on oneDNN's packed weights
         self.attention = resolve_backend(attention)  # kernel | padded | rows
+        self.cores = cores  # None: torch's threads as set; else each step takes this worker's share of the cores
         self.max_batch = max_batch
         self.kv_budget_tokens = kv_budget_tokens
         self.max_context = model.max_context
@@ -347,8 +349,14 @@ class BatchEngine:
         for row, kv_len in zip(self.rows, self.kv_lens.tolist()):
             if kv_len >= len(row.blocks) * BLOCK:  # stepped past its reservation (a caller ignoring max_tokens)
                 self._grow(row, kv_len)
-        logits = self._forward(batch)
-        result = self._sample(logits)
+        if self.cores is not None:
+            self.cores.claim()
+        try:
+            logits = self._forward(batch)
+            result = self._sample(logits)
+        finally:
+            if self.cores is not None:
+                self.cores.release()
         self.kv_lens += 1
         self.last_step = StepStats(batch, context, time.perf_counter() - started)
         return result

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from common import kvfiles
+from common.cores import CoreShare
 from common.engine.llama import KvWriter, Llama
 from common.kvfiles import checksum
 from schemas.transfer import KvHandle
@@ -222,9 +223,10 @@ class LayerStreamer:
 class LayerwisePrefill:
     """Prefill of one LLaMA-family model, layer by layer. One instance per model; thread-safe per call."""
 
-    def __init__(self, model: Llama, chunk_tokens: int = 0) -> None:
+    def __init__(self, model: Llama, chunk_tokens: int = 0, cores: CoreShare | None = None) -> None:
         self.model = model
         self.chunk_tokens = chunk_tokens  # 0 = the whole prompt at once
+        self.cores = cores  # None: torch's threads as set; else each layer takes this worker's share of the cores
         self.num_layers, self.num_kv_heads, self.head_dim = model.num_layers, model.num_kv_heads, model.head_dim
         self.device, self.dtype = model.device, model.dtype
 
@@ -260,6 +262,8 @@ class LayerwisePrefill:
             kv.fail(exc)  # unblocks the loader
             raise
         finally:
+            if self.cores is not None:
+                self.cores.release()
             if loader is not None:
                 loader.join()
             if streamer is not None:
@@ -280,6 +284,8 @@ class LayerwisePrefill:
         cache = _SpanCache(kv.kv, start, end, self._mask(start, end))
         for layer_idx in range(model.num_layers):
             kv.wait(layer_idx, start)
+            if self.cores is not None:
+                self.cores.claim()
             hidden = model.layer(layer_idx, hidden, cos, sin, cache)
             kv.mark(layer_idx, start, end)
             if streamer is not None:

@@ -45,7 +45,7 @@ class DecodeConfig:
         common.check_subject_token("instance id", self.instance_id)
         common.check_subject_token("node", self.node)
         if self.threads < 0:
-            raise ValueError("threads must be >= 0 (0 = torch default)")
+            raise ValueError("threads must be >= 0 (0 = share the machine's cores with the workers computing)")
         if self.orphan_kv_s <= 0:
             raise ValueError("orphan KV age must be > 0")
         if self.store_every_blocks < 0:
@@ -66,7 +66,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     """Every flag but the common ones (services/coupled adds these and the prefill ones to one parser)."""
     common.add_node_flags(parser)
     common.add_model_flags(parser)
-    common.flag(parser, "--threads", "MOONBUS_THREADS", 0, int, help="torch intra-op threads (0 = default)")
+    common.flag(parser, "--threads", "MOONBUS_THREADS", 0, int,
+                help="torch intra-op threads (0 = follow the work: each step takes this worker's share of the "
+                     "machine's cores among the workers computing at that moment, common/cores.py)")
     common.flag(parser, "--heartbeat-interval", "MOONBUS_HEARTBEAT_INTERVAL", 0.15, float, dest="heartbeat_interval_s",
                 help="seconds between heartbeats, each with this instance's load report")
     common.flag(parser, "--orphan-kv", "MOONBUS_ORPHAN_KV", 30.0, float, dest="orphan_kv_s",

@@ -95,11 +95,12 @@ class PrefillMetrics:
 
 class PrefillService:
     def __init__(self, cfg: PrefillConfig, nc, model, eos_token_id: int | None, layout,
-                 compute_lock: asyncio.Lock | None = None, registry: CollectorRegistry | None = None) -> None:
+                 compute_lock: asyncio.Lock | None = None, registry: CollectorRegistry | None = None,
+                 cores=None) -> None:
         self.cfg = cfg
         self.nc = nc
         self.model = model
-        self.engine = LayerwisePrefill(model, cfg.prefill_chunk)
+        self.engine = LayerwisePrefill(model, cfg.prefill_chunk, cores)
         self.layout = layout
         self.eos_token_id = eos_token_id
         self.incarnation = worker.new_incarnation()

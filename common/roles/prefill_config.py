@@ -46,7 +46,7 @@ class PrefillConfig:
         common.check_subject_token("instance id", self.instance_id)
         common.check_subject_token("node", self.node)
         if self.threads < 0:
-            raise ValueError("threads must be >= 0 (0 = torch default)")
+            raise ValueError("threads must be >= 0 (0 = share the machine's cores with the workers computing)")
         if self.drain_grace_s < 0:
             raise ValueError("drain grace must be >= 0")
         if self.heartbeat_interval_s <= 0 or self.transfer_timeout_s <= 0:
@@ -62,7 +62,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     common.add_model_flags(parser)
     common.flag(parser, "--prefill-chunk", "MOONBUS_PREFILL_CHUNK", 2048, int,
                 help="compute prompts in chunks of this many tokens (0 = one pass)")
-    common.flag(parser, "--threads", "MOONBUS_THREADS", 0, int, help="torch intra-op threads (0 = default)")
+    common.flag(parser, "--threads", "MOONBUS_THREADS", 0, int,
+                help="torch intra-op threads (0 = follow the work: each step takes this worker's share of the "
+                     "machine's cores among the workers computing at that moment, common/cores.py)")
     common.flag(parser, "--heartbeat-interval", "MOONBUS_HEARTBEAT_INTERVAL", 0.15, float, dest="heartbeat_interval_s",
                 help="seconds between heartbeats, each with this instance's load report")
     common.flag(parser, "--drain-grace", "MOONBUS_DRAIN_GRACE", 30.0, float, dest="drain_grace_s",

@@ -24,6 +24,7 @@ import asyncio
 import logging
 import random
 import time
+from dataclasses import replace
 from typing import Collection
 
 import msgspec
@@ -229,6 +230,19 @@ class ConductorService:
         cancel = Cancel.from_bytes(msg.data)  # a malformed one raises: logged and dropped by bus.subscribe
         self.state.end(cancel.request_id, up_to_attempt=cancel.attempt)
 
+    def wait_for_room(self, info: policy.RequestInfo, snapshot: policy.ClusterSnapshot,
+                      now: float) -> policy.Decision | None:
+        """The route to a decode instance whose KV room frees, as its requests leave, within the
+        TTFT SLO (the request waits in its queue); None when none's does."""
+        horizon = self.cfg.admission.ttft_slo_s
+        later = admission.room_within(snapshot.decode, [self.state.decode_load(d.instance_id, now)
+                                                        for d in snapshot.decode], now, horizon)
+        decision = policy.decide(info, replace(snapshot, decode=later), self.settings, self.perf)
+        if isinstance(decision, policy.NoInstances):
+            return None
+        return replace(decision, reason=f"{decision.reason}; waits on {decision.decode_id} for KV room, "
+                                        f"freed as its requests leave within {horizon:g}s")
+
     async def route(self, request: RouteRequest) -> RouteReply:
         rid, ids = request.request_id, request.prompt_token_ids
         if request.deadline_ts and time.time() > request.deadline_ts:  # the gateway stopped waiting: not dispatched
@@ -248,6 +262,9 @@ class ConductorService:
         info = policy.RequestInfo(rid, len(ids), len(keys), len(ids) + request.sampling.max_tokens)
         self.settings = self.state.policy_settings(self.settings)
         decision = policy.decide(info, snapshot, self.settings, self.perf)
+        if isinstance(decision, policy.NoInstances) and decision.overloaded:
+            # no KV room now: room that frees within the TTFT SLO is room the request can wait for
+            decision = self.wait_for_room(info, snapshot, now) or decision
         if isinstance(decision, policy.NoInstances):
             retry = admission.kv_retry_after(len(ids), snapshot.decode, [self.state.decode_load(d.instance_id, now)
                                                                           for d in snapshot.decode], now,

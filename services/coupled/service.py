@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 async def serve(cfg: CoupledConfig, stop: runner.Stop) -> bool:
     pcfg, dcfg = cfg.prefill, cfg.decode
-    worker = await asyncio.to_thread(models.load_for_worker, pcfg.model, pcfg.home, pcfg.threads, pcfg.dtype)
+    worker = await asyncio.to_thread(models.load_for_worker, pcfg.model, pcfg.home, pcfg.threads, pcfg.dtype, "coupled")
     model, eos, ref = worker.model, worker.eos_token_id, worker.ref
     layout = worker.kv_layout(pcfg.block_tokens)
     perf, source = profiles.load(dcfg.home, dcfg.model, dcfg.profile, dcfg.dtype)
@@ -37,8 +37,8 @@ async def serve(cfg: CoupledConfig, stop: runner.Stop) -> bool:
     tasks = runner.TaskGroup(stop)
     compute_lock = asyncio.Lock()  # a prefill forward and a decode iteration never overlap
     registry = metrics.registry()  # one process, one metrics port: both halves report into it
-    prefill = PrefillService(pcfg, nc, model, eos, layout, compute_lock, registry)
-    engine = BatchEngine.for_memory(model, dcfg.max_batch, dcfg.kv_cache_bytes)
+    prefill = PrefillService(pcfg, nc, model, eos, layout, compute_lock, registry, cores=worker.cores)
+    engine = BatchEngine.for_memory(model, dcfg.max_batch, dcfg.kv_cache_bytes, cores=worker.cores)
     decode = DecodeService(dcfg, nc, engine, eos, layout, tasks, perf, compute_lock, registry)
     await prefill.start(tasks, stop, ref.name)
     await decode.start(stop, ref.name, source)

@@ -11,9 +11,10 @@ from common.roles.decode_config import DecodeConfig
 
 
 async def serve(cfg: DecodeConfig, stop: runner.Stop) -> bool:
-    worker_model = await asyncio.to_thread(models.load_for_worker, cfg.model, cfg.home, cfg.threads, cfg.dtype)
+    worker_model = await asyncio.to_thread(models.load_for_worker, cfg.model, cfg.home, cfg.threads, cfg.dtype,
+                                           "decode")
     perf, source = profiles.load(cfg.home, cfg.model, cfg.profile, cfg.dtype)
-    engine = BatchEngine.for_memory(worker_model.model, cfg.max_batch, cfg.kv_cache_bytes)
+    engine = BatchEngine.for_memory(worker_model.model, cfg.max_batch, cfg.kv_cache_bytes, cores=worker_model.cores)
     nc = await bus.connect(cfg.nats_url, cfg.instance_id, cfg.nats_auth)
     tasks = runner.TaskGroup(stop)
     service = DecodeService(cfg, nc, engine, worker_model.eos_token_id,

@@ -142,25 +142,38 @@ class Api:
                                                     gen.finish_reason, usage, token_ids), headers={"X-Request-Id": gen.request_id})
 
     async def stream(self, request: web.Request, gen: Generation) -> web.StreamResponse:
+        """Server-sent events, begun with the first token: a request turned away before it (its
+        prefill could not start in time, its decode instance refused it late, no instance could
+        take it) gets a plain HTTP error, a 429 with Retry-After for an overload, as a request
+        refused at arrival does, not a 200 stream that ends in an error event (which an OpenAI
+        SDK raises as a broken stream). A failure after the first token ends the stream with an
+        error event: the status line went out with that token. Every chunk carries the request
+        id (`id`), so a client needs no header for it."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                "X-Request-Id": gen.request_id})
         req = gen.request
         try:
-            await response.prepare(request)
             first = True
             async for delta in self.gateway.deltas(gen):
                 gen.finish_reason = delta.finish_reason or gen.finish_reason
                 if delta.text or delta.finish_reason or first or (req.return_token_ids and delta.token_ids):
+                    if not response.prepared:
+                        await response.prepare(request)
                     chunk = responses.stream_chunk(req, gen.request_id, gen.created, delta.text, delta.finish_reason,
                                                   first, delta.token_ids)
                     await send_event(response, chunk)
                     first = False
+            if not response.prepared:
+                await response.prepare(request)
             if req.include_usage:
                 usage = responses.usage(len(gen.prompt_ids), gen.completion_tokens, gen.cached_tokens)
                 await send_event(response, responses.usage_chunk(req, gen.request_id, gen.created, usage))
             await response.write(b"data: [DONE]\n\n")
         except ApiError as err:
             await self.end_with_error(gen, err)
+            if not response.prepared:  # nothing sent yet: the error is the answer
+                err.request_id = gen.request_id
+                raise
             await send_event(response, err.body() | {"error": err.body()["error"] | {"code": err.status}})
             await response.write(b"data: [DONE]\n\n")
             return response

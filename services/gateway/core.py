@@ -190,7 +190,7 @@ class Gateway:
                          key_seed=cache_seed(tenant, req.cache_salt))
         await self.events.request("received", rid, endpoint=req.kind, prompt_tokens=len(prompt_ids),
                                   max_tokens=max_tokens, stream=req.stream, gateway=self.cfg.instance_id,
-                                  tenant=tenant.name)
+                                  tenant=tenant.name, **({"user": req.user} if req.user else {}))
         gen.booking, why, retry = self.limits.admit(tenant, len(prompt_ids) + max_tokens, time.monotonic())
         self.usage_changed |= gen.booking is not None
         if gen.booking is None:

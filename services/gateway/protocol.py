@@ -33,11 +33,12 @@ TEMPERATURE_MAX = 2.0
 # other integer into a float, which an integer field refuses: that is the real range of `seed`.
 JSON_INT_MIN = -(2**63)
 JSON_INT_MAX = 2**64 - 1
+MAX_USER_CHARS = 256
 ROLES = ("system", "developer", "user", "assistant")  # developer is read as system
 # the order parse checks fields in: of several problems, the first in this order is answered
 FIELD_ORDER = ("model", "prompt", "messages", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
                "stream_options", "seed", "stop", "stream", "ignore_eos", "return_token_ids", "cache_salt",
-               "expected_output_tokens", "logprobs", "top_logprobs", "echo", "best_of", "suffix", "logit_bias",
+               "user", "expected_output_tokens", "logprobs", "top_logprobs", "echo", "best_of", "suffix", "logit_bias",
                "presence_penalty", "frequency_penalty", "response_format", "tools", "tool_choice")
 # what the OpenAI API can ask for and this server cannot do: refused (400), not ignored
 UNSUPPORTED = {
@@ -165,6 +166,9 @@ class _Generate(_Strict):
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = Field(
         None, description="Extension (as in vLLM): a cache namespace shared by whoever sends the same salt; "
                           "without it, a tenant's cache is its own.")
+    user: Annotated[str, Field(max_length=MAX_USER_CHARS)] | None = Field(
+        None, description="The end user on whose behalf the request is made (OpenAI's field): recorded in the "
+                          "request's `received` event, so an operator can find a request by it in the audit log.")
     expected_output_tokens: Annotated[int, Field(ge=1, le=JSON_INT_MAX)] | None = Field(
         None, description="Extension: how many tokens the client expects the completion to have. A hint for "
                           "admission, which predicts each decode instance's load from every request's remaining "
@@ -246,6 +250,7 @@ class GenerateRequest:
     ignore_eos: bool = False  # extension (as in vLLM): generate max_tokens even past EOS
     return_token_ids: bool = False  # extension (as in vLLM): also return the completion's token ids
     cache_salt: str | None = None  # extension (as in vLLM): a cache namespace shared by whoever sends it
+    user: str = ""  # the client's end user (OpenAI's field): in the received event
     expected_output_tokens: int = 0  # extension: the client's hint of its output length (0: none)
 
     def sampling(self, max_tokens: int) -> SamplingParams:
@@ -279,6 +284,7 @@ def parse(body: Any, kind: str, served_model: str) -> GenerateRequest:
         ignore_eos=bool(req.ignore_eos),
         return_token_ids=bool(req.return_token_ids),
         cache_salt=req.cache_salt,
+        user=req.user or "",
         expected_output_tokens=req.expected_output_tokens or 0,
     )
 

@@ -10,9 +10,10 @@ from common.roles.prefill_config import PrefillConfig
 
 
 async def serve(cfg: PrefillConfig, stop: runner.Stop) -> bool:
-    loaded = await asyncio.to_thread(models.load_for_worker, cfg.model, cfg.home, cfg.threads, cfg.dtype)
+    loaded = await asyncio.to_thread(models.load_for_worker, cfg.model, cfg.home, cfg.threads, cfg.dtype, "prefill")
     nc = await bus.connect(cfg.nats_url, cfg.instance_id, cfg.nats_auth)
-    service = PrefillService(cfg, nc, loaded.model, loaded.eos_token_id, loaded.kv_layout(cfg.block_tokens))
+    service = PrefillService(cfg, nc, loaded.model, loaded.eos_token_id, loaded.kv_layout(cfg.block_tokens),
+                             cores=loaded.cores)
     tasks = runner.TaskGroup(stop)
     await service.start(tasks, stop, loaded.ref.name)
     tasks.spawn(bus.watchdog(nc), "broker-watchdog")

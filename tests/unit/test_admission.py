@@ -230,3 +230,19 @@ def test_a_prefill_that_would_bring_the_first_token_past_its_deadline_is_late_to
     assert admission.late_start(now=1004.0, deadline=1005.0, work_s=1.5) == pytest.approx(0.5)
     assert admission.late_start(now=1e9, deadline=0.0, work_s=1.5) == 0.0  # no deadline: never late
     assert admission.clamp_retry_after(0.5) == 1.0 and admission.clamp_retry_after(1e6) == 60.0
+
+
+def test_room_within_the_horizon_is_room_a_request_can_wait_for():
+    from common.decide.admission import DecodeLoad, room_within
+    from common.decide.policy import DecodeCandidate
+
+    full = DecodeCandidate("d0", "n0", 3, 3000, kv_free_tokens=100)
+    unlimited = DecodeCandidate("d1", "n1", 1, 500, kv_free_tokens=None)
+    load = DecodeLoad("d0", leaves=(12.0, 25.0, 60.0), leave_context=(800, 1200, 1000), leave_room=(900, 1500, 1100))
+    # at t=10 with 30 s to wait: the first two leave by 40 s, their reservations come back; the third's does not
+    later = room_within([full, unlimited], [load, DecodeLoad("d1")], now=10.0, horizon_s=30.0)
+    assert later[0].kv_free_tokens == 100 + 900 + 1500 and later[1] == unlimited
+    assert room_within([full], [load], now=10.0, horizon_s=1.0)[0].kv_free_tokens == 100  # nobody leaves so soon
+    # a request still in prefill: its room is taken already (decode_candidates), and comes back as it leaves
+    coming = DecodeLoad("d0", joins=(11.0,), join_leaves=(20.0,), join_context=(200,), join_room=(500,))
+    assert room_within([full], [coming], now=10.0, horizon_s=30.0)[0].kv_free_tokens == 600

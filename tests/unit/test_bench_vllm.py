@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -101,9 +102,15 @@ def test_serve_row_counts_429s_and_attainment_over_completed():
     assert row["ttft_p50_s"] == pytest.approx(2.0) and row["cpu_use"] == pytest.approx(0.1)
 
 
-def entry(goodput: float, prefill: float, decode: dict, bind: str = "") -> dict:
-    return {"bind": bind, "serve": {"goodput_rps": goodput},
-            "engine": {"prefill_tps": prefill, "decode_tps": decode}}
+def workload(goodput: float, tokens: float, capacity: float) -> dict:
+    return {"serve": {"goodput_rps": goodput, "output_tokens_per_s": tokens},
+            "capacity": {"capacity_rps": capacity, "bounded": True, "runs": []}}
+
+
+def entry(goodput: float, prefill: float, decode: dict, bind: str = "", chat_tokens: float = 100.0,
+          capacity: float = 0.5) -> dict:
+    return {"bind": bind, "engine": {"prefill_tps": prefill, "decode_tps": decode},
+            "workloads": {"prefill-heavy": workload(goodput, 50.0, capacity), "chat": workload(goodput, chat_tokens, capacity)}}
 
 
 def report(**servers) -> dict:
@@ -112,39 +119,40 @@ def report(**servers) -> dict:
     return result
 
 
-def test_ratios_are_moonbus_over_each_vllm_run():
-    result = report(moonbus=entry(0.2, 300.0, {"1": 10.0, "16": 80.0}),
-                    vllm=entry(0.4, 600.0, {"1": 20.0, "16": 40.0}),
-                    **{"vllm-all-cores": entry(0.8, 1200.0, {"1": 25.0, "16": None}, bind="0,1")})
-    assert result["ratios"] == {
-        "vllm": {"goodput": pytest.approx(0.5), "prefill": pytest.approx(0.5), "decode_b1": pytest.approx(0.5),
-                 "decode_b16": pytest.approx(2.0)},
-        "vllm-all-cores": {"goodput": pytest.approx(0.25), "prefill": pytest.approx(0.25),
-                           "decode_b1": pytest.approx(0.4), "decode_b16": None}}
+def test_ratios_are_moonbus_over_each_vllm_run_per_workload():
+    result = report(moonbus=entry(0.2, 300.0, {"1": 10.0, "16": 80.0}, chat_tokens=300.0, capacity=0.6),
+                    vllm=entry(0.4, 600.0, {"1": 20.0, "16": 40.0}, chat_tokens=100.0, capacity=0.2),
+                    **{"vllm-all-cores": entry(0.8, 1200.0, {"1": 25.0, "16": None}, bind="0,1", capacity=0.0)})
+    r = result["ratios"]
+    assert r["vllm"]["chat tokens/s"] == pytest.approx(3.0) and r["vllm"]["chat capacity"] == pytest.approx(3.0)
+    assert r["vllm"]["prefill-heavy goodput"] == pytest.approx(0.5) and r["vllm"]["prefill"] == pytest.approx(0.5)
+    assert r["vllm"]["decode_b16"] == pytest.approx(2.0)
+    assert r["vllm-all-cores"]["chat capacity"] is None and r["vllm-all-cores"]["decode_b16"] is None
 
 
-def test_summary_rows_judge_the_goal_against_vllms_defaults_only():
-    result = report(moonbus=entry(0.5, 300.0, {"1": 10.0}), vllm=entry(0.4, 600.0, {"1": 20.0}),
-                    **{"vllm-all-cores": entry(0.8, 1200.0, {"1": 25.0}, bind="0,1")})
+def test_summary_rows_judge_chat_tokens_goodput_and_capacity_against_their_goals():
+    result = report(moonbus=entry(0.5, 300.0, {"1": 10.0}, chat_tokens=160.0, capacity=0.9),
+                    vllm=entry(0.4, 600.0, {"1": 20.0}, chat_tokens=100.0, capacity=0.3),
+                    **{"vllm-all-cores": entry(0.8, 1200.0, {"1": 25.0}, bind="0,1", chat_tokens=170.0, capacity=0.5)})
     rows = {r["row"]: r for r in vllm.summary(result)}
-    default = rows["goodput, conversation trace: moonbus vs vllm"]
-    assert (default["ours"], default["baseline"], default["goal"], default["met"]) == \
-        ("0.500 req/s", "0.400 req/s", ">= 1.0x", True)
-    assert default["ratio"] == pytest.approx(1.25)
-    both = rows["goodput, conversation trace: moonbus vs vllm-all-cores"]
-    assert both["goal"] is None and both["met"] is None and both["ratio"] == pytest.approx(0.625)
-    assert rows["prefill 1024 tokens: moonbus vs vllm"]["ours"] == "300.0 tok/s"
+    chat = rows["chat: output tokens/s, moonbus vs vllm"]
+    assert (chat["ours"], chat["baseline"], chat["goal"], chat["met"]) == ("160.0 tok/s", "100.0 tok/s", ">= 1.5x", True)
+    assert rows["chat: output tokens/s, moonbus vs vllm-all-cores"]["met"] is False  # 0.94x, goal 1.0x
+    default = rows["prefill-heavy: goodput, moonbus vs vllm"]
+    assert (default["goal"], default["met"]) == (">= 1.0x", True) and default["ratio"] == pytest.approx(1.25)
+    assert rows["prefill-heavy: goodput, moonbus vs vllm-all-cores"]["goal"] is None
+    capacity = rows["chat: SLO capacity, moonbus vs vLLM's best (vllm-all-cores)"]
+    assert capacity["ratio"] == pytest.approx(1.8) and capacity["met"] is True
     assert rows["decode batch 1: moonbus vs vllm-all-cores"]["ratio"] == pytest.approx(0.4)
-    assert len(rows) == 6
 
 
-def test_the_goal_holds_against_a_vllm_without_goodput_only_with_some_of_our_own():
+def test_the_goodput_goal_holds_against_a_vllm_without_goodput_only_with_some_of_our_own():
     result = report(moonbus=entry(0.3, 300.0, {"1": 10.0}), vllm=entry(0.0, 600.0, {"1": 20.0}))
-    assert result["ratios"]["vllm"]["goodput"] is None
-    row = vllm.summary(result)[0]
+    assert result["ratios"]["vllm"]["prefill-heavy goodput"] is None
+    row = next(r for r in vllm.summary(result) if r["row"] == "prefill-heavy: goodput, moonbus vs vllm")
     assert row["ratio"] is None and row["met"] is True
     result = report(moonbus=entry(0.0, 300.0, {"1": 10.0}), vllm=entry(0.0, 600.0, {"1": 20.0}))
-    assert vllm.summary(result)[0]["met"] is False
+    assert next(r for r in vllm.summary(result) if "goodput" in r["row"])["met"] is False
 
 
 def test_a_server_that_failed_is_a_row_that_says_why_and_a_line_of_the_report():
@@ -159,6 +167,35 @@ def test_a_server_that_failed_is_a_row_that_says_why_and_a_line_of_the_report():
                                                               "load_before": (0, 0, 0), "rows": [row]}}})
 
 
+# ---------------------------------------------------------------------------- the capacity search
+
+
+def run_at(speed: float, share: float, base_rps: float = 0.2) -> dict:
+    return {"speed": speed, "rate_rps": base_rps * speed, "share_within_slo": share, "requests": 60,
+            "within_slo": round(60 * share), "rejected": 0, "output_tokens_per_s": 1.0}
+
+
+def test_the_search_doubles_while_served_halves_while_not_then_bisects():
+    assert vllm_report.next_speed({0.5: run_at(0.5, 0.95)}) == 1.0
+    assert vllm_report.next_speed({0.5: run_at(0.5, 0.5)}) == 0.25
+    runs = {0.5: run_at(0.5, 0.95), 1.0: run_at(1.0, 0.6)}
+    assert vllm_report.next_speed(runs) == pytest.approx(math.sqrt(0.5))
+    runs[math.sqrt(0.5)] = run_at(math.sqrt(0.5), 0.92)
+    # 0.707 served, 1.0 not: 1.41 apart, more than the bracket of 1.25: once more
+    assert vllm_report.next_speed(runs) == pytest.approx(math.sqrt(math.sqrt(0.5)))
+    runs[0.84] = run_at(0.84, 0.91)
+    assert vllm_report.next_speed(runs) is None  # 0.84 served, 1.0 not: within the bracket
+
+
+def test_capacity_is_the_fastest_rate_served_and_says_whether_a_faster_one_failed():
+    runs = {0.5: run_at(0.5, 0.95), 1.0: run_at(1.0, 0.93), 2.0: run_at(2.0, 0.4)}
+    cap = vllm_report.capacity(runs)
+    assert cap["capacity_rps"] == pytest.approx(0.2) and cap["speed"] == 1.0 and cap["bounded"]
+    assert [r["speed"] for r in cap["runs"]] == [0.5, 1.0, 2.0]
+    assert not vllm_report.capacity({0.5: run_at(0.5, 0.99)})["bounded"]  # a lower bound only
+    assert vllm_report.capacity({0.5: run_at(0.5, 0.2)})["capacity_rps"] == 0.0  # rejections count as misses
+
+
 # ---------------------------------------------------------------------------- command line and plan
 
 
@@ -169,6 +206,7 @@ def test_registered_for_make_bench():
 def test_defaults_are_the_issues_yardstick():
     args = parse()
     assert (args.rows, args.speed, args.tokens_per_block, args.max_tokens) == (60, 0.5, 16, 32)
+    assert (vllm.workloads(args), args.capacity_runs, args.vllm_kv_gib) == (["prefill-heavy", "chat"], 4, 4)
     assert (args.ttft_slo, args.tbt_slo, args.prefill, args.decode) == (30.0, 1.0, 1, 1)
     assert (args.prefill_tokens, vllm.decode_batches(args), args.dtype) == (1024, [1, 16], "auto")
     assert vllm.check_args(args) == ["moonbus", "vllm", "vllm-all-cores"]
@@ -176,7 +214,8 @@ def test_defaults_are_the_issues_yardstick():
 
 
 @pytest.mark.parametrize("argv", [("--servers", "moonbus,sglang"), ("--servers", ""), ("--rows", "0"),
-                                  ("--speed", "0"), ("--decode-tokens", "1"), ("--decode-batches", "1,0")])
+                                  ("--speed", "0"), ("--decode-tokens", "1"), ("--decode-batches", "1,0"),
+                                  ("--workloads", "chat,summarize"), ("--capacity-runs", "-1")])
 def test_bad_arguments_are_refused(argv):
     with pytest.raises(ValueError):
         vllm.check_args(parse(*argv))
@@ -193,9 +232,14 @@ def test_the_plan_is_the_trace_slice_at_the_chosen_speed(tmp_path):
     assert plan.arrivals_s == [0.0, 6.0]
     # 16 tokens per 512-token hash id; the shared first id is a shared first block
     assert [len(p) for p in plan.trace_prompts] == [32, 19] and plan.trace_prompts[0][:16] == plan.trace_prompts[1][:16]
-    assert plan.max_tokens == 32 and said[1] == "time / 0.5" and said[-1] == "max_tokens 32, ignore_eos"
+    assert plan.output_tokens == [32, 32] and said[1] == "time / 0.5" and said[-1] == "max_tokens 32, ignore_eos"
     assert [len(p) for p in plan.prefill_prompts] == [1024] * 3
     assert {b: len(ps) for b, ps in plan.decode_prompts.items()} == {1: 1, 4: 4}
+    chat, said = vllm.make_plan(parse("--trace", str(trace), "--rows", "3"), "chat", speed=2.0, seed=5)
+    assert chat.output_tokens == [9, 9, 9] and chat.arrivals_s == [0.0, 1.5, 2.5] and "output length" in said[-1]
+    # another seed: the same prefix structure, other token ids (no prefix cache hit from an earlier run)
+    assert chat.trace_prompts[0][:16] == chat.trace_prompts[1][:16] and chat.trace_prompts[0] != plan.trace_prompts[0]
+    assert vllm.arrival_rate(chat) == pytest.approx(2 / 2.5)  # 3 rows over 5 s of trace time, at twice its speed
 
 
 def test_engine_prompts_are_distinct_and_apart_from_the_trace_ids():
@@ -291,31 +335,49 @@ def test_the_command_drives_each_server_and_prints_one_json_with_why_one_failed(
         started.append(FakeServer(name))
         return started[-1]
 
-    def run_plan(url, plan, meter):
+    speeds = []
+
+    def run_plan(url, plan, meter, probes=True):
         fast = url == "http://moonbus"
-        trace = [make_result(i, arrival=float(i), ttft=1.0 if fast else 40.0) for i in range(len(plan.trace_prompts))]
+        speeds.append((url, plan.arrivals_s[1]))
+        # moonbus serves every request in time up to 4 requests a second of trace time, vLLM none
+        slow = plan.arrivals_s[1] < 0.75
+        trace = [make_result(i, arrival=float(i), ttft=1.0 if fast and not slow else 40.0)
+                 for i in range(len(plan.trace_prompts))]
         decode = {b: [make_result(i, ttft=1.0, intervals=(0.1,) * 9) for i in range(b)] for b in plan.decode_prompts}
-        return {"trace": trace, "prefill": [make_result(0, ttft=2.0, tokens=1024)], "decode": decode,
-                "wall_s": 10.0, "cpu_s": 5.0}
+        return {"trace": trace, "prefill": [make_result(0, ttft=2.0, tokens=1024)] if probes else [],
+                "decode": decode if probes else {}, "wall_s": 10.0, "cpu_s": 5.0}
 
     monkeypatch.setattr(vllm, "_server", make_server)
     monkeypatch.setattr(vllm, "run_plan", run_plan)
     monkeypatch.setattr(models, "prepare", lambda model, home: models.ModelRef(model, tmp_path / "model"))
-    assert vllm.run(parse("--rows", "4", "--dtype", "float32", "--json")) == 1
+    trace = tmp_path / "t.jsonl"  # a request a second of trace time
+    trace.write_text("".join(f'{{"timestamp": {1000 * i}, "input_length": 600, "output_length": 20, "hash_ids": [{i}, 9]}}\n'
+                             for i in range(4)))
+    assert vllm.run(parse("--trace", str(trace), "--rows", "4", "--dtype", "float32", "--capacity-runs", "3",
+                          "--json")) == 1
     result = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert [s.name for s in started] == ["moonbus", "vllm"] and all(s.stopped for s in started)
     assert list(result["servers"]) == ["moonbus", "vllm", "vllm-all-cores"]
     assert "no AVX-512" in result["servers"]["vllm-all-cores"]["error"]
     ours, theirs = result["servers"]["moonbus"], result["servers"]["vllm"]
-    assert ours["serve"]["within_slo"] == 4 and theirs["serve"]["within_slo"] == 0
-    assert ours["serve"]["cpu_use"] == pytest.approx(0.25 * 2 / len(os.sched_getaffinity(0)))
+    assert list(ours["workloads"]) == ["prefill-heavy", "chat"]
+    served = ours["workloads"]["prefill-heavy"]
+    assert served["serve"]["within_slo"] == 4 and theirs["workloads"]["chat"]["serve"]["within_slo"] == 0
+    assert served["serve"]["cpu_use"] == pytest.approx(0.25 * 2 / len(os.sched_getaffinity(0)))
+    # the search: speed 0.5 served, 1.0 served, 2.0 not (moonbus serves up to a request every 0.75 s)
+    assert [r["speed"] for r in served["capacity"]["runs"]] == [0.5, 1.0, 2.0]
+    assert served["capacity"]["speed"] == 1.0 and served["capacity"]["bounded"]
+    assert theirs["workloads"]["chat"]["capacity"]["capacity_rps"] == 0.0
     assert ours["engine"] == {"prefill_tps": 512.0, "prefill_ttft_s": [2.0], "decode_tps": {"1": pytest.approx(10.0),
                                                                                              "16": pytest.approx(160.0)}}
     assert result["dtype"] == "float32" and result["trace_rows"] == 4 and result["ratios"]["vllm"]["prefill"] == 1.0
-    rows = vllm.summary(result)
-    assert rows[0]["met"] is True and rows[-1]["error"].startswith("vllm-all-cores exited")
+    rows = {r["row"]: r for r in vllm.summary(result)}
+    assert rows["prefill-heavy: goodput, moonbus vs vllm"]["met"] is True
+    assert rows["moonbus vs vllm-all-cores"]["error"].startswith("vllm-all-cores exited")
     text = vllm_report.format_report(result)
     assert "FAILED: RuntimeError: no AVX-512" in text and "moonbus: moonbus's cores; started in" in text
+    assert "capacity" in text and "chat (" in text
 
 
 def test_cpu_meter_does_not_count_the_past_of_a_process_the_first_sample_missed(monkeypatch):

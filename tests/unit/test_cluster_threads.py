@@ -22,21 +22,21 @@ def threads(spec: ClusterSpec) -> tuple[int, int, int]:
     return spec.role_threads("prefill"), spec.role_threads("decode"), spec.role_threads("coupled")
 
 
-def test_prefill_instances_share_every_core_and_each_decode_its_share_of_all_workers(cores, tmp_path):
-    cores(2)
-    assert threads(ClusterSpec(home=tmp_path)) == (2, 1, 1)  # 1 prefill + 1 decode
-    assert threads(ClusterSpec(home=tmp_path, prefill=2, decode=2)) == (1, 1, 1)
-    cores(16)
-    assert threads(ClusterSpec(home=tmp_path)) == (16, 8, 8)
-    assert threads(ClusterSpec(home=tmp_path, prefill=2, decode=6)) == (8, 2, 2)
-    assert ClusterSpec(home=tmp_path, coupled=4).role_threads("coupled") == 4
+def test_by_default_every_worker_follows_the_work_and_is_profiled_with_every_core(cores, tmp_path, monkeypatch):
+    monkeypatch.setattr(processes.cores, "machine_cores", lambda: 2)
+    assert threads(ClusterSpec(home=tmp_path)) == (0, 0, 0)  # 0: each step takes its share (common/cores.py)
+    assert threads(ClusterSpec(home=tmp_path, prefill=2, decode=2)) == (0, 0, 0)
+    spec = ClusterSpec(home=tmp_path)
+    assert (spec.profile_threads("prefill"), spec.profile_threads("decode")) == (2, 2)  # alone: every core
+    assert "follows the work" in spec.describe_threads("decode")
 
 
 def test_explicit_threads_win_per_role_then_for_all(cores, tmp_path):
     cores(16)
     assert threads(ClusterSpec(home=tmp_path, threads=3)) == (3, 3, 3)
     assert threads(ClusterSpec(home=tmp_path, threads=3, prefill_threads=5)) == (5, 3, 3)
-    assert threads(ClusterSpec(home=tmp_path, decode_threads=1)) == (16, 1, 8)
+    assert threads(ClusterSpec(home=tmp_path, decode_threads=1)) == (0, 1, 0)
+    assert ClusterSpec(home=tmp_path, decode_threads=1).profile_threads("decode") == 1
 
 
 def test_a_profile_says_with_how_many_threads_each_role_was_timed(tmp_path: Path):
@@ -63,15 +63,15 @@ def test_a_profile_says_with_how_many_threads_each_role_was_timed(tmp_path: Path
     assert "OMP_WAIT_POLICY unset" in up.profile_stale(path, {"prefill": 2, "decode": 1})
 
 
-def test_workers_whose_threads_outnumber_the_cores_sleep_when_they_wait(cores, tmp_path, monkeypatch):
+def test_workers_that_share_cores_sleep_when_they_wait(cores, tmp_path, monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     cores(2)
-    assert ClusterSpec(home=tmp_path).worker_env == {"OMP_WAIT_POLICY": "PASSIVE"}  # prefill 2 + decode 1
+    assert ClusterSpec(home=tmp_path).worker_env == {"OMP_WAIT_POLICY": "PASSIVE"}  # shares that change step to step
     assert ClusterSpec(home=tmp_path, threads=1).worker_env == {}  # one thread each: a core each
-    assert ClusterSpec(home=tmp_path, coupled=2).worker_env == {}
+    assert ClusterSpec(home=tmp_path, coupled=2, threads=1).worker_env == {}
     cores(16)
-    assert ClusterSpec(home=tmp_path).worker_env == {"OMP_WAIT_POLICY": "PASSIVE"}  # 16 + 8
-    assert ClusterSpec(home=tmp_path, prefill_threads=8).worker_env == {}  # 8 + 8
+    assert ClusterSpec(home=tmp_path, prefill_threads=16, decode_threads=8).worker_env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert ClusterSpec(home=tmp_path, prefill_threads=8, decode_threads=8).worker_env == {}  # 8 + 8
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the caller's choice stands
     assert ClusterSpec(home=tmp_path).worker_env == {}
 

@@ -104,7 +104,8 @@ def test_load_sets_the_time_scale_from_the_target_rate():
     (make_result(REJECTED_ARRIVAL, 429, "HTTP 429: busy"), "429", ""),
     (make_result(REJECTED_LATE, 200, "{'code': 429}", 429, first_token_s=1.0), "failed",
      "rejected late, after the stream started (its prefill wasted): {'code': 429}"),
-    (make_result(REJECTED_LATE, 200, "{'code': 429}", 429), "429", ""),  # at its prefill's start: no token
+    (make_result(REJECTED_LATE, 200, "{'code': 429}", 429), "failed",  # a stream begins with a token: an event
+     "rejected late, after the stream started (its prefill wasted): {'code': 429}"),
     (make_result(FAILED, 503, "HTTP 503: no instance"), "503", ""),
     (make_result(FAILED, 200, "{'code': 503}", 503), "failed", "error event 503 in the stream: {'code': 503}"),
     (make_result(FAILED, 500, "HTTP 500: internal"), "failed", "HTTP 500: internal"),

@@ -39,7 +39,7 @@ PUBLIC_BASE = "python:3.11-slim"
 PROJECT_IMAGE = "moonbus:latest"
 DEBIAN_SUITE = "bookworm"  # python3 is 3.11 there, as in the public base
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
-BASE_PACKAGES = ("ca-certificates", "python3", "python3-venv")
+BASE_PACKAGES = ("ca-certificates", "python3", "python3-venv", "g++")  # g++: the decode attention kernel
 # the import gives the image no environment; the Dockerfile's `PATH=/opt/venv/bin:$PATH` needs one
 BASE_CHANGES = ("ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "ENV LANG=C.UTF-8",
                 'CMD ["python3"]')

@@ -10,7 +10,8 @@ loading one that would fault on an instruction it lacks. Where nothing can be bu
 compiler, e.g. a slim container), `load()` returns False and the engine attends with torch's ops
 (common/engine/attention.py says which backend runs).
 
-Where the libraries go: $MOONBUS_KERNEL_DIR, else build/kernels/ at the repository's root.
+Where the libraries go: $MOONBUS_KERNEL_DIR, else build/kernels/ at the repository's root; a
+process that cannot write there (a container's user) builds into ~/.cache/moonbus/kernels/.
 """
 
 from __future__ import annotations
@@ -43,12 +44,35 @@ class KernelUnavailable(RuntimeError):
     """Raised by `require()` when the kernels cannot be loaded or built here; the message says why."""
 
 
-def build_dir() -> Path:
+def _key() -> str:
+    return hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + ",".join(machine.vector_flags()).encode()
+                          + " ".join(CFLAGS).encode()).hexdigest()[:16]
+
+
+def build_dirs() -> list[Path]:
+    """Where this CPU's build may be, in order: $MOONBUS_KERNEL_DIR (else build/kernels/ at the
+    repository's root: what `make` and an image build write), then the user's cache (where a
+    process that cannot write the first builds it)."""
     configured = os.environ.get("MOONBUS_KERNEL_DIR", "")
-    root = Path(configured) if configured else Path(__file__).resolve().parents[3] / "build" / "kernels"
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + ",".join(machine.vector_flags()).encode()
-                         + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    return root / key
+    first = Path(configured) if configured else Path(__file__).resolve().parents[3] / "build" / "kernels"
+    return [first / _key(), Path.home() / ".cache" / "moonbus" / "kernels" / _key()]
+
+
+def build_dir() -> Path:
+    """Where this CPU's build is, or goes: the first of `build_dirs` that holds it, else the
+    first that can be written."""
+    dirs = build_dirs()
+    for d in dirs:
+        if (d / f"{NAME}.so").exists():
+            return d
+    for d in dirs:
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(d, os.W_OK):
+            return d
+    return dirs[0]
 
 
 def library_path() -> Path:
@@ -56,7 +80,7 @@ def library_path() -> Path:
 
 
 def build(verbose: bool = False) -> Path:
-    """Compile the kernels for this CPU (a few seconds to a minute); returns the library's path."""
+    """Compile the kernels for this CPU (half a minute or so); returns the library's path."""
     from torch.utils import cpp_extension
 
     if shutil.which(os.environ.get("CXX", "c++")) is None:
@@ -65,7 +89,7 @@ def build(verbose: bool = False) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(NAME, [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], build_directory=str(out),
                        is_python_module=False, verbose=verbose)
-    return library_path()
+    return out / f"{NAME}.so"
 
 
 def load(build_if_missing: bool = True) -> bool:

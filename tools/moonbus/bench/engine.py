@@ -21,6 +21,11 @@ ttft     a long prompt chunked by --prefill-chunk, on one instance (all torch th
 join     a request joining a running batch: the batch's wait for it, its KV load on a thread,
          and a step alone vs beside a load (tools/moonbus/bench/join.py).
 
+attention  decode attention over a batch's paged KV every way the engine could run it (the C++
+         kernel, padded matmuls, padded SDPA, flex attention under torch.compile, one SDPA per
+         row) against reading that KV once; and a whole step against reading the weights and
+         that KV once (tools/moonbus/bench/attention.py), in the workers' dtype.
+
 floors   the engines against what the machine can do: a batch-1 decode step vs copying the
          weights once, a prefill vs its matmuls alone, both vs transformers' own path, per dtype
          (tools/moonbus/bench/floors.py).
@@ -41,14 +46,14 @@ from pathlib import Path
 import orjson
 import torch
 
-from common import kvfiles, models
+from common import kvfiles, machine, models
 from common.engine import reference
 from common.config import default_home
 from schemas.route import SamplingParams
 from common.engine.batch import BatchEngine
 from common.engine.llama import Llama
 from common.engine.layerwise import FileSink, LayerwisePrefill, pipelined_prefill
-from tools.moonbus.bench import floors, join
+from tools.moonbus.bench import attention, floors, join
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
 DECODE_GOAL = 0.9
@@ -69,10 +74,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shm-dir", default="/dev/shm", help="where the FileSink writes")
     parser.add_argument("--floor-tokens", type=int, default=1024, help="floors: the prefill's prompt length")
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
-                        help="floors: the engines' dtype, as the workers run (auto: bfloat16 where the CPU has it)")
+                        help="attention and floors: the engines' dtype, as the workers run (auto: bfloat16 where the CPU has it)")
     parser.add_argument("--compare-float32", action="store_true",
                         help="floors: also run them in float32 (the bfloat16 speed-up), when the dtype is bfloat16")
-    parser.add_argument("--skip", default="", help="comma-separated sections to skip: decode,prefill,ttft,join,floors")
+    parser.add_argument("--attention-batch", type=int, default=32, help="attention: rows in the batch")
+    parser.add_argument("--attention-context", type=int, default=1024, help="attention: each row's context tokens")
+    parser.add_argument("--attention-ways", default="",
+                        help="attention: which ways (default all: kernel,padded,sdpa,flex,rows)")
+    parser.add_argument("--skip", default="",
+                        help="comma-separated sections to skip: decode,prefill,ttft,join,attention,floors")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -87,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--ttft-tokens {args.ttft_tokens} exceeds {ref.name}'s context {max_context}")
     skip = set(filter(None, args.skip.split(",")))
     result = {"model": ref.name, "torch_threads": threads, "cpus": os.cpu_count(), "max_context": max_context,
-              "decode": [], "prefill": [], "ttft": [], "join": [], "floors": []}
+              "machine": machine.describe(), "decode": [], "prefill": [], "ttft": [], "join": [], "attention": None,
+              "floors": []}
     with torch.inference_mode():
         if "decode" not in skip:
             result["decode"] = [_bench_decode(model, b, args) for b in map(int, args.batches.split(","))]
@@ -97,6 +108,10 @@ def run(args: argparse.Namespace) -> int:
             result["ttft"] = _bench_ttft(model, args, threads)
         if "join" not in skip:
             result["join"] = join.bench(Llama.from_hf(model), args.shm_dir, repeats=args.repeats)
+    if "attention" not in skip:
+        worker = Llama.load(ref.path, models.resolve_dtype(args.dtype))
+        result["attention"] = attention.bench(worker, args.attention_batch, args.attention_context, args.repeats,
+                                              args.attention_ways)
     if "floors" not in skip:
         dtype = models.resolve_dtype(args.dtype)
         dtypes = [dtype] + (["float32"] if args.compare_float32 and dtype != "float32" else [])
@@ -128,7 +143,7 @@ def summary(result: dict) -> list[dict]:
     rows += [{"row": f"join {r['tokens']} tokens into a batch of {r['rows']}: the batch's wait vs one step",
               "ours": f"{r['join_wait_ms']:.2f} ms", "baseline": f"{r['step_ms']:.1f} ms",
               "ratio": r["join_wait_ms"] / r["step_ms"], "goal": None, "met": None} for r in result.get("join", [])]
-    return rows + floors.summary_rows(result.get("floors", []))
+    return rows + attention.summary_rows(result.get("attention")) + floors.summary_rows(result.get("floors", []))
 
 
 # ---------------------------------------------------------------------------- decode
@@ -310,6 +325,7 @@ def _print(result: dict, args: argparse.Namespace) -> None:
         for r in result["ttft"]:
             print(f"{r['case']:<36} {r['ttft_s']:>8.2f} {r['vs_one_instance']:>14.2f}")
     join.print_rows(result["join"])
+    attention.print_rows(result["attention"])
     if result["floors"]:
         print("\nfloors: the engines against this machine's best (tools/moonbus/bench/floors.py)")
         for row in floors.summary_rows(result["floors"]):

@@ -5,8 +5,11 @@ ignore_eos, greedy), so both servers see the same bytes.
 warm-up   one short request, not counted (a first request may load what later ones reuse)
 engine    prefill: --engine-repeats prompts of --prefill-tokens tokens, one at a time, max_tokens 1;
           decode: per batch size B, B short prompts sent at once, max_tokens --decode-tokens each
+          (once per server: `run_plan(..., probes=False)` drives the trace alone)
 trace     the trace's rows open loop at their timestamps / --speed, as `moonbus replay` sends them
-          (a slow server does not slow the sender), with the servers' process trees' CPU metered
+          (a slow server does not slow the sender), each with its own max_tokens (the workload's:
+          32 for the prefill-heavy one, the row's own output length for the chat one), with the
+          servers' process trees' CPU metered
 
 Every engine prompt is its own (seeded) and outside the trace prompts' ids, so no prefix cache
 serves one from another.
@@ -35,17 +38,17 @@ class Plan:
 
     trace_prompts: list[list[int]]
     arrivals_s: list[float]  # when each trace request is sent, from the run's start
-    max_tokens: int
+    output_tokens: list[int]  # each trace request's max_tokens (ignore_eos: it gets that many)
     prefill_prompts: list[list[int]]
     decode_prompts: dict[int, list[list[int]]]  # batch size -> its prompts
     decode_tokens: int
     timeout_s: float
 
     def __post_init__(self) -> None:
-        if len(self.trace_prompts) != len(self.arrivals_s):
-            raise ValueError("one arrival per trace prompt")
-        if self.max_tokens < 1 or self.decode_tokens < 2:
-            raise ValueError("max_tokens must be >= 1 and decode_tokens >= 2 (a decode rate needs two tokens)")
+        if not len(self.trace_prompts) == len(self.arrivals_s) == len(self.output_tokens):
+            raise ValueError("one arrival and one output length per trace prompt")
+        if min(self.output_tokens, default=1) < 1 or self.decode_tokens < 2:
+            raise ValueError("output lengths must be >= 1 and decode_tokens >= 2 (a decode rate needs two tokens)")
 
 
 def probe_prompt(tokens: int, seed: int) -> list[int]:
@@ -88,11 +91,11 @@ async def _trace(session, url, model, plan: Plan, meter: CpuMeter) -> tuple[list
     t0 = time.perf_counter()
     tasks = []
     try:
-        for i, (prompt, at) in enumerate(zip(plan.trace_prompts, plan.arrivals_s)):
+        for i, (prompt, at, out) in enumerate(zip(plan.trace_prompts, plan.arrivals_s, plan.output_tokens)):
             delay = at - (time.perf_counter() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(send_one(session, url, model, i, prompt, plan.max_tokens, at, t0)))
+            tasks.append(asyncio.create_task(send_one(session, url, model, i, prompt, out, at, t0)))
         results = list(await asyncio.gather(*tasks))
     finally:
         poller.cancel()
@@ -100,19 +103,19 @@ async def _trace(session, url, model, plan: Plan, meter: CpuMeter) -> tuple[list
     return results, wall, meter.stop()
 
 
-async def drive(url: str, plan: Plan, meter: CpuMeter) -> dict:
-    """Warm-up, engine probes, then the trace; the raw results of each."""
+async def drive(url: str, plan: Plan, meter: CpuMeter, probes: bool = True) -> dict:
+    """Warm-up, engine probes (unless `probes` is False), then the trace; the raw results of each."""
     timeout = aiohttp.ClientTimeout(total=plan.timeout_s)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         model = await _model(session, url)
         warm = await _one(session, url, model, probe_prompt(16, 7), 4)
-        prefill = [await _one(session, url, model, p, 1) for p in plan.prefill_prompts]
+        prefill = [await _one(session, url, model, p, 1) for p in plan.prefill_prompts] if probes else []
         decode = {b: await _batch(session, url, model, prompts, plan.decode_tokens)
-                  for b, prompts in plan.decode_prompts.items()}
+                  for b, prompts in plan.decode_prompts.items()} if probes else {}
         trace, wall, cpu = await _trace(session, url, model, plan, meter)
     return {"model": model, "warm_up": warm, "prefill": prefill, "decode": decode, "trace": trace,
             "wall_s": wall, "cpu_s": cpu}
 
 
-def run_plan(url: str, plan: Plan, meter: CpuMeter) -> dict:
-    return asyncio.run(drive(url, plan, meter))
+def run_plan(url: str, plan: Plan, meter: CpuMeter, probes: bool = True) -> dict:
+    return asyncio.run(drive(url, plan, meter, probes))

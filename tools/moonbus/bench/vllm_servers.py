@@ -202,7 +202,7 @@ class VllmServer:
 def ensure_profile(home: Path, model: str, dtype: str, spec: ClusterSpec, cache: Path, say=print) -> Path:
     """`moonbus up`'s first-start profile, kept per dtype and the threads `spec` gives prefill and
     decode instances; measured (again) by `moonbus up`'s own rule."""
-    threads = {role: spec.role_threads(role) for role in ("prefill", "decode")}
+    threads = {role: spec.profile_threads(role) for role in ("prefill", "decode")}
     out = cache / "profiles" / f"{model}-{dtype}-p{threads['prefill']}d{threads['decode']}.json"
     done = up.ensure_profile(out, home, model, dtype, threads, say=say, capture=True, env=spec.model_env)
     if done is not None and done.returncode != 0:
@@ -235,18 +235,21 @@ class MoonbusServer:
 
     def binding(self) -> str:
         spec = self.spec
-        return (f"{spec.num_prefill} prefill x {spec.role_threads('prefill')} torch thread(s), "
-                f"{spec.num_decode} decode x {spec.role_threads('decode')}, unpinned")
+        return (f"{spec.num_prefill} prefill x {spec.describe_threads('prefill')}, "
+                f"{spec.num_decode} decode x {spec.describe_threads('decode')}, unpinned")
 
     def stop(self) -> None:
         if self.cluster is not None:
             self.cluster.stop(grace_s=30.0)
 
 
-def moonbus_spec(home: Path, prefill: int, decode: int, dtype: str, ttft_slo_s: float, tbt_slo_s: float) -> ClusterSpec:
-    """`moonbus up`'s defaults on free ports (the profile is set once it is measured)."""
+def moonbus_spec(home: Path, prefill: int, decode: int, dtype: str, ttft_slo_s: float, tbt_slo_s: float,
+                 prefill_threads: int = 0, decode_threads: int = 0) -> ClusterSpec:
+    """`moonbus up`'s defaults on free ports (the profile is set once it is measured); threads 0:
+    each worker follows the work, as `moonbus up` runs them."""
     return ClusterSpec(home=home, prefill=prefill, decode=decode, port=free_port(), nats_port=free_port(),
-                       dtype=dtype, ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s)
+                       dtype=dtype, ttft_slo_s=ttft_slo_s, tbt_slo_s=tbt_slo_s, prefill_threads=prefill_threads,
+                       decode_threads=decode_threads)
 
 
 # ---------------------------------------------------------------------------- CPU

@@ -24,7 +24,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import signing
+from common import cores, signing
 from common.config import cache_index_id
 from tools.moonbus.cluster.security import ClusterSecrets, instance_user, nats_config
 from tools.moonbus.cluster.supervisor import Action, RestartPolicy, Restarts
@@ -135,8 +135,8 @@ class ClusterSpec:
     host: str = "127.0.0.1"
     port: int = 8000
     nats_port: int = 4333
-    threads: int = 0  # torch threads per worker; 0 = divide the cores by role (role_threads)
-    prefill_threads: int = 0  # per prefill instance; 0 = --threads, else role_threads' default
+    threads: int = 0  # torch threads per worker; 0 = follow the work (role_threads)
+    prefill_threads: int = 0  # per prefill instance; 0 = --threads
     decode_threads: int = 0  # per decode instance; likewise
     block_tokens: int = 16
     dtype: str = "auto"  # compute and KV dtype of every model-aware service (auto: bfloat16 where the CPU has it)
@@ -178,31 +178,35 @@ class ClusterSpec:
         return f"http://{self.host}:{self.port}"
 
     def role_threads(self, role: str) -> int:
-        """Torch threads of each `role` instance ("prefill", "decode" or "coupled").
-
-        By default the prefill instances together get every core, and each decode instance its
-        share of the cores among all workers: prefill is compute-bound and comes in bursts, while
-        a decode step reads the weights once and leaves its core idle between requests (README
-        "Cores by role" has the measurements). A coupled instance does both: its share."""
-        cores = os.cpu_count() or 1
+        """Torch threads of each `role` instance ("prefill", "decode" or "coupled"); 0 by default:
+        the worker follows the work (common/cores.py), taking before each decode step or prefill
+        layer its share of the machine's cores among the workers computing at that moment, so no
+        core idles while one side waits (a fixed split left decode one core of two while prefill
+        idled). A number given (--threads, --prefill-threads, --decode-threads) is fixed."""
         explicit = {"prefill": self.prefill_threads, "decode": self.decode_threads}.get(role, 0)
-        if explicit or self.threads:
-            return explicit or self.threads
-        if role == "prefill":
-            return max(1, cores // max(1, self.num_prefill))
-        return max(1, cores // max(1, self.num_workers))
+        return explicit or self.threads
+
+    def profile_threads(self, role: str) -> int:
+        """The threads a `role` instance computes with when it computes alone, as its profile is
+        measured: its fixed number, else every core (it follows the work)."""
+        return self.role_threads(role) or cores.machine_cores()
+
+    def describe_threads(self, role: str) -> str:
+        threads = self.role_threads(role)
+        return f"{threads} torch thread(s)" if threads else f"its share of {cores.machine_cores()} cores (follows the work)"
 
     @property
     def worker_env(self) -> dict[str, str]:
-        """What the model-running processes' environment adds: where their torch threads outnumber
-        the cores (by default on a machine whose prefill instances get every core), OpenMP's
+        """What the model-running processes' environment adds: where workers share the cores (by
+        default: each follows the work) or their torch threads outnumber the cores, OpenMP's
         threads sleep when they wait (OMP_WAIT_POLICY=PASSIVE) rather than spin on a core another
         worker needs. Measured on 2 cores, a 1,024-token prefill on 2 threads beside a busy decode
         batch on 1: 4.9 s spinning, 3.6 s sleeping; the decode step 209 and 179 ms (README "Cores by
         role"). An OMP_WAIT_POLICY of the caller's is kept."""
         roles = (("coupled", self.coupled),) if self.coupled else (("prefill", self.prefill), ("decode", self.decode))
-        threads = sum(n * self.role_threads(role) for role, n in roles)
-        if threads > (os.cpu_count() or 1) and "OMP_WAIT_POLICY" not in os.environ:
+        shared = any(n and not self.role_threads(role) for role, n in roles)  # their shares change step to step
+        threads = sum(n * (self.role_threads(role) or os.cpu_count() or 1) for role, n in roles)
+        if (shared or threads > (os.cpu_count() or 1)) and "OMP_WAIT_POLICY" not in os.environ:
             return {"OMP_WAIT_POLICY": "PASSIVE"}
         return {}
 

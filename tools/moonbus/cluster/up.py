@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
                        eviction=args.eviction, profile=args.profile, pipeline_group=args.pipeline_group,
                        prefill_chunk=args.prefill_chunk, transport=args.transport, tcp_streams=args.tcp_streams,
                        link_tls=args.link_tls)
-    threads = {role: spec.role_threads("coupled" if args.coupled else role) for role in ("prefill", "decode")}
+    threads = {role: spec.profile_threads("coupled" if args.coupled else role) for role in ("prefill", "decode")}
     if not args.profile:
         done = ensure_profile(profiles.profile_path(home, ref.name, dtype), home, args.model, dtype, threads,
                               env=spec.model_env)

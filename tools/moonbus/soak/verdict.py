@@ -4,11 +4,11 @@ Pure: results, recorded events and probes of the cluster in, verdicts out (the u
 them made-up data). The rules:
 
     outcome      completed | 429 | 503 | failed (with a reason). 429 and 503 are answers to the
-                 request itself (HTTP status, before any token); so is a stream whose only event
-                 is a 429 (rejected at its prefill's start: no token, nothing computed). A stream
-                 that ended in an error event after a token is failed, whatever its code: the
-                 client got a broken answer (a late 429 wasted its prefill; a 503 means a
-                 migration failed). A request that was migrated and completed is simply completed.
+                 request itself (HTTP status, before any token: a stream begins with its first
+                 token). A stream that ended in an error event after a token is failed, whatever
+                 its code: the client got a broken answer (a late 429 wasted its prefill; a 503
+                 means a migration failed). A request that was migrated and completed is simply
+                 completed.
     exactly once every request the gateway gave an X-Request-Id has exactly one terminal event
                  (completed, failed, rejected, cancelled) in MOONBUS_EVENTS: two is "ended twice",
                  none is "never ended"; a client stream still open at --timeout is "never ended"
@@ -73,8 +73,6 @@ def classify(r: RequestResult) -> Outcome:
         return Outcome(FAILED, f"timeout: {r.error}", timed_out=True)
     if r.http_status not in (0, 200):
         return Outcome(FAILED, r.error or f"HTTP {r.http_status}")
-    if r.error_code == 429 and r.first_token_s is None:  # rejected before its prefill began
-        return Outcome(REJECTED_429)
     if r.error_code == 429:
         return Outcome(FAILED, f"rejected late, after the stream started (its prefill wasted): {r.error}")
     if r.error_code:

@@ -1,0 +1,141 @@
+"""The machine's cores, shared among the workers computing on it at this moment.
+
+A prefill instance computes in bursts; a decode instance steps for as long as it holds requests.
+A fixed split leaves cores idle whenever one side waits (a decode instance with one core of two
+while prefill idles, or the reverse), so every worker asks, before each unit of work (a decode
+step, a prefill layer), how many of the machine's cores are its own now: the cores divided among
+the workers busy at this moment, the remainder to decode instances first (they hold the batch's
+TBT), then by slot. Alone, a worker gets every core; beside a busy one, half.
+
+How they know of each other: one small file in shared memory per user (`/dev/shm/moonbus-cores-<uid>`,
+mode 0600), a fixed array of slots, one per worker process on the machine, each holding the
+worker's pid, role and since when it computes (0: idle). A worker writes its own slot only (no
+lock on the hot path; a slot is claimed under an flock); a slot whose process is gone, or busy
+for longer than STALE_S without a word (a worker killed mid-step), is ignored. Containers with
+their own /dev/shm see only their own workers, inside their own CPU limits.
+
+Threads: torch.set_num_threads in the thread that computes, when its share changed; OpenMP's idle
+threads sleep (OMP_WAIT_POLICY=PASSIVE, set by `moonbus up` for the workers) rather than spin on
+a core another worker was given.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import struct
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SLOTS = 64
+SLOT = struct.Struct("<qqd")  # pid, role (0 prefill, 1 decode, 2 coupled), busy since (monotonic; 0 idle)
+ROLES = {"prefill": 0, "decode": 1, "coupled": 2}
+STALE_S = 30.0  # a unit of work never takes this long: a busy slot older than this is a dead worker's
+
+
+def machine_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a cpuset's, a container's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def default_path() -> Path:
+    return Path("/dev/shm") / f"moonbus-cores-{os.getuid()}"
+
+
+class CoreShare:
+    """This worker's share of the machine's cores; `claim()` before each unit of work, `release()`
+    when it has none. Thread-safe enough for one computing thread per process."""
+
+    def __init__(self, role: str, path: Path | None = None, cores: int | None = None) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role {role!r} is not one of {tuple(ROLES)}")
+        self.role, self.cores = ROLES[role], cores or machine_cores()
+        self.path = path or default_path()
+        self.pid = os.getpid()
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            if os.fstat(fd).st_uid != os.getuid():
+                raise PermissionError(f"{self.path} belongs to another user")
+            if os.fstat(fd).st_size < SLOTS * SLOT.size:
+                os.ftruncate(fd, SLOTS * SLOT.size)
+            self.map = mmap.mmap(fd, SLOTS * SLOT.size)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                self.slot = self._free_slot()
+                SLOT.pack_into(self.map, self.slot * SLOT.size, self.pid, self.role, 0.0)
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+        self.threads = 0  # the share last claimed
+
+    def _free_slot(self) -> int:
+        for i in range(SLOTS):
+            pid, _, _ = SLOT.unpack_from(self.map, i * SLOT.size)
+            if pid == 0 or (pid != self.pid and not _alive(pid)):  # free, or its process is gone
+                return i
+        raise RuntimeError(f"all {SLOTS} core-share slots of {self.path} are held by live processes")
+
+    def share(self, now: float | None = None) -> int:
+        """Threads this worker may use now, were it busy: the cores over the busy workers, the
+        remainder to decode (and coupled) instances first, then by slot."""
+        now = time.monotonic() if now is None else now
+        busy = []  # (priority, slot) of every busy worker, this one included
+        for i in range(SLOTS):
+            pid, role, since = SLOT.unpack_from(self.map, i * SLOT.size)
+            if i == self.slot:
+                busy.append((0 if self.role else 1, i))
+            elif pid and since and now - since < STALE_S:
+                busy.append((0 if role else 1, i))
+        busy.sort()
+        each, extra = divmod(self.cores, len(busy))
+        mine = busy.index((0 if self.role else 1, self.slot))
+        return max(1, each + (1 if mine < extra else 0))
+
+    def claim(self) -> int:
+        """Mark this worker busy and set torch's threads in this thread to its share; returns it."""
+        import torch
+
+        now = time.monotonic()
+        SLOT.pack_into(self.map, self.slot * SLOT.size, self.pid, self.role, now)
+        threads = self.share(now)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        self.threads = threads
+        return threads
+
+    def release(self) -> None:
+        SLOT.pack_into(self.map, self.slot * SLOT.size, self.pid, self.role, 0.0)
+
+    def close(self) -> None:
+        SLOT.pack_into(self.map, self.slot * SLOT.size, 0, 0, 0.0)
+        self.map.close()
+
+
+def for_worker(role: str, threads: int) -> CoreShare | None:
+    """A worker's share of the cores when it follows the work (`--threads 0`); None when it runs a
+    fixed number of threads, or when the share file cannot be used (then torch's own default)."""
+    if threads:
+        return None
+    try:
+        return CoreShare(role)
+    except (OSError, RuntimeError) as exc:
+        log.warning("cores are not shared with the other workers (%s); torch's default threads", exc)
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
