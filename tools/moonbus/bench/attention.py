@@ -27,7 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from common.engine.attention import SPAN_TOKENS, PagedAttention
+from common.engine.attention import SPAN_TOKENS, PagedAttention, resolve_backend
 from common.engine.batch import BatchEngine
 from common.engine.llama import Llama
 from common.engine.paged import BLOCK, KvPool
@@ -73,7 +73,7 @@ def _way(way: str, model: Llama, pool: KvPool, tables, positions, q, k, v):
     layers, scale = model.num_layers, model.scale
     if way in ("kernel", "padded", "rows"):
         try:
-            cache = PagedAttention(pool, tables, positions, way)
+            cache = PagedAttention(pool, tables, positions, resolve_backend(way))
         except Exception:  # noqa: BLE001 - a kernel that cannot load here: its row says so
             return None
         attend = cache.attend_rows
