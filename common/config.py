@@ -61,6 +61,8 @@ def build(cls: type[T], args: argparse.Namespace, **computed: Any) -> T:
     for field in dataclasses.fields(cls):
         if field.name == "nats_auth" and field.name not in values:
             values["nats_auth"] = NatsAuth(args.nats_user, args.nats_password_file, args.nats_ca)
+        elif field.name == "home" and field.name not in values:
+            values["home"] = Path(args.home)
         elif field.name not in values:
             values[field.name] = getattr(args, field.name)
     try:
@@ -74,22 +76,59 @@ def _program() -> str:
     return path.parent.name if path.name == "__main__.py" else path.name
 
 
+def _setting(flag_name: str, env: str, help: str, default: Any = "", type: Callable[[str], Any] = str,
+             role_default: Callable[[str], Any] | None = None) -> Any:
+    """A ServiceConfig field: its flag, its MOONBUS_* variable, its default (or one per role)."""
+    return dataclasses.field(metadata={"flag": flag_name, "env": env, "help": help, "default": default,
+                                       "type": type, "role_default": role_default})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServiceConfig:
+    """What every moonbus process is configured with, declared once: its bus and credentials, its
+    identity, its state and logs, its health file, metrics and signing key. Each service's config
+    extends it with its own fields; the flags and MOONBUS_* variables of these come from here
+    (`add_common_flags`), a field's flag and variable in its metadata."""
+
+    nats_url: str = _setting("--nats-url", "MOONBUS_NATS_URL", "NATS server URL", DEFAULT_NATS_URL)
+    nats_auth: NatsAuth = dataclasses.field(default_factory=NatsAuth)  # --nats-user, --nats-password-file, --nats-ca
+    instance_id: str = _setting("--instance-id", "MOONBUS_INSTANCE_ID", "unique instance id",
+                                role_default=lambda role: default_instance_id(role))
+    log_level: str = _setting("--log-level", "MOONBUS_LOG_LEVEL", "logging level", "INFO")
+    home: Path = _setting("--home", "MOONBUS_HOME", "state directory (model cache)",
+                          role_default=lambda role: str(default_home()))
+    health_file: str = _setting("--health-file", "MOONBUS_HEALTH_FILE",
+                                "a file kept fresh while the service is ready, for container health checks ('' = none)")
+    cluster_secret_file: str = _setting("--cluster-secret-file", "MOONBUS_CLUSTER_SECRET_FILE",
+                                        "the cluster secret (point-to-point links, the audit chain); '' = none")
+    signing_key_file: str = _setting("--signing-key-file", "MOONBUS_SIGNING_KEY_FILE",
+                                     "this process's own Ed25519 key: it signs the audit events it publishes "
+                                     "('' = sealed only)")
+    metrics_port: int = _setting("--metrics-port", "MOONBUS_METRICS_PORT", "Prometheus metrics port (0 = off)", 0, int)
+    metrics_host: str = _setting("--metrics-host", "MOONBUS_METRICS_HOST", "bind address of the metrics port",
+                                 "127.0.0.1")
+
+    def __post_init__(self) -> None:
+        check_subject_token("instance id", self.instance_id)
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError("metrics port must be within 0..65535 (0 = off)")
+
+
+NATS_AUTH_FLAGS = (("--nats-user", "MOONBUS_NATS_USER", "NATS user of this service's role ('' = none)"),
+                   ("--nats-password-file", "MOONBUS_NATS_PASSWORD_FILE", "file holding that user's password"),
+                   ("--nats-ca", "MOONBUS_NATS_CA", "CA file for a tls:// NATS URL"))
+
+
 def add_common_flags(parser: argparse.ArgumentParser, role: str) -> None:
-    flag(parser, "--nats-url", "MOONBUS_NATS_URL", DEFAULT_NATS_URL, help="NATS server URL")
-    flag(parser, "--instance-id", "MOONBUS_INSTANCE_ID", default_instance_id(role), help="unique instance id")
-    flag(parser, "--log-level", "MOONBUS_LOG_LEVEL", "INFO", help="logging level")
-    flag(parser, "--home", "MOONBUS_HOME", str(default_home()), help="state directory (model cache)")
-    flag(parser, "--health-file", "MOONBUS_HEALTH_FILE", "",
-         help="a file kept fresh while the service is ready, for container health checks ('' = none)")
-    flag(parser, "--nats-user", "MOONBUS_NATS_USER", "", help="NATS user of this service's role ('' = none)")
-    flag(parser, "--nats-password-file", "MOONBUS_NATS_PASSWORD_FILE", "", help="file holding that user's password")
-    flag(parser, "--nats-ca", "MOONBUS_NATS_CA", "", help="CA file for a tls:// NATS URL")
-    flag(parser, "--cluster-secret-file", "MOONBUS_CLUSTER_SECRET_FILE", "",
-         help="the cluster secret (point-to-point links, the audit chain); '' = none")
-    flag(parser, "--signing-key-file", "MOONBUS_SIGNING_KEY_FILE", "",
-         help="this process's own Ed25519 key: it signs the audit events it publishes ('' = sealed only)")
-    flag(parser, "--metrics-port", "MOONBUS_METRICS_PORT", 0, int, help="Prometheus metrics port (0 = off)")
-    flag(parser, "--metrics-host", "MOONBUS_METRICS_HOST", "127.0.0.1", help="bind address of the metrics port")
+    """The flags of every ServiceConfig field (and of its NATS credentials), from the fields' metadata."""
+    for field in dataclasses.fields(ServiceConfig):
+        meta = field.metadata
+        if not meta:
+            continue
+        default = meta["role_default"](role) if meta["role_default"] is not None else meta["default"]
+        flag(parser, meta["flag"], meta["env"], default, meta["type"], help=meta["help"], dest=field.name)
+    for name, env, help in NATS_AUTH_FLAGS:
+        flag(parser, name, env, "", help=help)
 
 
 def add_node_flags(parser: argparse.ArgumentParser) -> None:

@@ -235,7 +235,7 @@ def ttft_deadline(arrival_ts: float, settings: AdmissionSettings, holds_tokens: 
 def late_start(now: float, deadline: float, work_s: float) -> float:
     """Seconds by which a prefill begun `now` and predicted to take `work_s` (the conductor's
     prediction: prefill and transfer) would bring the first token past `deadline`; <= 0 when it
-    would not, or when there is no deadline. Live (common/roles/prefill.py) and simulated alike."""
+    would not, or when there is no deadline. Live (services/prefill/compute.py) and simulated alike."""
     return now + work_s - deadline if deadline > 0 else 0.0
 
 

@@ -73,7 +73,7 @@ def transfer_seconds(nbytes: float, bandwidth_bytes_s: float, queued_bytes: floa
 def queue_ends(works: Iterable[float], running_for_s: float | None = None) -> list[float]:
     """Seconds from now until each job of a FIFO queue ends: its predicted work after that of the
     jobs ahead. The first has run `running_for_s` already (None: it has not started). A prefill
-    instance reports its queue this way, live (common/roles/prefill.py) and simulated alike."""
+    instance reports its queue this way, live (services/prefill/compute.py) and simulated alike."""
     ends, t = [], 0.0
     for i, work in enumerate(works):
         if i == 0 and running_for_s is not None:

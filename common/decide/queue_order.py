@@ -1,6 +1,6 @@
 """The order a prefill instance runs what it holds: by its request's arrival at a gateway.
 
-Shared by the live prefill instance (common/roles/prefill.py, `ArrivalQueue`) and the simulator
+Shared by the live prefill instance (services/prefill/queue.py, `ArrivalQueue`) and the simulator
 (tools/sim/instances.py). A request handed back because its decode instance was lost while it
 waited at a prefill instance comes back as a new attempt; at the back of the line it would wait
 the whole queue again and miss the TTFT its admission promised (README "Reliability" has the

@@ -6,24 +6,16 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import config as common, models
+from common import models
+from common.config import ServiceConfig, add_common_flags, add_model_flags, boolean, build, flag
 from common.decide.admission import MODES, AdmissionSettings
 from common.decide.policy import POLICIES
 
 PREFIX_INDEXES = ("local", "remote")  # where a route finds who holds its prefix
 
 
-@dataclass(frozen=True)
-class ConductorConfig:
-    nats_url: str
-    nats_auth: common.NatsAuth  # this role's NATS credentials
-    cluster_secret_file: str  # '' = no cluster secret
-    instance_id: str
-    home: Path
-    log_level: str
-    health_file: str  # kept fresh while ready (common/health.py); '' = none
-    metrics_port: int  # Prometheus (common/metrics.py); 0 = off
-    metrics_host: str
+@dataclass(frozen=True, kw_only=True)
+class ConductorConfig(ServiceConfig):
     model: str
     block_tokens: int
     dtype: str  # bfloat16 or float32 (`--dtype auto` resolved to this machine's)
@@ -46,10 +38,9 @@ class ConductorConfig:
     pipeline_group: int  # >= 2: long prompts with no reuse are prefilled by this many instances in a pipeline
     prefill_chunk: int  # the prefill instances' chunk size (a pipeline stage computes whole chunks)
     events_replicas: int  # copies of the events stream on a NATS cluster (1 = a single server)
-    signing_key_file: str = ""  # this process's own key for signing its audit events ('' = none)
 
     def __post_init__(self) -> None:
-        common.check_subject_token("instance id", self.instance_id)
+        super().__post_init__()
         if min(self.heartbeat_timeout_s, self.lease_s, self.sweep_interval_s, self.index_timeout_s,
                self.index_node_timeout_s, self.index_resync_timeout_s) <= 0:
             raise ValueError("timeouts and intervals must be > 0")
@@ -63,41 +54,41 @@ class ConductorConfig:
 
 def load(argv: list[str] | None = None) -> ConductorConfig:
     parser = argparse.ArgumentParser(prog="python -m services.conductor", description="moonbus conductor (global scheduler)")
-    common.add_common_flags(parser, "conductor")
-    common.add_model_flags(parser)
-    common.flag(parser, "--policy", "MOONBUS_POLICY", "kvcache-centric", help=", ".join(POLICIES))
-    common.flag(parser, "--kvcache-balancing-threshold", "MOONBUS_KVCACHE_BALANCING_THRESHOLD", 1.25, float,
+    add_common_flags(parser, "conductor")
+    add_model_flags(parser)
+    flag(parser, "--policy", "MOONBUS_POLICY", "kvcache-centric", help=", ".join(POLICIES))
+    flag(parser, "--kvcache-balancing-threshold", "MOONBUS_KVCACHE_BALANCING_THRESHOLD", 1.25, float,
                 help="pull a remote prefix only if it is this many times longer than the local one")
-    common.flag(parser, "--link-bandwidth", "MOONBUS_LINK_BANDWIDTH", 1.0e9, float, help="bytes/s between nodes", dest="link_bytes_s")
-    common.flag(parser, "--colocate", "MOONBUS_COLOCATE", False, common.boolean,
+    flag(parser, "--link-bandwidth", "MOONBUS_LINK_BANDWIDTH", 1.0e9, float, help="bytes/s between nodes", dest="link_bytes_s")
+    flag(parser, "--colocate", "MOONBUS_COLOCATE", False, boolean,
                 help="decode each request on its prefill instance's node (coupled instances)", nargs="?", const=True)
-    common.flag(parser, "--admission", "MOONBUS_ADMISSION", "predictive", help=", ".join(MODES))
-    common.flag(parser, "--ttft-slo", "MOONBUS_TTFT_SLO", 30.0, float, help="seconds")
-    common.flag(parser, "--tbt-slo", "MOONBUS_TBT_SLO", 1.0, float, help="seconds")
-    common.flag(parser, "--profile", "MOONBUS_PROFILE", "", help="performance profile file")
-    common.flag(parser, "--pipeline-group", "MOONBUS_PIPELINE_GROUP", 1, int,
+    flag(parser, "--admission", "MOONBUS_ADMISSION", "predictive", help=", ".join(MODES))
+    flag(parser, "--ttft-slo", "MOONBUS_TTFT_SLO", 30.0, float, help="seconds")
+    flag(parser, "--tbt-slo", "MOONBUS_TBT_SLO", 1.0, float, help="seconds")
+    flag(parser, "--profile", "MOONBUS_PROFILE", "", help="performance profile file")
+    flag(parser, "--pipeline-group", "MOONBUS_PIPELINE_GROUP", 1, int,
                 help="prefill instances sharing one long prompt (chunked pipeline parallelism; 1 = off)")
-    common.flag(parser, "--prefill-chunk", "MOONBUS_PREFILL_CHUNK", 2048, int, help="must equal the prefill instances'")
-    common.flag(parser, "--heartbeat-timeout", "MOONBUS_HEARTBEAT_TIMEOUT", 3.0, float, help="seconds", dest="heartbeat_timeout_s")
-    common.flag(parser, "--lease", "MOONBUS_LEASE", 900.0, float, help="seconds a dispatched request may stay without an end", dest="lease_s")
-    common.flag(parser, "--sweep-interval", "MOONBUS_SWEEP_INTERVAL", 0.5, float, help="seconds", dest="sweep_interval_s")
-    common.flag(parser, "--prefix-index", "MOONBUS_PREFIX_INDEX", "local",
+    flag(parser, "--prefill-chunk", "MOONBUS_PREFILL_CHUNK", 2048, int, help="must equal the prefill instances'")
+    flag(parser, "--heartbeat-timeout", "MOONBUS_HEARTBEAT_TIMEOUT", 3.0, float, help="seconds", dest="heartbeat_timeout_s")
+    flag(parser, "--lease", "MOONBUS_LEASE", 900.0, float, help="seconds a dispatched request may stay without an end", dest="lease_s")
+    flag(parser, "--sweep-interval", "MOONBUS_SWEEP_INTERVAL", 0.5, float, help="seconds", dest="sweep_interval_s")
+    flag(parser, "--prefix-index", "MOONBUS_PREFIX_INDEX", "local",
                 help="local: keep an own copy of the prefix index, fed by the KV events (no round trip per "
                      "route); remote: ask the cache index per route (one copy, for many conductors)")
-    common.flag(parser, "--index-timeout", "MOONBUS_INDEX_TIMEOUT", 0.5, float,
+    flag(parser, "--index-timeout", "MOONBUS_INDEX_TIMEOUT", 0.5, float,
                 help="seconds to wait for the cache index (remote)", dest="index_timeout_s")
-    common.flag(parser, "--index-node-timeout", "MOONBUS_INDEX_NODE_TIMEOUT", 5.0, float,
+    flag(parser, "--index-node-timeout", "MOONBUS_INDEX_NODE_TIMEOUT", 5.0, float,
                 help="seconds without a messenger's heartbeat before its node leaves the local index",
                 dest="index_node_timeout_s")
-    common.flag(parser, "--index-resync-timeout", "MOONBUS_INDEX_RESYNC_TIMEOUT", 10.0, float,
+    flag(parser, "--index-resync-timeout", "MOONBUS_INDEX_RESYNC_TIMEOUT", 10.0, float,
                 help="seconds a messenger's snapshot may take (local)", dest="index_resync_timeout_s")
-    common.flag(parser, "--ttft-quantile", "MOONBUS_TTFT_QUANTILE", 0.9, float,
+    flag(parser, "--ttft-quantile", "MOONBUS_TTFT_QUANTILE", 0.9, float,
                 help="predictive admission: the share of admitted requests whose first token should come within the "
                      "TTFT SLO; predicted TTFTs are judged times that quantile of actual / predicted, learned (0 = off)")
-    common.flag(parser, "--events-replicas", "MOONBUS_EVENTS_REPLICAS", 1, int,
+    flag(parser, "--events-replicas", "MOONBUS_EVENTS_REPLICAS", 1, int,
                 help="replicas of the events stream when it is created (<= the NATS cluster's servers)")
     args = parser.parse_args(argv)
     admission = AdmissionSettings(mode=args.admission, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
                                   ttft_quantile=args.ttft_quantile)
-    return common.build(ConductorConfig, args, home=Path(args.home), admission=admission,
+    return build(ConductorConfig, args, home=Path(args.home), admission=admission,
                         dtype=models.resolve_dtype(args.dtype))

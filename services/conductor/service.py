@@ -1,12 +1,13 @@
 """Conductor: the global scheduler. Routes each request to a (prefill, decode) pair.
 
-Per route request: the prompt's block keys -> who holds how long a prefix (this conductor's own
-copy of the prefix index, followed from the KV events by common/index_follow.py; or, with
-`--prefix-index remote`, a query to the cache index) -> a snapshot of every instance (queued
-prefill seconds, decode batches, bytes being pulled from each node) -> the pure policy
-(common/decide/policy.py) and admission (common/decide/admission.py) -> a PrefillTask (with a
-pull plan when the chosen instance should fetch a remote prefix) and a `routed` event carrying
-every candidate and cost term.
+Per route request: the prompt's block keys -> the pure route (common/decide/route.py, the one
+the simulator and the conductor bench run too): who holds how long a prefix (this conductor's
+own copy of the prefix index, followed from the KV events by common/index_follow.py; or, with
+`--prefix-index remote`, a query to the cache index), a snapshot of every instance (queued
+prefill seconds, decode batches, bytes being pulled from each node), the policy
+(common/decide/policy.py), admission (common/decide/admission.py) and the booking of an
+admitted request -> a PrefillTask (with a pull plan when the chosen instance should fetch a
+remote prefix) and a `routed` event carrying every candidate and cost term.
 The load comes from the instances themselves (common/decide/cluster_state.py): heartbeats every
 ~150 ms and a progress message at each change of state carry what each holds, and this
 conductor adds only its own dispatches that have not arrived yet, so any number of conductors
@@ -25,7 +26,6 @@ import logging
 import random
 import time
 from dataclasses import replace
-from typing import Collection
 
 import msgspec
 from nats.aio.msg import Msg
@@ -45,14 +45,14 @@ from schemas.route import RouteReply, RouteRequest
 from schemas.tokens import Cancel
 from schemas.workers import Alive, Exited, Layout, Progress, Refused, StatusReply, WorkerInfo
 from common.decide import admission, policy
+from common.decide import route as routing
 from services.conductor.config import ConductorConfig
-from common.decide.cluster_state import UNHELD_S, ClusterState, Refusal, Routed
+from common.decide.cluster_state import UNHELD_S, ClusterState, Refusal
 
 log = logging.getLogger(__name__)
 
 SPOOF_AUDIT_S = 60.0  # a spoofing subject's claim is audited at most this often
 POLICY_VERSION = "moonbus-conductor/1"
-RECOVERY_RETRY_S = 5.0  # Retry-After while the only instance of a kind is being restarted
 HEAR_FIRST_S = 1.0  # a starting conductor waits at most this long to hear the workers before it routes
 
 
@@ -230,20 +230,8 @@ class ConductorService:
         cancel = Cancel.from_bytes(msg.data)  # a malformed one raises: logged and dropped by bus.subscribe
         self.state.end(cancel.request_id, up_to_attempt=cancel.attempt)
 
-    def wait_for_room(self, info: policy.RequestInfo, snapshot: policy.ClusterSnapshot,
-                      now: float) -> policy.Decision | None:
-        """The route to a decode instance whose KV room frees, as its requests leave, within the
-        TTFT SLO (the request waits in its queue); None when none's does."""
-        horizon = self.cfg.admission.ttft_slo_s
-        later = admission.room_within(snapshot.decode, [self.state.decode_load(d.instance_id, now)
-                                                        for d in snapshot.decode], now, horizon)
-        decision = policy.decide(info, replace(snapshot, decode=later), self.settings, self.perf)
-        if isinstance(decision, policy.NoInstances):
-            return None
-        return replace(decision, reason=f"{decision.reason}; waits on {decision.decode_id} for KV room, "
-                                        f"freed as its requests leave within {horizon:g}s")
-
     async def route(self, request: RouteRequest) -> RouteReply:
+        """The pure route (common/decide/route.py) of a request, its `routed` event, and its dispatch."""
         rid, ids = request.request_id, request.prompt_token_ids
         if request.deadline_ts and time.time() > request.deadline_ts:  # the gateway stopped waiting: not dispatched
             log.warning("request %s: route request arrived after its gateway gave up; dropped", rid)
@@ -251,68 +239,52 @@ class ConductorService:
             return RouteReply(False, 503, "the route request expired before it was served", retry_after_s=1.0)
         # the blocks a prefill instance could reuse: all full blocks but the prompt's last token
         keys = block_keys(ids[:-1], self.cfg.block_tokens, request.key_seed or DEFAULT_SEED)
-        holders = await self.prefix_holders(rid, keys)
+        # a conductor that follows the KV events matches in its own index; else it asks the cache index
+        holders = None if self.follower is not None else await self.prefix_holders(rid, keys)
         now = time.monotonic()
         decide_started = time.perf_counter()
-        snapshot = self.snapshot(now, holders, request.avoid)
-        too_big = self.beyond_capacity(len(ids), request.sampling.max_tokens)
-        if too_big:
-            self.metrics.decisions.labels("malformed").inc()
-            return RouteReply(False, 400, too_big)
-        info = policy.RequestInfo(rid, len(ids), len(keys), len(ids) + request.sampling.max_tokens)
-        self.settings = self.state.policy_settings(self.settings)
-        decision = policy.decide(info, snapshot, self.settings, self.perf)
-        if isinstance(decision, policy.NoInstances) and decision.overloaded:
-            # no KV room now: room that frees within the TTFT SLO is room the request can wait for
-            decision = self.wait_for_room(info, snapshot, now) or decision
-        if isinstance(decision, policy.NoInstances):
-            retry = admission.kv_retry_after(len(ids), snapshot.decode, [self.state.decode_load(d.instance_id, now)
-                                                                          for d in snapshot.decode], now,
-                                             self.cfg.admission) if decision.overloaded else 1.0
-            await self.events.request("routed", rid, admitted=False, reason=decision.reason, policy=self.cfg.policy,
-                                      policy_version=POLICY_VERSION, retry_after_s=retry)
-            if decision.overloaded:  # instances exist, their KV room is taken: an overload, not an outage
-                self.metrics.decisions.labels("rejected").inc()
-                return RouteReply(False, 429, f"rejected at arrival: {decision.reason}", retry_after_s=retry)
-            if decision.role and self.state.recovering(decision.role, now):  # lost capacity, coming back
-                self.metrics.decisions.labels("rejected").inc()
-                return RouteReply(False, 429, f"rejected at arrival: {decision.reason} while one is being restarted",
-                                  retry_after_s=RECOVERY_RETRY_S)
-            self.metrics.decisions.labels("unavailable").inc()
-            return RouteReply(False, 503, f"{decision.reason} is available", retry_after_s=retry)
-        loads = admission.DecodeLoadSnapshot(now, tuple(self.state.decode_load(d.instance_id, now)
-                                                        for d in snapshot.decode))
-        verdict, decision = admission.judge(decision, len(ids), loads, self.cfg.admission, self.perf,
-                                            self.settings.colocate, resumed=request.attempt > 0,
-                                            ttft_margin=self.state.ttft_margin.value)
+        sampling = request.sampling
+        self.settings = self.state.policy_settings(self.settings)  # with the balancing threshold learned so far
+        outcome = routing.route(
+            routing.ToRoute(rid, keys, len(ids), sampling.max_tokens, sampling.expected_tokens, request.attempt,
+                            tuple(request.avoid), request.reply_subject),
+            self.follower.index if self.follower is not None else None, self.state, now, self.settings,
+            self.cfg.admission, self.perf, self.rng.random(), holders=holders, stages_of=self.pipeline_stages)
         self.metrics.decide_s.observe(time.perf_counter() - decide_started)
-        self.metrics.decisions.labels("admitted" if verdict.admit else "rejected").inc()
+        decision = outcome.decision
+        if outcome.status == 400:
+            self.metrics.decisions.labels("malformed").inc()
+            return RouteReply(False, 400, outcome.reason)
+        if decision is None:  # no route: an overload (429) or no instance of a kind (503)
+            await self.events.request("routed", rid, admitted=False, reason=outcome.reason.removeprefix(
+                "rejected at arrival: "), policy=self.cfg.policy, policy_version=POLICY_VERSION,
+                retry_after_s=outcome.retry_after_s)
+            self.metrics.decisions.labels("rejected" if outcome.status == 429 else "unavailable").inc()
+            return RouteReply(False, outcome.status, outcome.reason, retry_after_s=outcome.retry_after_s)
+        verdict = outcome.verdict
+        self.metrics.decisions.labels("admitted" if outcome.admitted else "rejected").inc()
         terms = decision.to_event()
         terms.pop("request_id")
         await self.events.request(
-            "routed", rid, **terms, admitted=verdict.admit, admission=self.cfg.admission.mode,
+            "routed", rid, **terms, admitted=outcome.admitted, admission=self.cfg.admission.mode,
             verdict=verdict.reason, predicted_tbt_s=verdict.tbt_s, retry_after_s=verdict.retry_after_s,
             policy_version=POLICY_VERSION, prompt_blocks=len(keys), attempt=request.attempt,
             resumed_tokens=request.num_generated, tenant=request.tenant,
-            balancing_threshold=self.settings.kvcache_balancing_threshold, ttft_margin=self.state.ttft_margin.value,
+            balancing_threshold=self.settings.kvcache_balancing_threshold,
+            ttft_margin=self.state.ttft_margin.value,
         )
-        if not verdict.admit:
-            return RouteReply(False, 429, f"rejected at arrival: {verdict.reason}", retry_after_s=verdict.retry_after_s)
+        if not outcome.admitted:
+            return RouteReply(False, 429, outcome.reason, retry_after_s=outcome.retry_after_s)
         pull = decision.pull
         work = decision.prefill_s + decision.transfer_s
-        spec = self.pipeline_spec(decision, snapshot, len(ids))
+        spec = self.pipeline_spec(outcome.stages) if len(outcome.stages) > 1 else None
         deadline = admission.ttft_deadline(request.arrival_ts, self.cfg.admission,
                                            holds_tokens=request.num_generated > 0, pipelined=spec is not None)
-        task = PrefillTask(rid, ids, request.sampling, request.reply_subject, decision.decode_id,
+        task = PrefillTask(rid, ids, sampling, request.reply_subject, decision.decode_id,
                            decision.decode_node, request.arrival_ts,
                            PullSpec(pull.source_node, pull.first_block, pull.num_blocks) if pull else None,
                            attempt=request.attempt, num_generated=request.num_generated, predicted_s=round(work, 6),
                            key_seed=request.key_seed, ttft_deadline_ts=deadline)
-        self.state.route(Routed(
-            rid, tuple(spec.stages) if spec else (decision.prefill_id,), decision.decode_id, request.reply_subject,
-            len(ids), now, work, decision.ttft_s, pull.source_node if pull else "", pull.nbytes if pull else 0,
-            request.attempt, joins_decode=request.sampling.max_tokens > 1, max_tokens=request.sampling.max_tokens,
-            expected_tokens=request.sampling.expected_tokens))
         if spec is None:
             sent = await bus.publish(self.nc, subjects.prefill_tasks(decision.prefill_id), task.to_bytes())
         else:
@@ -329,25 +301,18 @@ class ConductorService:
         return RouteReply(True, 200, prefill_id=first_token_by, decode_id=decision.decode_id,
                           predicted_ttft_s=round(decision.ttft_s, 6))
 
-    def beyond_capacity(self, prompt_tokens: int, max_tokens: int) -> str:
-        """Why no decode instance could ever hold this request's KV (prompt and every token it may
-        generate), or "" (a 400: waiting would not help). Unknown capacities count as room."""
-        capacities = [i.info.decode.kv_used_tokens + i.info.decode.kv_free_tokens for i in self.state.instances.values()
-                      if i.info.decode is not None and i.info.decode.kv_free_tokens is not None]
-        need = prompt_tokens + max_tokens
-        if capacities and need > max(capacities):
-            return (f"the request needs {need} KV tokens ({prompt_tokens} prompt + {max_tokens} max_tokens); the largest "
-                    f"decode instance holds {max(capacities)}: lower max_tokens or shorten the prompt")
-        return ""
+    def pipeline_stages(self, decision: policy.Decision, snapshot: policy.ClusterSnapshot,
+                        prompt_tokens: int) -> tuple[str, ...] | None:
+        """The prefill instances of a pipelined prefill of the request (`--pipeline-group`), each
+        listening for pipeline streams; None: p* alone."""
+        stages = policy.pipeline_stages(decision, snapshot, self.cfg.pipeline_group, prompt_tokens,
+                                        self.cfg.prefill_chunk)
+        if stages is None or not all(getattr(self.state.get(s), "transfer_addr", "") for s in stages):
+            return None  # an instance that does not listen for pipeline streams: run alone
+        return tuple(stages)
 
-    def pipeline_spec(self, decision: policy.Decision, snapshot: policy.ClusterSnapshot,
-                      input_tokens: int) -> PipelineSpec | None:
-        stages = policy.pipeline_stages(decision, snapshot, self.cfg.pipeline_group, input_tokens, self.cfg.prefill_chunk)
-        if stages is None:
-            return None
+    def pipeline_spec(self, stages: tuple[str, ...]) -> PipelineSpec:
         addrs = [getattr(self.state.get(s), "transfer_addr", "") for s in stages]
-        if not all(addrs):  # an instance that does not listen for pipeline streams: run alone
-            return None
         return PipelineSpec(list(stages), addrs, self.cfg.prefill_chunk)
 
     async def prefix_holders(self, request_id: str, keys: list[int]) -> dict[str, int]:
@@ -365,10 +330,6 @@ class ConductorService:
                         request_id, exc)
             return {}
         return {node: prefix.prefix_len for node, prefix in reply.per_node.items() if prefix.prefix_len}
-
-    def snapshot(self, now: float, holders: dict[str, int], avoid: Collection[str] = ()) -> policy.ClusterSnapshot:
-        return policy.ClusterSnapshot(now, self.state.prefill_candidates(now, avoid), self.state.decode_candidates(now, avoid),
-                                      holders, self.state.sender_queued_bytes(), self.rng.random())
 
     async def on_status(self, msg: Msg) -> None:
         now = time.monotonic()

@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, replace
 
-from common import config as common
-from common.roles import decode_config
-from common.roles.decode_config import DecodeConfig
-from common.roles import prefill_config
-from common.roles.prefill_config import PrefillConfig
+from common.config import add_common_flags, check_subject_token
+from services.decode import config as decode_config
+from services.decode.config import DecodeConfig
+from services.prefill import config as prefill_config
+from services.prefill.config import PrefillConfig
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class CoupledConfig:
     decode: DecodeConfig
 
     def __post_init__(self) -> None:
-        common.check_subject_token("instance id", self.instance_id)
+        check_subject_token("instance id", self.instance_id)
         p, d = self.prefill, self.decode
         # one process, one model, one node: the flags are shared, so these hold unless built by hand
         if (p.node, p.model, p.block_tokens, p.home, p.nats_url) != (d.node, d.model, d.block_tokens, d.home, d.nats_url):
@@ -38,7 +38,7 @@ def load(argv: list[str] | None = None) -> CoupledConfig:
                                      description="moonbus coupled instance (prefill and decode on one model)")
     prefill_config.add_flags(parser)
     decode_config.add_flags(parser)
-    common.add_common_flags(parser, "coupled")
+    add_common_flags(parser, "coupled")
     args = parser.parse_args(argv)
     return CoupledConfig(
         instance_id=args.instance_id,

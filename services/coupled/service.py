@@ -21,8 +21,8 @@ import logging
 from common import bus, health, metrics, models, profiles, runner
 from services.coupled.config import CoupledConfig
 from common.engine.batch import BatchEngine
-from common.roles.decode import DecodeService
-from common.roles.prefill import PrefillService
+from services.decode.batch_loop import DecodeService
+from services.prefill.compute import PrefillService
 
 log = logging.getLogger(__name__)
 

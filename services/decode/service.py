@@ -1,4 +1,4 @@
-"""The decode service: one process running the decode role (common/roles/decode.py) on a loaded model."""
+"""The decode service: one process running the continuous batch (batch_loop.py) on a loaded model, wired to NATS."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import asyncio
 
 from common import bus, health, metrics, models, profiles, runner
 from common.engine.batch import BatchEngine
-from common.roles.decode import DecodeService
-from common.roles.decode_config import DecodeConfig
+from services.decode.batch_loop import DecodeService
+from services.decode.config import DecodeConfig
 
 
 async def serve(cfg: DecodeConfig, stop: runner.Stop) -> bool:

@@ -6,20 +6,11 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import config as common
+from common.config import ServiceConfig, add_common_flags, add_model_flags, build, flag
 
 
-@dataclass(frozen=True)
-class GatewayConfig:
-    nats_url: str
-    nats_auth: common.NatsAuth  # this role's NATS credentials
-    cluster_secret_file: str  # '' = no cluster secret
-    instance_id: str
-    home: Path
-    log_level: str
-    health_file: str  # kept fresh while ready (common/health.py); '' = none
-    metrics_port: int  # Prometheus (common/metrics.py); 0 = off
-    metrics_host: str
+@dataclass(frozen=True, kw_only=True)
+class GatewayConfig(ServiceConfig):
     host: str
     port: int
     model: str
@@ -34,10 +25,9 @@ class GatewayConfig:
     api_keys: str  # the key file (services/gateway/tenants.py); "" = open: no key needed
     max_body_bytes: int  # a bigger request body is answered 413
     fair_share_floor: int = 8  # a tenant without max_concurrent may always hold this many; beyond, a fair share (tenants.py)
-    signing_key_file: str = ""  # this process's own key for signing its audit events ('' = none)
 
     def __post_init__(self) -> None:
-        common.check_subject_token("instance id", self.instance_id)
+        super().__post_init__()
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} out of range")
         if min(self.route_timeout_s, self.stall_timeout_s) <= 0:
@@ -56,29 +46,29 @@ class GatewayConfig:
 
 def load(argv: list[str] | None = None) -> GatewayConfig:
     parser = argparse.ArgumentParser(prog="python -m services.gateway", description="moonbus gateway (OpenAI-compatible HTTP API)")
-    common.add_common_flags(parser, "gateway")
-    common.add_model_flags(parser)
-    common.flag(parser, "--host", "MOONBUS_HOST", "127.0.0.1", help="HTTP bind address")
-    common.flag(parser, "--port", "MOONBUS_PORT", 8000, int, help="HTTP port")
-    common.flag(parser, "--route-timeout", "MOONBUS_ROUTE_TIMEOUT", 5.0, float, help="seconds to wait for a route", dest="route_timeout_s")
-    common.flag(parser, "--stall-timeout", "MOONBUS_STALL_TIMEOUT", 120.0, float, help="seconds without progress before a request fails", dest="stall_timeout_s")
-    common.flag(parser, "--default-chat-max-tokens", "MOONBUS_DEFAULT_CHAT_MAX_TOKENS", 512, int, help="max_tokens of a chat request that sets none")
-    common.flag(parser, "--max-migrations", "MOONBUS_MAX_MIGRATIONS", 3, int,
+    add_common_flags(parser, "gateway")
+    add_model_flags(parser)
+    flag(parser, "--host", "MOONBUS_HOST", "127.0.0.1", help="HTTP bind address")
+    flag(parser, "--port", "MOONBUS_PORT", 8000, int, help="HTTP port")
+    flag(parser, "--route-timeout", "MOONBUS_ROUTE_TIMEOUT", 5.0, float, help="seconds to wait for a route", dest="route_timeout_s")
+    flag(parser, "--stall-timeout", "MOONBUS_STALL_TIMEOUT", 120.0, float, help="seconds without progress before a request fails", dest="stall_timeout_s")
+    flag(parser, "--default-chat-max-tokens", "MOONBUS_DEFAULT_CHAT_MAX_TOKENS", 512, int, help="max_tokens of a chat request that sets none")
+    flag(parser, "--max-migrations", "MOONBUS_MAX_MIGRATIONS", 3, int,
                 help="times a request is resumed on another instance after its first token (or after its KV could not "
                      "reach its decode node, or its decode instance was lost)")
-    common.flag(parser, "--prefill-retries", "MOONBUS_PREFILL_RETRIES", 2, int,
+    flag(parser, "--prefill-retries", "MOONBUS_PREFILL_RETRIES", 2, int,
                 help="times a request whose prefill is lost before its first token is dispatched again")
-    common.flag(parser, "--migration-timeout", "MOONBUS_MIGRATION_TIMEOUT", 30.0, float, dest="migration_timeout_s",
+    flag(parser, "--migration-timeout", "MOONBUS_MIGRATION_TIMEOUT", 30.0, float, dest="migration_timeout_s",
                 help="seconds a resumed request waits for an instance to take it")
-    common.flag(parser, "--probe-after", "MOONBUS_PROBE_AFTER", 5.0, float, dest="probe_after_s",
+    flag(parser, "--probe-after", "MOONBUS_PROBE_AFTER", 5.0, float, dest="probe_after_s",
                 help="seconds without progress after which a request checks that an instance still holds it")
-    common.flag(parser, "--api-keys", "MOONBUS_API_KEYS_FILE", "",
+    flag(parser, "--api-keys", "MOONBUS_API_KEYS_FILE", "",
                 help="file of hashed API keys and their tenants (moonbus keys); '' = open, no key needed")
-    common.flag(parser, "--max-body-bytes", "MOONBUS_MAX_BODY_BYTES", 4 << 20, int, help="larger bodies get 413")
-    common.flag(parser, "--max-inflight", "MOONBUS_MAX_INFLIGHT", 256, int,
+    flag(parser, "--max-body-bytes", "MOONBUS_MAX_BODY_BYTES", 4 << 20, int, help="larger bodies get 413")
+    flag(parser, "--max-inflight", "MOONBUS_MAX_INFLIGHT", 256, int,
                 help="requests this gateway holds at once; more are answered 429 with Retry-After")
-    common.flag(parser, "--fair-share-floor", "MOONBUS_FAIR_SHARE_FLOOR", 8, int,
+    flag(parser, "--fair-share-floor", "MOONBUS_FAIR_SHARE_FLOOR", 8, int,
                 help="a tenant whose key sets no --max-concurrent may always hold this many requests; beyond, while "
                      "other tenants hold some, at most an equal share of all in flight (0 = no fair share)")
     args = parser.parse_args(argv)
-    return common.build(GatewayConfig, args, home=Path(args.home))
+    return build(GatewayConfig, args, home=Path(args.home))

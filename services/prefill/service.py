@@ -1,12 +1,12 @@
-"""The prefill service: one process running the prefill role (common/roles/prefill.py) on a loaded model."""
+"""The prefill service: one process computing prompts (compute.py) on a loaded model, wired to NATS."""
 
 from __future__ import annotations
 
 import asyncio
 
 from common import bus, health, metrics, models, runner
-from common.roles.prefill import PrefillService
-from common.roles.prefill_config import PrefillConfig
+from services.prefill.compute import PrefillService
+from services.prefill.config import PrefillConfig
 
 
 async def serve(cfg: PrefillConfig, stop: runner.Stop) -> bool:

@@ -18,7 +18,7 @@ from multidict import CIMultiDict
 import torch
 
 from common import models
-from common.traces import resolve_trace
+from tools.moonbus.traces.rows import resolve_trace
 from tests import greedy
 from tools.moonbus.cluster.processes import Cluster, ClusterSpec, free_port, nats_server_binary
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from common.traces import load_trace, prompt_token_ids
+from tools.moonbus.traces.rows import load_trace, prompt_token_ids
 from tests.integration.conftest import conversation_trace
 from tools.moonbus.bench.fleet import PromptBuilder
 

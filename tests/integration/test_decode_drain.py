@@ -19,11 +19,10 @@ import pytest
 import torch
 
 from common import bus, kvfiles, models, profiles, runner
-from common.config import NatsAuth
 from common.engine.batch import BatchEngine
-from common.roles.decode import DecodeService
-from common.roles.decode_keep import Running
-from common.roles.decode_config import DecodeConfig
+from services.decode.batch_loop import DecodeService
+from services.decode.config import DecodeConfig
+from services.decode.keep import Running
 from schemas.decode import DecodeTask
 from schemas.route import SamplingParams
 from schemas.tokens import TokenChunk
@@ -36,8 +35,10 @@ KV_CACHE_BYTES = (4096 + 4 * 16) * 1024
 
 
 def config(url: str, home: Path) -> DecodeConfig:
-    return DecodeConfig(url, NatsAuth(), "", "decode-t", "node-t", home / "shm", models.TINY_RANDOM, 16, "float32",
-                        home, "INFO", "", 0, "127.0.0.1", 1, 0.15, 0.0, 60.0, 0, 4, KV_CACHE_BYTES, 1.0, False, "")
+    return DecodeConfig(nats_url=url, instance_id="decode-t", node="node-t", shm_dir=home / "shm",
+                        model=models.TINY_RANDOM, block_tokens=16, dtype="float32", home=home, threads=1,
+                        heartbeat_interval_s=0.15, drain_grace_s=0.0, orphan_kv_s=60.0, store_every_blocks=0,
+                        max_batch=4, kv_cache_bytes=KV_CACHE_BYTES, tbt_slo_s=1.0, late_check=False, profile="")
 
 
 class Decode:

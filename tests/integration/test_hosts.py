@@ -23,7 +23,7 @@ import aiohttp
 import pytest
 
 from common import models
-from common.measures import RequestResult
+from tools.moonbus.traces.measures import RequestResult
 from tests import required
 from tests.integration.conftest import TINY, assert_greedy, collect_request_events, post
 from tools.moonbus.traces import replay

@@ -4,7 +4,7 @@ import json
 from argparse import ArgumentParser
 from pathlib import Path
 
-from common.traces import TraceRow
+from tools.moonbus.traces.rows import TraceRow
 from tools.moonbus.traces import replay
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from common.measures import FAILED, OK, REJECTED_ARRIVAL, REJECTED_LATE, RequestResult, summarize
+from tools.moonbus.traces.measures import FAILED, OK, REJECTED_ARRIVAL, REJECTED_LATE, RequestResult, summarize
 from tools.moonbus.bench import TARGETS, suite, vllm, vllm_report
 from tools.moonbus.bench.vllm_load import PROBE_IDS, engine_prompts
 from tools.moonbus.bench.vllm_servers import (MISMATCHED, TORCH, VLLM_MODULE, VLLM_PACKAGE, CpuMeter, VllmLaunch,

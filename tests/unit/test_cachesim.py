@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from common.kv.blocks import block_keys_from_hash_ids
-from common.traces import TraceFormatError, load_trace, resolve_trace
+from tools.moonbus.traces.rows import TraceFormatError, load_trace, resolve_trace
 from tools.moonbus.traces import cachesim
 
 CONVERSATION = resolve_trace("conversation")

@@ -16,9 +16,9 @@ from common.transport import TransportError, Transports, checksum
 from common.transport import tcp
 from schemas.transfer import AcceptKv, CompleteKv, CompleteKvReply, RegionRef, WriteFrame
 from services.messenger.handoff import HandoffRefused, Reservations
-from common.roles.handoff import StreamSink
+from services.prefill.handoff import StreamSink
 from common.engine.layerwise import KvAssembly
-from common.roles.pipeline import SliceReceiver, region_of
+from services.prefill.pipeline import SliceReceiver, region_of
 
 SECRET = b"k" * 32
 LAYOUT = KvLayout(num_layers=3, num_kv_heads=2, head_dim=4, block_tokens=4)

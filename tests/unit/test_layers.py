@@ -34,14 +34,22 @@ def test_the_lower_floors_import_nothing_above_them(floor):
     assert not {k: v for k, v in bad.items() if v}
 
 
-def test_no_service_imports_another():
+# a service that is the sum of others may import them: a coupled instance runs a prefill and a
+# decode service in one process, on one model
+COMPOSED_OF = {"coupled": {"prefill", "decode"}}
+
+
+def test_no_service_imports_another_but_the_coupled_one_its_two_halves():
     bad = {}
     for path in modules("services"):
         own = path.relative_to(ROOT / "services").parts[0]
-        other = sorted(m for m in imports(path) if m.startswith("services.") and m.split(".")[1] != own)
+        allowed = {own} | COMPOSED_OF.get(own, set())
+        other = sorted(m for m in imports(path) if m.startswith("services.") and m.split(".")[1] not in allowed)
         if other:
             bad[str(path.relative_to(ROOT))] = other
     assert not bad
+    used = {m.split(".")[1] for p in modules("services/coupled") for m in imports(p) if m.startswith("services.")}
+    assert used - {"coupled"} == COMPOSED_OF["coupled"]  # it is their sum, and says so
 
 
 def test_the_decision_floor_is_pure():

@@ -1,8 +1,8 @@
-"""common.measures: TBT from runs, percentiles, the summary, load over time."""
+"""tools.moonbus.traces.measures: TBT from runs, percentiles, the summary, load over time."""
 
 import pytest
 
-from common.measures import (OK, REJECTED_ARRIVAL, REJECTED_LATE, RequestResult, effective_capacity,
+from tools.moonbus.traces.measures import (OK, REJECTED_ARRIVAL, REJECTED_LATE, RequestResult, effective_capacity,
                              load_over_time, percentile, summarize, tbt_from_runs, tbt_of)
 
 
@@ -55,7 +55,7 @@ def test_load_over_time():
 
 
 def test_attainment_goodput_per_minute_and_rejections_by_reason():
-    from common.measures import OK, REJECTED_ARRIVAL, REJECTED_LATE, RequestResult, summarize
+    from tools.moonbus.traces.measures import OK, REJECTED_ARRIVAL, REJECTED_LATE, RequestResult, summarize
 
     def r(i, status, ttft=1.0, error=""):
         return RequestResult(i, status, arrival_s=float(i), input_tokens=10, ttft_s=ttft if status == OK else None,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from common.decide.policy import ClusterSnapshot, Decision, PrefillCandidate, PullPlan, pipeline_stages
-from common.roles.pipeline import last_stage, my_chunks, num_chunks
+from services.prefill.pipeline import last_stage, my_chunks, num_chunks
 
 
 def make_decision(prefill_id="p1", prefix_blocks=0, pull=None) -> Decision:

@@ -1,9 +1,9 @@
-"""The prefill instance's queue (common/roles/prefill.py ArrivalQueue): requests in the order they
+"""The prefill instance's queue (services/prefill/queue.py ArrivalQueue): requests in the order they
 arrived at a gateway, so that a request handed back and resumed keeps its place in line."""
 
 import asyncio
 
-from common.roles.prefill import ArrivalQueue
+from services.prefill.queue import ArrivalQueue
 from schemas.prefill import PipelineSpec, PrefillTask
 from schemas.route import SamplingParams
 

@@ -3,7 +3,7 @@
 
 
 from common.kv.blocks import block_keys
-from common.traces import TraceRow, block_token_ids, load_trace, prompt_token_ids, resolve_trace, scaled_input_length
+from tools.moonbus.traces.rows import TraceRow, block_token_ids, load_trace, prompt_token_ids, resolve_trace, scaled_input_length
 
 TRACE = resolve_trace("conversation")
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from common.measures import OK
+from tools.moonbus.traces.measures import OK
 from common.decide.perf import LLAMA3_70B
-from common.traces import TraceRow
+from tools.moonbus.traces.rows import TraceRow
 from tools.sim import SimConfig, build_profile, simulate
 
 PROFILE, EXTRAS = build_profile("llama3-70b", "8xa800")

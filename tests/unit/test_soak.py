@@ -13,8 +13,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from common.measures import FAILED, OK, REJECTED_ARRIVAL, REJECTED_LATE, RequestResult
-from common.traces import TraceRow
+from tools.moonbus.traces.measures import FAILED, OK, REJECTED_ARRIVAL, REJECTED_LATE, RequestResult
+from tools.moonbus.traces.rows import TraceRow
 from schemas.events import Event
 from schemas.pool import PoolStatus
 from tools.moonbus.traces import replay
@@ -49,7 +49,7 @@ class LinearPrefill:
 
 
 def test_resolve_trace_names_and_paths(tmp_path, monkeypatch):
-    from common.traces import resolve_trace
+    from tools.moonbus.traces.rows import resolve_trace
 
     monkeypatch.setenv("MOONBUS_TRACES", str(tmp_path))
     (tmp_path / "synthetic_trace.jsonl").write_text("")

@@ -1,8 +1,8 @@
-"""One request's stages beside their predictions, from its events (common/timeline.py)."""
+"""One request's stages beside their predictions, from its events (tools/moonbus/observe/timeline.py)."""
 
 import pytest
 
-from common import timeline
+from tools.moonbus.observe import timeline
 
 
 def ev(kind, ts, **data):

@@ -25,8 +25,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from common import models, profiles  # noqa: E402
 from common.config import default_home  # noqa: E402
-from common.measures import OK, format_summary, summarize  # noqa: E402
-from common.traces import load_trace  # noqa: E402
+from tools.moonbus.traces.measures import OK, format_summary, summarize  # noqa: E402
+from tools.moonbus.traces.rows import load_trace  # noqa: E402
 from tools.experiments.runs import _write  # noqa: E402
 from tools.moonbus.traces import replay  # noqa: E402
 from tools.moonbus.cluster.processes import Cluster, ClusterSpec, free_port  # noqa: E402

@@ -15,8 +15,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from common.measures import effective_capacity  # noqa: E402
-from common.traces import load_trace  # noqa: E402
+from tools.moonbus.traces.measures import effective_capacity  # noqa: E402
+from tools.moonbus.traces.rows import load_trace  # noqa: E402
 from tools.moonbus.traces.plots import plot_load  # noqa: E402
 from tools.sim import SimConfig, build_profile, simulate  # noqa: E402
 

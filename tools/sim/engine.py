@@ -1,8 +1,8 @@
 """The event loop: arrivals, prefill ends, KV arrivals at decode, decode segment ends.
 
-    arrive      conductor: index.match -> decide -> admit   (services/conductor: the live code),
-                on the load the instances report, kept by the live conductor's ClusterState
-                rejected -> done (rejected at arrival); else book the prefix pull on the NICs,
+    arrive      the live conductor's route (common/decide/route.py: prefix match, snapshot,
+                decide, judge, record), on the load the instances report, kept by its ClusterState;
+                not admitted -> done (rejected at arrival); else book the prefix pull on the NICs,
                 queue at p* (it counts at d* until d* holds it)
     prefill     in arrival order per instance; one that its predicted work would bring past its TTFT
                 deadline is rejected late instead of begun (late_start, live code); the next
@@ -28,14 +28,17 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from common.decide.cluster_state import ClusterState, Routed
+from collections.abc import Mapping
+
+from common.decide.cluster_state import ClusterState
 from common.kv.blocks import block_keys_from_hash_ids
-from common.measures import FAILED, OK, REJECTED_ARRIVAL, REJECTED_LATE, RequestResult, summarize
+from tools.moonbus.traces.measures import FAILED, OK, REJECTED_ARRIVAL, REJECTED_LATE, RequestResult, summarize
 from common.decide.perf import Profile
-from common.traces import TraceRow
+from tools.moonbus.traces.rows import TraceRow
 from common.decide.index import PrefixIndex
-from common.decide.admission import AdmissionSettings, DecodeLoadSnapshot, judge, late_start, late_verdict, ttft_deadline
-from common.decide.policy import ClusterSnapshot, NoInstances, PolicySettings, RequestInfo, decide
+from common.decide.admission import AdmissionSettings, late_start, late_verdict, ttft_deadline
+from common.decide.policy import PolicySettings
+from common.decide.route import ToRoute, route
 from tools.sim.config import SimConfig, build_profile
 from tools.sim.coupled import CoupledInstance
 from tools.sim.decode import DecodeBatch
@@ -182,30 +185,19 @@ class Simulator:
     # --- the conductor ---------------------------------------------------------------------------------
 
     def on_arrive(self, r: SimRequest, t: float) -> None:
-        match = self.index.match(r.keys)
-        holders = {node: m.prefix_len for node, m in match.per_node.items() if m.prefix_len}
-        nics = self.nics
-        queued = {node: nics[node].queued_bytes(t) for node in holders}
+        """The live conductor's route (common/decide/route.py), on the reports heard so far; each
+        holder's sender congestion is its NIC's queue."""
         self.report(t)
-        state = self.state
-        snapshot = ClusterSnapshot(t, state.prefill_candidates(t), state.decode_candidates(t), holders, queued,
-                                   self.rng.random())
-        self.policy = state.policy_settings(self.policy)  # with the balancing threshold learned so far
-        decision = decide(RequestInfo(str(r.index), r.input_tokens, len(r.keys), r.input_tokens + r.max_tokens),
-                          snapshot, self.policy, self.perf)
-        if isinstance(decision, NoInstances):
-            self.end(r, t, REJECTED_ARRIVAL, decision.reason)  # an overload or no instance: either way, not served
+        self.policy = self.state.policy_settings(self.policy)  # with the balancing threshold learned so far
+        outcome = route(ToRoute(str(r.index), r.keys, r.input_tokens, r.max_tokens), self.index, self.state, t,
+                        self.policy, self.admission, self.perf, self.rng.random(), queued=_NicQueues(self.nics, t))
+        if not outcome.admitted:  # an overload, no instance, or too large: either way, not served
+            self.end(r, t, REJECTED_ARRIVAL, outcome.reason)
             return
-        if self.cfg.admission != "none":
-            load = DecodeLoadSnapshot(t, tuple(state.decode_load(d.instance_id, t) for d in snapshot.decode))
-            verdict, decision = judge(decision, r.input_tokens, load, self.admission, self.perf, self.policy.colocate,
-                                      ttft_margin=self.state.ttft_margin.value)
-            if not verdict.admit:
-                self.end(r, t, REJECTED_ARRIVAL, verdict.reason)
-                return
-        self.dispatch(r, decision, t)
+        self.dispatch(r, outcome.decision, t)
 
     def dispatch(self, r: SimRequest, decision, t: float) -> None:
+        """Send the routed request to its prefill instance (the route booked it in the state)."""
         p = self.prefill_by_id[decision.prefill_id]
         r.decision, r.prefill = decision, p
         r.decode = p.decode if isinstance(p, CoupledInstance) else self.decode_by_id[decision.decode_id]
@@ -213,9 +205,6 @@ class Simulator:
             r.ready_s = transfer(self.nics[decision.pull.source_node], p.nic, t, decision.pull.nbytes)
             self.pulls += 1
             self.pulled_blocks += decision.pull.num_blocks
-        self.state.route(Routed(str(r.index), (p.instance_id,), r.decode.instance_id, "", r.input_tokens, t,
-                                decision.prefill_s + decision.transfer_s, decision.ttft_s,
-                                joins_decode=r.output_tokens > 1, max_tokens=r.max_tokens))
         p.queue.push(r, r.arrival_s)
         self.dirty.add(p)
         if not p.busy:
@@ -331,3 +320,19 @@ def simulate(rows: list[TraceRow], cfg: SimConfig, profile: Profile | None = Non
 
     }
     return SimOutcome(results, summarize(results, cfg.ttft_slo_s, cfg.tbt_slo_s), stats)
+
+
+class _NicQueues(Mapping):
+    """node -> bytes queued at its NIC at `t`, computed for the nodes a route asks about only."""
+
+    def __init__(self, nics: dict[str, Nic], t: float) -> None:
+        self.nics, self.t = nics, t
+
+    def __getitem__(self, node: str) -> int:
+        return self.nics[node].queued_bytes(self.t)
+
+    def __iter__(self):
+        return iter(self.nics)
+
+    def __len__(self) -> int:
+        return len(self.nics)

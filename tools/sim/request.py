@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from common.measures import OK, RequestResult
+from tools.moonbus.traces.measures import OK, RequestResult
 
 
 class SimRequest:
@@ -39,7 +39,7 @@ class SimRequest:
         self.kv_arrival_s = 0.0
 
     def result(self) -> RequestResult:
-        from common.measures import tbt_from_runs
+        from tools.moonbus.traces.measures import tbt_from_runs
 
         ttft = None if self.first_token_s is None else self.first_token_s - self.arrival_s
         produced = 0

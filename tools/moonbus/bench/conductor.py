@@ -14,10 +14,10 @@ Setup (scaled to the released trace, so nothing needs a model):
     them pulling KV from a node (sender congestion).
   - Performance model: analytic LLaMA3-70B on 8xA800 (common/decide/perf.py), NIC link 100 GB/s.
 
-Timed, per request (time.perf_counter_ns): what the live route does in memory, through the same
-calls (services/conductor/service.py `route`):
-    index match -> snapshot (the candidates built from the ClusterState by the conductor's own
-    `snapshot()`, holders from the match) -> policy decide -> admission (the decode loads from the
+Timed, per request (time.perf_counter_ns), stage by stage: the live conductor's route itself
+(common/decide/route.py `route`, which the conductor and the simulator call too):
+    prefix (index match) -> snapshot (the candidates built from the ClusterState, holders from
+    the match) -> decide (the policy) -> judge (admission on the decode loads from the
     ClusterState, mode predictive) -> record (ClusterState.route of an admitted request)
 Before each route --reports-per-route instances' reports arrive (untimed; half from prefill
 instances, half from decode instances, drawn at random, each its last report again), and each
@@ -57,13 +57,13 @@ import orjson
 
 from common.kv.blocks import block_keys_from_hash_ids
 from common.decide.perf import A800_X8, LLAMA3_70B, Profile, analytic_profile
-from common.traces import TRACE_BLOCK_TOKENS, load_trace, resolve_trace
+from tools.moonbus.traces.rows import TRACE_BLOCK_TOKENS, load_trace, resolve_trace
 from common.decide.index import KvEvent, PrefixIndex
-from common.decide.admission import AdmissionSettings, DecodeLoadSnapshot, Verdict, admit
+from common.decide.admission import AdmissionSettings
 from common.decide.cluster_state import ClusterState, Routed
-from common.decide.policy import POLICIES, Decision, PolicySettings, RequestInfo, decide
+from common.decide.policy import POLICIES, PolicySettings, RequestInfo
+from common.decide.route import STAGES, RouteOutcome, ToRoute, route
 from schemas.workers import Coming, DecodeReport, Joined, PrefillReport, WorkerInfo
-from services.conductor.service import ConductorService
 from tools.moonbus.bench import route as bench_route
 from tools.moonbus.bench import route_report as bench_route_report
 
@@ -73,7 +73,6 @@ PREFILL_NODES = tuple(f"node-{i:02d}" for i in range(NUM_PREFILL))
 DECODE_NODES = tuple(f"node-{i:02d}" for i in range(NUM_PREFILL, NUM_PREFILL + NUM_DECODE))
 PREFILL_IDS = tuple(f"prefill-{i:02d}" for i in range(NUM_PREFILL))
 DECODE_IDS = tuple(f"decode-{i:02d}" for i in range(NUM_DECODE))
-STAGES = ("match", "snapshot", "decide", "admit", "record")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,7 +101,7 @@ class Query:
 
 @dataclass(frozen=True, slots=True)
 class State:
-    """What a conductor holds in memory besides the index between routes: the fields its `snapshot()` reads."""
+    """What a conductor holds in memory besides the index between routes: its cluster state, its draws."""
 
     now: float
     state: ClusterState
@@ -251,18 +250,19 @@ def _bench(index: PrefixIndex, queries: list[Query], states: list[State], settin
         # rotate which policy goes first: the first one meets this state's data cold in the CPU cache
         k = i % len(settings)
         for s in settings[k:] + settings[:k]:
-            stamps, decision, verdict = _decide_once(index, q, state, s, admission, perf, reports)
+            stamps, outcome = _decide_once(index, q, state, s, admission, perf, reports)
             if i >= warmup:
                 samples[s.policy].append(stamps)
                 out = outcomes[s.policy]
-                out[0] += decision.pull is not None
-                out[1] += decision.prefix_blocks
-                out[2] += not verdict.admit
+                decision = outcome.decision
+                out[0] += decision is not None and decision.pull is not None
+                out[1] += decision.prefix_blocks if decision is not None else 0
+                out[2] += not outcome.admitted
     return {policy: _summary(rows, outcomes[policy], decisions) for policy, rows in samples.items()}
 
 
 def _decide_once(index: PrefixIndex, q: Query, state: State, settings: PolicySettings, admission: AdmissionSettings,
-                 perf: Profile, reports: int) -> tuple[tuple[int, ...], Decision, Verdict]:
+                 perf: Profile, reports: int) -> tuple[tuple[int, ...], RouteOutcome]:
     cluster, now = state.state, state.now
     # NOTE: untimed: the reports that came since the previous route dropped the views they concern
     if reports < 0:
@@ -270,31 +270,19 @@ def _decide_once(index: PrefixIndex, q: Query, state: State, settings: PolicySet
     for i in range(reports):
         instance = state.rng.choice(PREFILL_IDS if i % 2 == 0 else DECODE_IDS)
         cluster.heard(cluster.get(instance), cluster.instances[instance].seen_at)
-    t0 = time.perf_counter_ns()
-    # 1. index match (random needs no prefix lengths)
-    m = index.match(q.keys) if settings.policy != "random" else None
-    t1 = time.perf_counter_ns()
-    # 2. snapshot: this request's holders, the candidates built by the live conductor's own code
-    holders = {n: x.prefix_len for n, x in m.per_node.items() if x.prefix_len} if m is not None else {}
-    snap = ConductorService.snapshot(state, now, holders)  # type: ignore[arg-type]  # reads .state and .rng
-    t2 = time.perf_counter_ns()
-    # 3. policy
-    decision = decide(q.request, snap, settings, perf)
-    t3 = time.perf_counter_ns()
-    # 4. admission, on the decode loads as the live route builds them
-    load = DecodeLoadSnapshot(now, tuple(cluster.decode_load(d.instance_id, now) for d in snap.decode))
-    verdict = admit(decision.ttft_s, q.request.input_tokens, load, admission, perf)  # type: ignore[union-attr]
-    t4 = time.perf_counter_ns()
-    # 5. record an admitted request, as the live route does before dispatching it
-    assert isinstance(decision, Decision)
-    if verdict.admit:
-        pull = decision.pull
-        cluster.route(Routed(q.request.request_id, (decision.prefill_id,), decision.decode_id, "bench",
-                             q.request.input_tokens, now, decision.prefill_s + decision.transfer_s, decision.ttft_s,
-                             pull.source_node if pull else "", pull.nbytes if pull else 0))
-    t5 = time.perf_counter_ns()
+    stamps = [time.perf_counter_ns()]
+
+    def mark(_stage: str) -> None:
+        stamps.append(time.perf_counter_ns())
+
+    # the live conductor's route, stage by stage (random needs no prefix lengths: none are matched)
+    outcome = route(ToRoute(q.request.request_id, q.keys, q.request.input_tokens, 0,
+                            needs_prefix=settings.policy != "random", reply_subject="bench"),
+                    index, cluster, now, settings, admission, perf, state.rng.random(), on_stage=mark)
+    end = time.perf_counter_ns()
+    stamps += [stamps[-1]] * (len(STAGES) + 1 - len(stamps))  # a route that ended early skipped the rest
     cluster.end(q.request.request_id)  # untimed: the state stays as drawn
-    return (t5 - t0, t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), decision, verdict
+    return (end - stamps[0], *(b - a for a, b in zip(stamps, stamps[1:]))), outcome
 
 
 def _summary(rows: list[tuple[int, ...]], outcome: list[int], decisions: int) -> dict:
@@ -323,8 +311,8 @@ def _print_table(r: dict, policies: list[str]) -> None:
           f"{r['decisions']:,} timed decisions per policy (single thread, gc {r['gc']}); "
           + (f"{r['reports_per_route']} instance reports between routes" if r['reports_per_route'] >= 0
              else "every view dropped before each route"))
-    print("  timed: index match + snapshot (candidates built per route) + decide + admission + record, as the live "
-          "route does in memory  (random skips the match)\n")
+    print("  timed: the live route (common/decide/route.py): prefix match + snapshot (candidates built per route) + "
+          "decide + judge + record  (random skips the match)\n")
     head = f"  {'policy':<17}{'decisions/s':>12}{'p50 us':>9}{'p99 us':>9}{'max us':>9}   {'pulls':>6}{'reuse':>7}{'reject':>7}"
     print(head)
     print("  " + "-" * (len(head) - 2))

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from common.kv.blocks import block_keys
 from common.decide.perf import Profile
-from common.traces import TraceRow, block_token_ids, scaled_input_length
+from tools.moonbus.traces.rows import TraceRow, block_token_ids, scaled_input_length
 from schemas import subjects
 from schemas.pool import SnapshotReply
 from schemas.workers import Coming, DecodeReport, Joined, Layout, PrefillReport, WorkerInfo
@@ -35,7 +35,7 @@ LOAD_VARIANTS = 8  # load reports each instance cycles through
 
 
 class PromptBuilder:
-    """`common.traces.prompt_token_ids(row, 16, vocab_size=259)`, with each trace block's tokens
+    """`tools.moonbus.traces.rows.prompt_token_ids(row, 16, vocab_size=259)`, with each trace block's tokens
     drawn once: rows share most of their blocks, and one draw costs ~100 us (a seeded numpy
     generator), which would make 200k blocks take half a minute. The integration test checks
     that both give the same prompts."""

@@ -29,7 +29,7 @@ import orjson
 from common import models
 from common.audit import Stored
 from common.decide.admission import MODES
-from common.measures import summarize
+from tools.moonbus.traces.measures import summarize
 from tools.moonbus.bench import vllm_report
 from tools.moonbus.bench.vllm import add_load_arguments, make_plan, say
 from tools.moonbus.bench.vllm_load import run_plan

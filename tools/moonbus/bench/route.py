@@ -58,7 +58,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from common import bus, models, profiles
 from common.config import default_home
 from common.decide.perf import DecodeModel, PrefillModel, Profile
-from common.traces import TraceRow
+from tools.moonbus.traces.rows import TraceRow
 from schemas import subjects
 from schemas.index import IndexDumpReply, IndexDumpRequest
 from schemas.route import RouteReply, RouteRequest, SamplingParams

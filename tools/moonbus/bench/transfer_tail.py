@@ -1,6 +1,6 @@
 """The handoff's tail for `moonbus bench transfer`: the last layer's slice and the completion notice.
 
-The streamed handoff (common/roles/handoff.py -> services/messenger/handoff.py) writes each
+The streamed handoff (services/prefill/handoff.py -> services/messenger/handoff.py) writes each
 layer's KV slice while the next layer computes, so what decode waits for after the prefill's last
 layer is only
 
@@ -122,7 +122,7 @@ def _one_handoff(peer: HandoffPeer, transports, layout: KvLayout, kv, expected: 
     landed file's checksum is `expected`). The landed file is removed."""
     from common.kv.slices import SliceGeometry
     from schemas.transfer import AcceptKv, CompleteKv, CompleteKvReply, RegionRef
-    from common.roles.handoff import StreamSink
+    from services.prefill.handoff import StreamSink
 
     n, last = kv.shape[3], layout.num_layers - 1
     request = AcceptKv(f"bench-{n}", attempt, n, "bench-prefill:1", _BENCH_NODE)

@@ -42,8 +42,8 @@ from pathlib import Path
 import orjson
 
 from common import machine, models
-from common.measures import summarize
-from common.traces import load_trace, prompt_token_ids, resolve_trace
+from tools.moonbus.traces.measures import summarize
+from tools.moonbus.traces.rows import load_trace, prompt_token_ids, resolve_trace
 from tools.moonbus.bench import vllm_report
 from tools.moonbus.bench.vllm_load import Plan, engine_prompts, run_plan
 from tools.moonbus.bench.vllm_servers import (CpuMeter, MoonbusServer, ServerError, VllmLaunch, VllmServer, all_cores,

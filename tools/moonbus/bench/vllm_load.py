@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from common.measures import RequestResult
+from tools.moonbus.traces.measures import RequestResult
 from tools.moonbus.bench.vllm_servers import CpuMeter
 from tools.moonbus.traces.replay import send_one
 

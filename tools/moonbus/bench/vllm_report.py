@@ -6,7 +6,7 @@ serve rows    completed, rejected (HTTP 429, at arrival or late), failed; output
               count as misses); TTFT p50/p90/p99; ITL p50/p90 over every inter-token interval of the
               completed requests (a chunk of k tokens: one interval, then k-1 of zero, as the
               replay client counts); goodput = within both SLOs per second of the run
-              (common.measures.summarize); CPU use = CPU-seconds / wall-seconds / cores.
+              (tools.moonbus.traces.measures.summarize); CPU use = CPU-seconds / wall-seconds / cores.
 capacity      the highest arrival rate (requests/s) at which the share within SLO is at least
               CAPACITY_SHARE, from runs at several speeds of the same trace slice (`next_speed`
               picks each next one: double while it holds, halve while it does not, then bisect
@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from common.measures import OK, RequestResult, percentile
+from tools.moonbus.traces.measures import OK, RequestResult, percentile
 
 GOODPUT_GOAL = 1.0  # the prefill-heavy load keeps today's goodput: >= 1.0x vLLM CPU's at its defaults
 CHAT_TOKENS_GOAL = {"vllm": 1.5, "vllm-all-cores": 1.0}  # issue 36: chat output tokens/s over each vLLM run
@@ -81,7 +81,7 @@ def cpu_use(cpu_seconds: float, wall_seconds: float, cores: int) -> float:
 
 def serve_row(summary: dict, results: Sequence[RequestResult], cpu_seconds: float, wall_seconds: float,
               cores: int) -> dict:
-    """One server's trace row, from common.measures.summarize's summary of the same results."""
+    """One server's trace row, from tools.moonbus.traces.measures.summarize's summary of the same results."""
     completed = summary["ok"]
     return {
         "requests": summary["requests"], "completed": completed,

@@ -21,7 +21,7 @@ from tools.moonbus.cluster.processes import Cluster, ClusterError, ClusterSpec
 from tools.moonbus.cluster.supervisor import Action, RestartPolicy, SupervisorEvents
 
 ROOT = Path(__file__).resolve().parents[3]
-ENGINE_SOURCES = ("common/engine", "common/roles", "tools/moonbus/cluster/profile.py")  # what a profile times
+ENGINE_SOURCES = ("common/engine", "services/prefill", "services/decode", "tools/moonbus/cluster/profile.py")  # what a profile times
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -32,7 +32,8 @@ from pathlib import Path
 
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from common import bus, signing, timeline
+from common import bus, signing
+from tools.moonbus.observe import timeline
 from common.audit import Problem, Report, Stored, verify
 from common.signing import SIGNERS_FILE, Signers
 from common.config import default_home

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Sequence
 
 from common.decide.perf import PrefillPredictor
-from common.traces import TRACE_BLOCK_TOKENS, TraceRow, scaled_input_length
+from tools.moonbus.traces.rows import TRACE_BLOCK_TOKENS, TraceRow, scaled_input_length
 
 # `--trace conversation` and `--trace synthetic` name the released traces beside the repository.
 
@@ -85,7 +85,7 @@ def workload_rows(rows: Sequence[TraceRow], count: int | None) -> list[TraceRow]
 
 
 def prompt_length(row: TraceRow, tokens_per_block: int, max_input: int | None) -> int:
-    """The prompt length common.traces.prompt_token_ids builds for this row."""
+    """The prompt length tools.moonbus.traces.rows.prompt_token_ids builds for this row."""
     n = scaled_input_length(row, tokens_per_block)
     return max(1, min(n, max_input)) if max_input is not None else n
 

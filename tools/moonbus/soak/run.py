@@ -22,9 +22,9 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from common import bus
 from common.config import NatsAuth
-from common.measures import FAILED, RequestResult, summarize
+from tools.moonbus.traces.measures import FAILED, RequestResult, summarize
 from tools.moonbus.observe.cpu import MachineCpu
-from common.traces import load_trace, prompt_token_ids, resolve_trace
+from tools.moonbus.traces.rows import load_trace, prompt_token_ids, resolve_trace
 from schemas import subjects
 from schemas.codec import WireError
 from schemas.events import Event

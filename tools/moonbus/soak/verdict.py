@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from common.measures import OK, RequestResult
+from tools.moonbus.traces.measures import OK, RequestResult
 from schemas.events import TERMINAL_KINDS, Event
 from schemas.pool import PoolStatus
 

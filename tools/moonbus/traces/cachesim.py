@@ -24,7 +24,7 @@ import orjson
 from common.kv.blocks import block_keys_from_hash_ids
 from common.decide.eviction import DEFAULT_POLICY, POLICIES
 from common.decide.pool import NoRoom, TieredPool
-from common.traces import TRACE_BLOCK_TOKENS, add_trace_arguments, load_trace
+from tools.moonbus.traces.rows import TRACE_BLOCK_TOKENS, add_trace_arguments, load_trace
 
 INF = "inf"
 

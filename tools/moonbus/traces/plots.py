@@ -13,7 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from common.measures import OK, RequestResult, load_over_time  # noqa: E402
+from tools.moonbus.traces.measures import OK, RequestResult, load_over_time  # noqa: E402
 
 
 def _cdf(ax, values: Sequence[float], label: str) -> None:

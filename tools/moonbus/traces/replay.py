@@ -1,7 +1,7 @@
 """`moonbus replay`: send a trace to a live cluster through the OpenAI API and measure it.
 
 Every row becomes a streaming POST /v1/completions at its timestamp / --speed, open loop (a slow
-server does not slow the sender). The prompt is token ids built by common.traces.prompt_token_ids:
+server does not slow the sender). The prompt is token ids built by tools.moonbus.traces.rows.prompt_token_ids:
 hash id -> a fixed block of --tokens-per-block ids, so prompts share exactly the prefixes their
 hash ids share (set the cluster's KV block size to the same B for the cache to line up).
 `ignore_eos` makes the server produce exactly the (scaled) output length.
@@ -15,7 +15,7 @@ same load: aiperf reads it with `--custom-dataset-type mooncake_trace
 Per request: status (ok / rejected_arrival = HTTP 429 before any token / rejected_late = a 429
 after the stream started / failed), TTFT, every inter-token interval (a chunk carrying k tokens
 counts one interval then k-1 of zero), cached tokens from usage. Writes results.jsonl and
-summary.json to --out, prints the summary (common.measures), and with --plot the PNGs.
+summary.json to --out, prints the summary (tools.moonbus.traces.measures), and with --plot the PNGs.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from common.measures import FAILED, OK, REJECTED_ARRIVAL, REJECTED_LATE, RequestResult, format_summary, summarize, tbt_of
-from common.traces import (TRACE_BLOCK_TOKENS, TraceRow, add_trace_arguments, load_trace, prompt_length,
+from tools.moonbus.traces.measures import FAILED, OK, REJECTED_ARRIVAL, REJECTED_LATE, RequestResult, format_summary, summarize, tbt_of
+from tools.moonbus.traces.rows import (TRACE_BLOCK_TOKENS, TraceRow, add_trace_arguments, load_trace, prompt_length,
                            prompt_token_ids)
 from tools.moonbus.observe.cpu import MachineCpu
 

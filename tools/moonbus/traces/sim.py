@@ -1,6 +1,6 @@
 """`moonbus sim`: simulate a cluster on a trace with the live scheduling, admission and eviction code.
 
-Prints the summary (common.measures), every scaling applied and the simulation speed; --json
+Prints the summary (tools.moonbus.traces.measures), every scaling applied and the simulation speed; --json
 prints one JSON object instead; --out DIR writes results.jsonl and summary.json there; --plot
 writes the TTFT/TBT CDFs and the load-over-time PNG to --out (default: the current directory).
 """
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import orjson
 
-from common.measures import format_summary
-from common.traces import TRACE_BLOCK_TOKENS, add_trace_arguments, load_trace
+from tools.moonbus.traces.measures import format_summary
+from tools.moonbus.traces.rows import TRACE_BLOCK_TOKENS, add_trace_arguments, load_trace
 from common.decide.admission import MODES
 from common.decide.policy import POLICIES
 from tools.sim import SimConfig, build_profile, simulate

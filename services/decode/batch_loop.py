@@ -7,7 +7,7 @@ list operations: the batch never waits for a file) -> every iteration ONE
 forward for the whole batch (common/engine/batch.py), each request sampled with its own
 settings, its token published to its gateway -> finished or cancelled requests leave, and the
 KV of finished ones is stored in the node's pool so that the next turn of a conversation hits
-(common/roles/decode_keep.py, which also stores a running request's blocks as they fill).
+(keep.py, which also stores a running request's blocks as they fill).
 
 Faults stay with their request: a KV that cannot be loaded, a row that cannot sample or a
 publish that fails ends that request with one error (retryable when the cluster, not the
@@ -45,8 +45,8 @@ from schemas.workers import DecodeReport, Joined, Layout, Measured, Progress, Wo
 from common.decide.admission import late_verdict
 from common.decide.learn import Factor
 from common.engine.batch import BatchEngine, RowKv
-from common.roles.decode_config import DecodeConfig
-from common.roles.decode_keep import KvKeeper, Running
+from services.decode.config import DecodeConfig
+from services.decode.keep import KvKeeper, Running
 
 log = logging.getLogger(__name__)
 

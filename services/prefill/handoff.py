@@ -12,7 +12,7 @@ Protocol (the receiving end and every way a reservation ends: services/messenger
 
 When the decode instance is on this node (a coupled instance), no bytes need to move: the sink
 writes the node-local file (FileSink) the decode reads, and complete() just names it.
-Failures raise `HandoffFailed`; the caller decides what the request gets (common/roles/prefill.py:
+Failures raise `HandoffFailed`; the caller decides what the request gets (compute.py:
 before the first token it is dispatched again, after it the gateway resumes it).
 """
 

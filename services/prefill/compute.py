@@ -1,6 +1,6 @@
 """Prefill instance: computes a prompt's KV and first token, then hands the request to decode.
 
-task (NATS) -> the decode node reserves the KV's destination (common/roles/handoff.py) ->
+task (NATS) -> its queue (queue.py) -> the decode node reserves the KV's destination (handoff.py) ->
 forward pass in a worker thread, each layer's KV written into that destination while the next
 layer computes -> first token to the gateway -> completion notice -> DecodeTask to decode.
 
@@ -40,37 +40,19 @@ from common.pool_client import PoolClient, PoolUnavailable, Prefix
 from common.transport import TransportError, Transports
 from common.decide.admission import clamp_retry_after, late_start
 from common.decide.perf import queue_ends
-from common.decide.queue_order import ArrivalOrder
 from schemas import subjects
 from schemas.codec import WireError
 from schemas.decode import DecodeTask
 from schemas.prefill import PrefillTask
 from schemas.tokens import Probe, ProbeReply, TokenChunk
 from schemas.workers import Coming, Layout, Measured, PrefillReport, Progress, WorkerInfo
-from common.roles.prefill_config import PrefillConfig
-from common.roles import pipeline
-from common.roles.handoff import Handoff, HandoffFailed
+from services.prefill import pipeline
+from services.prefill.config import PrefillConfig
+from services.prefill.handoff import Handoff, HandoffFailed
+from services.prefill.queue import ArrivalQueue
 from common.engine.layerwise import LayerwisePrefill, LayerStreamer
 
 log = logging.getLogger(__name__)
-
-
-class ArrivalQueue(asyncio.Queue):
-    """The prefill tasks in the decision floor's order (`common.decide.queue_order`): by their
-    request's arrival at a gateway, pipeline stages at the back."""
-
-    def _init(self, maxsize: int) -> None:
-        self._queue: ArrivalOrder[PrefillTask] = ArrivalOrder()
-
-    def _put(self, task: PrefillTask) -> None:
-        self._queue.push(task, task.arrival_ts, last=task.pipeline is not None)
-
-    def _get(self) -> PrefillTask:
-        return self._queue.pop()
-
-    def tasks(self) -> list[PrefillTask]:
-        """What waits, in the order it will run."""
-        return self._queue.items()
 
 
 class PrefillMetrics:
@@ -292,7 +274,7 @@ class PrefillService:
         return prefix
 
     async def run_stage(self, task: PrefillTask) -> str | None:
-        """One stage of a pipelined prefill (common/roles/pipeline.py); no cached prefix is used.
+        """One stage of a pipelined prefill (pipeline.py); no cached prefix is used.
         Returns how the request left (None from a stage that does not hand off: the last one will)."""
         rid, ids, spec = task.request_id, task.prompt_token_ids, task.pipeline
         started = time.perf_counter()
