@@ -1,4 +1,4 @@
-"""Overload admission: admit or reject a routed request at arrival (ARCHITECTURE.md "Overload admission").
+"""Overload admission: admit or reject a routed request at arrival (docs/architecture.md, "The conductor": overload admission).
 
 Goodput counts only requests that meet both SLOs, and a request rejected after its prefill wasted
 that prefill, so the conductor predicts. Modes (AdmissionSettings.mode):

@@ -1,5 +1,5 @@
-"""Predictions that learn from what actually happened, per instance (ARCHITECTURE.md: "Predictions
-that learn").
+"""Predictions that learn from what actually happened, per instance (docs/architecture.md, "The
+conductor").
 
 The profile (common/decide/perf.py) is measured once, on an idle machine. Live, an instance runs
 slower or faster than that (shared cores, a decode batch next to a prefill, a slower node), and it

@@ -1,6 +1,6 @@
 """The conductor's routing policy: choose (prefill, decode) for one request from a cluster snapshot.
 
-Algorithm, `kvcache-centric` (ARCHITECTURE.md section 3, Mooncake's Conductor):
+Algorithm, `kvcache-centric` (docs/architecture.md, "The conductor"; the Mooncake paper's Conductor):
 
     best_len    = longest leading prefix of the request held on any node (blocks, any tier)
     best_holder = among nodes holding best_len blocks, the one with the fewest bytes queued at

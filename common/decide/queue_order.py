@@ -3,8 +3,8 @@
 Shared by the live prefill instance (services/prefill/queue.py, `ArrivalQueue`) and the simulator
 (tools/sim/instances.py). A request handed back because its decode instance was lost while it
 waited at a prefill instance comes back as a new attempt; at the back of the line it would wait
-the whole queue again and miss the TTFT its admission promised (README "Reliability" has the
-replay that showed it). In arrival order it takes its request's place. An item pushed `last`
+the whole queue again and miss the TTFT its admission promised (docs/architecture.md,
+"Reliability", has the replay that showed it). In arrival order it takes its request's place. An item pushed `last`
 (a pipeline stage) goes to the back whatever its arrival: stages of two requests must run in the
 same order on every instance of the group, or each could wait on the other's.
 """

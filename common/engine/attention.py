@@ -5,7 +5,7 @@ Backends, side by side in `moonbus bench engine` (its `attention` section):
 
     kernel   the C++ flash-decoding kernel (kernels/paged_attention.cpp), threads over rows and
              spans of their tokens, each K and V read once, the softmax fused: the default
-             wherever it builds. Its numbers in the README's engine section.
+             wherever it builds. Its numbers in docs/benchmarks.md.
     padded   torch alone: the batch's blocks gathered into one padded [B, H, T, D] tensor, one
              batched matmul attention with a mask (what runs where no compiler built the kernel).
     rows     torch alone, one scaled_dot_product_attention per row over its own tokens (the

@@ -173,7 +173,7 @@ class Llama:
 
         What a decode step multiplies is a few rows by every weight. MKL's dense path, which
         `F.linear` takes in float32, runs such a product on one thread, and 2 rows cost it twice
-        what 1 does (README "The engine" has the measurements);
+        what 1 does (docs/benchmarks.md has the measurements);
         oneDNN over weights packed once uses every thread and reads each weight once per step.
         Its rows also do not depend on the batch (a row's result is the same at 1 row or 64,
         which MKL's is not at 1-2 rows). It costs a second copy of the projections' weights in

@@ -38,7 +38,7 @@ SCALED = ("prefill", "decode")  # run with --scale prefill=2 --scale decode=2
 COMMON_ENV = {"MOONBUS_NATS_URL", "MOONBUS_INSTANCE_ID", "MOONBUS_LOG_LEVEL", "MOONBUS_HOME", "MOONBUS_HEALTH_FILE",
               "MOONBUS_METRICS_PORT", "MOONBUS_METRICS_HOST", "MOONBUS_CLUSTER_SECRET_FILE", "MOONBUS_NATS_USER",
               "MOONBUS_NATS_PASSWORD_FILE", "MOONBUS_SIGNING_KEY_FILE"}
-# read by the OpenMP runtime under the workers' torch threads, not by moonbus (README "Cores by role")
+# read by the OpenMP runtime under the workers' torch threads, not by moonbus (docs/benchmarks.md "Cores by role")
 WORKER_RUNTIME_ENV = {"OMP_WAIT_POLICY"}
 ROLE_ENV = {  # module -> names only that role reads
     "services.gateway": {"MOONBUS_HOST", "MOONBUS_PORT", "MOONBUS_MODEL", "MOONBUS_DTYPE", "MOONBUS_API_KEYS_FILE"},

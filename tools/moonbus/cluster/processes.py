@@ -201,8 +201,8 @@ class ClusterSpec:
         default: each follows the work) or their torch threads outnumber the cores, OpenMP's
         threads sleep when they wait (OMP_WAIT_POLICY=PASSIVE) rather than spin on a core another
         worker needs. Measured on 2 cores, a 1,024-token prefill on 2 threads beside a busy decode
-        batch on 1: 4.9 s spinning, 3.6 s sleeping; the decode step 209 and 179 ms (README "Cores by
-        role"). An OMP_WAIT_POLICY of the caller's is kept."""
+        batch on 1: 4.9 s spinning, 3.6 s sleeping; the decode step 209 and 179 ms
+        (docs/benchmarks.md "Cores by role"). An OMP_WAIT_POLICY of the caller's is kept."""
         roles = (("coupled", self.coupled),) if self.coupled else (("prefill", self.prefill), ("decode", self.decode))
         shared = any(n and not self.role_threads(role) for role, n in roles)  # their shares change step to step
         threads = sum(n * (self.role_threads(role) or os.cpu_count() or 1) for role, n in roles)

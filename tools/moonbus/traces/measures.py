@@ -1,4 +1,4 @@
-"""Measures of a run (ARCHITECTURE.md section 4), shared by `moonbus replay` and `moonbus sim`.
+"""Measures of a run (docs/architecture.md, "Traces, replay and simulation"), shared by `moonbus replay` and `moonbus sim`.
 
     TTFT              arrival to first token
     TBT of a request  mean of its longest 10% of inter-token intervals (at least one interval)
