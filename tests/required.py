@@ -9,6 +9,8 @@ failure, so a run that must prove them cannot pass with them untested:
     hosts     network namespaces for nodes on separate hosts (tests/integration/test_hosts.py)
     browser   headless chromium and chromedriver (tests/integration/test_dashboard.py)
     mooncake  Mooncake's Transfer Engine, the transfer bench's baseline (tests/integration/test_bench_transfer.py)
+    kernel    the decode attention kernel built for this CPU (tests/unit/test_attention_kernel.py; without
+              it the engine attends with torch's ops, and says so)
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 
 import pytest
 
-COMPONENTS = ("rdma", "compose", "hosts", "browser", "mooncake")
+COMPONENTS = ("rdma", "compose", "hosts", "browser", "mooncake", "kernel")
 
 
 def required(component: str) -> bool:

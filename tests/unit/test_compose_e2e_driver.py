@@ -58,3 +58,32 @@ def test_a_table_that_filters_nothing_counts_as_no_table():
     assert _without_empty_tables(empty) == []
     assert _without_empty_tables(dropping) == dropping  # Docker's FORWARD policy is a difference
     assert _without_empty_tables(empty + ruled) == ruled
+
+
+def test_what_a_default_docker_engine_left_behind_is_named_as_in_the_way() -> None:
+    left = HostState(iptables={"ipv4": "*filter\n:INPUT ACCEPT [0:0]\n:FORWARD DROP [0:0]\nCOMMIT"},
+                     sysctls={"/proc/sys/net/bridge/bridge-nf-call-iptables": "1"})
+    [why] = left.obstacles()
+    assert "FORWARD policy is DROP" in why and "bridge-nf-call-iptables is 1" in why
+    # either alone lets bridged frames through
+    assert HostState(iptables=left.iptables, sysctls={"/proc/sys/net/bridge/bridge-nf-call-iptables": "0"}).obstacles() == []
+    assert HostState(iptables={"ipv4": "*filter\n:FORWARD ACCEPT [0:0]\nCOMMIT"}, sysctls=left.sysctls).obstacles() == []
+
+
+def test_a_bridge_that_was_there_before_is_recreated_as_it_was(monkeypatch) -> None:
+    from tools.compose_e2e import host
+
+    before = HostState(links=("docker0", "eth0", "lo"),
+                       link_details={"docker0": {"kind": "bridge", "mtu": 1500, "up": False,
+                                                 "addresses": ["172.17.0.1/16"]}})
+    now = HostState(links=("eth0", "lo"))  # the test's dockerd (--bridge=none) removed it
+    ran = []
+    monkeypatch.setattr(host.HostState, "capture_under", classmethod(lambda cls, watched: now))
+    monkeypatch.setattr(host, "_run", lambda argv: ran.append(argv) or True)
+    try:
+        before.restore()
+    except host.HostNotRestored as exc:  # the stand-in host does not change: the comparison still says so
+        assert "removed ['docker0']" in str(exc)
+    assert ran == [["ip", "link", "add", "docker0", "type", "bridge"], ["ip", "link", "set", "docker0", "mtu", "1500"],
+                   ["ip", "addr", "add", "172.17.0.1/16", "dev", "docker0"]]  # down before: left down
+    assert "docker_gwbridge" in before.differences(HostState(links=("docker_gwbridge", "docker0", "eth0", "lo")))[0]

@@ -59,6 +59,7 @@ class Engine:
     pid: int | None  # the dockerd we started; None: an engine that already ran (left running)
     data_root: Path | None  # ours; None for an engine we did not start
     before: HostState | None  # the host before our dockerd started
+    opened: tuple[str, ...] = ()  # what was in the way on the host, let through for the run (undone by release)
 
     @property
     def ours(self) -> bool:
@@ -67,7 +68,8 @@ class Engine:
     def describe(self) -> str:
         if not self.ours:
             return "the Docker engine that already ran (left running)"
-        return f"dockerd pid {self.pid}, data-root {self.data_root}, {' '.join(DOCKERD_ARGS)}"
+        opened = "".join(f"; in the way on this host, let through for the run: {why}" for why in self.opened)
+        return f"dockerd pid {self.pid}, data-root {self.data_root}, {' '.join(DOCKERD_ARGS)}{opened}"
 
     def release(self, grace_s: float = 60) -> None:
         """Stop the daemon we started and put the host back as it was. No-op for one we found."""
@@ -128,8 +130,33 @@ def acquire(data_root: Path = DATA_ROOT, ready_timeout_s: float = 60) -> Engine:
     if driver != "overlay2":
         engine.release()
         raise EngineUnavailable(f"dockerd chose the {driver!r} storage driver, not overlay2 (every layer would be copied)")
+    engine.opened = _let_bridged_traffic_through(engine, before)
     log.info("started %s", engine.describe())
     return engine
+
+
+# what the test's containers need from the FORWARD chain where it drops by default: frames between
+# ports of a Docker bridge (its name br-<id>: compose makes one per project network)
+BRIDGE_ACCEPT = ["FORWARD", "-i", "br-+", "-o", "br-+", "-j", "ACCEPT"]
+
+
+def _let_bridged_traffic_through(engine: Engine, before: HostState) -> tuple[str, ...]:
+    """Where the host would drop the containers' traffic (HostState.obstacles), accept it on Docker
+    bridges for the run: the rule goes with the rest of iptables back to the snapshot at release.
+    Where it cannot be let through, the engine is released and the reason raised."""
+    obstacles = before.obstacles()
+    if not obstacles:
+        return ()
+    if shutil.which("iptables") is None:
+        engine.release()
+        raise EngineUnavailable("; ".join(obstacles) + ", and there is no iptables here to let the test's traffic through")
+    done = subprocess.run(["iptables", "-I", *BRIDGE_ACCEPT], capture_output=True, text=True)
+    if done.returncode != 0:
+        engine.release()
+        raise EngineUnavailable("; ".join(obstacles) + f", and `iptables -I {' '.join(BRIDGE_ACCEPT)}` failed: "
+                                f"{done.stderr.strip()}")
+    log.warning("in the way on this host: %s; accepted on Docker bridges for the run", "; ".join(obstacles))
+    return tuple(obstacles)
 
 
 def _check_can_start() -> None:

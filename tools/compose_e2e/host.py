@@ -8,9 +8,11 @@ pid file); after it exits, the netns mount and /run/docker stay. The engine we s
 of that (engine.py: --iptables=false --ip-forward=false --bridge=none); HostState checks the rest
 and undoes it, and the test asserts that the host equals the snapshot afterwards.
 
-Only what dockerd could have done is undone: interfaces with Docker's names, mounts and files
-under Docker's paths, the sysctls it writes, and the iptables tables (restored from the
-snapshot only when they differ from it).
+Only what dockerd could have done is undone: interfaces with Docker's names (added ones
+deleted; bridges that were there before and that the daemon removed, e.g. a docker0 left by an
+earlier engine, recreated with their MTU and addresses), mounts and files under Docker's paths,
+the sysctls it writes, and the iptables tables (restored from the snapshot only when they differ
+from it). `obstacles()` says what on the host would keep the test's containers from talking.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ SYSCTLS = (
 RUNTIME_PATHS = ("/run/docker", "/run/docker.sock", "/run/docker.pid", "/run/containerd", "/run/mount")
 IPTABLES = {"ipv4": ("iptables-save", "iptables-restore", "ip"), "ipv6": ("ip6tables-save", "ip6tables-restore", "ip6")}
 MNT_DETACH = 2
-DOCKER_LINK = re.compile(r"^(docker0|br-[0-9a-f]{12}|veth[0-9a-f]{7})$")
+DOCKER_LINK = re.compile(r"^(docker0|docker_gwbridge|br-[0-9a-f]{12}|veth[0-9a-f]{7})$")
+BRIDGE_NF = "/proc/sys/net/bridge/bridge-nf-call-iptables"
 
 
 class HostNotRestored(RuntimeError):
@@ -53,6 +56,7 @@ class HostState:
     iptables: dict[str, str] = field(default_factory=dict)  # family -> normalized *-save output
     sysctls: dict[str, str] = field(default_factory=dict)  # /proc/sys path -> value
     links: tuple[str, ...] = ()  # network interface names
+    link_details: dict[str, dict] = field(default_factory=dict)  # Docker-named link -> kind, mtu, up, addresses
     mounts: tuple[str, ...] = ()  # mount points under Docker's paths
     paths: tuple[str, ...] = ()  # RUNTIME_PATHS that exist
     watched: tuple[str, ...] = ()  # the mount prefixes this snapshot looked under
@@ -69,6 +73,7 @@ class HostState:
                       if (text := _iptables_save(save)) is not None},
             sysctls={path: Path(path).read_text().strip() for path in SYSCTLS if os.path.exists(path)},
             links=tuple(sorted(os.listdir("/sys/class/net"))),
+            link_details=_docker_links(),
             mounts=_mounts_under(watched),
             paths=tuple(p for p in RUNTIME_PATHS if os.path.lexists(p)),
             watched=watched,
@@ -99,6 +104,9 @@ class HostState:
         for link in sorted(set(now.links) - set(self.links)):
             if DOCKER_LINK.match(link):
                 _run(["ip", "link", "delete", link])
+        for link in sorted(set(self.links) - set(now.links)):  # there before, removed since (a dockerd's cleanup)
+            if DOCKER_LINK.match(link) and link in self.link_details:
+                _recreate_link(link, self.link_details[link])
         for path, value in self.sysctls.items():
             if now.sysctls.get(path) != value:
                 Path(path).write_text(value + "\n")
@@ -114,6 +122,17 @@ class HostState:
         if diffs:
             raise HostNotRestored("; ".join(diffs))
 
+    def obstacles(self) -> list[str]:
+        """What on this host would keep containers on one bridge from talking, in words: the
+        FORWARD chain's policy DROP while bridge netfilter passes bridged frames through iptables
+        (what a Docker engine started with its defaults leaves behind after it exits)."""
+        forward_drop = any(line.startswith(":FORWARD DROP") for line in self.iptables.get("ipv4", "").splitlines())
+        if forward_drop and self.sysctls.get(BRIDGE_NF) == "1":
+            return ["the iptables FORWARD policy is DROP and net.bridge.bridge-nf-call-iptables is 1 (both left, "
+                    "most likely, by a Docker engine started earlier with its defaults): frames between containers "
+                    "on one bridge go through iptables and would be dropped"]
+        return []
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
 
@@ -121,6 +140,37 @@ class HostState:
     def from_json(cls, text: str) -> "HostState":
         raw = json.loads(text)
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+
+
+def _docker_links() -> dict[str, dict]:
+    """Each Docker-named link's kind, MTU, whether it is up and its addresses (`ip -j -d addr`)."""
+    if shutil.which("ip") is None:
+        return {}
+    done = subprocess.run(["ip", "-j", "-d", "addr", "show"], capture_output=True, text=True, timeout=30)
+    try:
+        links = json.loads(done.stdout or "[]")
+    except json.JSONDecodeError:
+        return {}
+    return {link["ifname"]: {"kind": link.get("linkinfo", {}).get("info_kind", ""), "mtu": link.get("mtu", 1500),
+                             "up": "UP" in link.get("flags", []),
+                             "addresses": [f"{a['local']}/{a['prefixlen']}" for a in link.get("addr_info", [])
+                                           if a.get("family") in ("inet", "inet6") and a.get("scope") != "link"]}
+            for link in links if DOCKER_LINK.match(link.get("ifname", ""))}
+
+
+def _recreate_link(name: str, details: dict) -> None:
+    """Put back a bridge that was there before and is gone (a veth cannot be: its peer went with its
+    container, and the final comparison says so)."""
+    if details.get("kind") != "bridge":
+        log.warning("cannot recreate %s (a %s link, not a bridge)", name, details.get("kind") or "plain")
+        return
+    if not _run(["ip", "link", "add", name, "type", "bridge"]):
+        return
+    _run(["ip", "link", "set", name, "mtu", str(details.get("mtu", 1500))])
+    for address in details.get("addresses", []):
+        _run(["ip", "addr", "add", address, "dev", name])
+    if details.get("up"):
+        _run(["ip", "link", "set", name, "up"])
 
 
 def _iptables_save(tool: str) -> str | None:
