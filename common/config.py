@@ -78,9 +78,13 @@ def _program() -> str:
 
 def _setting(flag_name: str, env: str, help: str, default: Any = "", type: Callable[[str], Any] = str,
              role_default: Callable[[str], Any] | None = None) -> Any:
-    """A ServiceConfig field: its flag, its MOONBUS_* variable, its default (or one per role)."""
-    return dataclasses.field(metadata={"flag": flag_name, "env": env, "help": help, "default": default,
-                                       "type": type, "role_default": role_default})
+    """A ServiceConfig field: its flag, its MOONBUS_* variable, its default (or one per role: then a
+    config built in code must name it too)."""
+    metadata = {"flag": flag_name, "env": env, "help": help, "default": default, "type": type,
+                "role_default": role_default}
+    if role_default is not None:
+        return dataclasses.field(metadata=metadata)
+    return dataclasses.field(default=type(default), metadata=metadata)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -87,8 +87,7 @@ class IndexFollower:
         """node -> leading blocks of `keys` it holds (any tier); nodes holding none are left out."""
         return {node: m.prefix_len for node, m in self.index.match(keys).per_node.items() if m.prefix_len}
 
-    async def on_kv_event(self, msg: Msg) -> None:
-        event = Event.from_bytes(msg.data)  # a malformed event raises: logged and dropped by bus.subscribe
+    async def on_kv_event(self, event: Event, msg: Msg) -> None:
         if event.kind not in KINDS:
             return  # e.g. "corrupt": audit only
         data = KvEventData.from_dict(event.data)
@@ -162,7 +161,7 @@ class IndexFollower:
     def sweep(self) -> None:
         """Drop the nodes whose messengers stopped sending heartbeats (call about every second)."""
         now = time.monotonic()
-        if not self.nc.is_connected or bus.recently_reconnected(self.nc, self.node_timeout_s):
+        if not self.nc.is_connected or self.nc.recently_reconnected(self.node_timeout_s):
             # our silence, not the nodes': judge them once we have listened for a whole timeout.
             # last_seen keeps their true last heartbeat, so that each is resynced when heard again
             return

@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
 from common import bus
@@ -25,7 +26,7 @@ from schemas.pool import (
     ReserveRequest, SlotRef,
 )
 from common.kv.slab import DramSlab
-from schemas.workers import own_heartbeat
+from schemas.workers import WorkerInfo
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +84,10 @@ class PoolClient:
     async def watch_messenger(self) -> None:
         """Drop the slab mapping as soon as the node's messenger restarts or leaves: a mapping of
         its deleted slab would keep that shared memory in use until the next pool call."""
-        await bus.subscribe(self.nc, subjects.WORKER_HEARTBEAT_ALL, self.on_heartbeat, background=True)
+        await bus.receive(self.nc, subjects.WORKER_HEARTBEAT_ALL, WorkerInfo, self.on_heartbeat, background=True)
 
-    async def on_heartbeat(self, msg) -> None:
-        info = own_heartbeat(msg.subject, msg.data)
-        if info is None or info.role != "messenger" or info.node != self.node or self._slab is None:
+    async def on_heartbeat(self, info: WorkerInfo, msg: Msg) -> None:
+        if not subjects.speaks_for(msg.subject, info.role, info.instance_id) or info.role != "messenger" or info.node != self.node or self._slab is None:
             return
         if info.leaving or (info.incarnation and not self._slab.path.endswith(f"slab-{info.incarnation}")):
             log.info("the messenger of node %s restarted or left; dropping its old slab", self.node)

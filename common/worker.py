@@ -19,7 +19,6 @@ from nats.aio.msg import Msg
 
 from common import bus
 from schemas import subjects
-from schemas.codec import WireError
 from schemas.tokens import Cancel, TokenChunk
 
 log = logging.getLogger(__name__)
@@ -31,11 +30,10 @@ async def obey_refusal(nc, instance_id: str, tasks) -> None:
     down with that message in its log)."""
     from schemas.workers import Refused
 
-    async def refused(msg) -> None:
-        refusal = Refused.from_bytes(msg.data)
+    async def refused(refusal: Refused, msg: Msg) -> None:
         tasks.fail(f"the cluster refused instance {instance_id}: {refusal.reason}")
 
-    await bus.subscribe(nc, subjects.control_refused(instance_id), refused)
+    await bus.receive(nc, subjects.control_refused(instance_id), Refused, refused)
 
 
 def new_incarnation() -> str:
@@ -50,12 +48,7 @@ class Cancellations:
         self.limit = limit
         self._attempts: collections.OrderedDict[str, int] = collections.OrderedDict()
 
-    async def on_cancel(self, msg: Msg) -> None:
-        try:
-            cancel = Cancel.from_bytes(msg.data)
-        except WireError as exc:
-            log.warning("dropping a malformed cancel: %s", exc)
-            return
+    async def on_cancel(self, cancel: Cancel, msg: Msg) -> None:
         self.add(cancel.request_id, cancel.attempt)
 
     def add(self, request_id: str, attempt: int) -> None:

@@ -11,6 +11,8 @@ failure, so a run that must prove them cannot pass with them untested:
     mooncake  Mooncake's Transfer Engine, the transfer bench's baseline (tests/integration/test_bench_transfer.py)
     kernel    the decode attention kernel built for this CPU (tests/unit/test_attention_kernel.py; without
               it the engine attends with torch's ops, and says so)
+    history   the git history back to the hand-written codec msgspec replaced, the wire bench's baseline
+              (tests/integration/test_bench_wire.py; a shallow clone lacks it: `git fetch --unshallow`)
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import os
 
 import pytest
 
-COMPONENTS = ("rdma", "compose", "hosts", "browser", "mooncake", "kernel")
+COMPONENTS = ("rdma", "compose", "hosts", "browser", "mooncake", "kernel", "history")
 
 
 def required(component: str) -> bool:

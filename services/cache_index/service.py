@@ -21,7 +21,8 @@ from common import bus, health, metrics, runner
 from common.index_follow import IndexFollower, Resynced
 from schemas import subjects
 from schemas.index import IndexDumpReply, IndexDumpRequest, IndexQuery, IndexReply, NodePrefix
-from schemas.workers import WorkerInfo, own_heartbeat
+from schemas.events import Event
+from schemas.workers import WorkerInfo
 from services.cache_index.config import CacheIndexConfig
 from common.decide.index import PrefixIndex
 
@@ -60,20 +61,18 @@ class CacheIndexService:
         await self.events.instance("resynced", self.cfg.instance_id, node=done.node, reason=done.reason,
                                    blocks=done.blocks, seq=done.seq)
 
-    async def on_heartbeat(self, msg: Msg) -> None:
-        info = own_heartbeat(msg.subject, msg.data)
-        if info is not None:
+    async def on_heartbeat(self, info: WorkerInfo, msg: Msg) -> None:
+        if subjects.speaks_for(msg.subject, info.role, info.instance_id):
             self.follower.heard(info)
 
-    async def on_query(self, msg: Msg) -> None:
+    async def on_query(self, query: IndexQuery, msg: Msg) -> None:
+        """A malformed query is dropped (bus.receive): its asker times out."""
         with self.metrics.query_s.time():
-            query = IndexQuery.from_bytes(msg.data)  # malformed: logged and dropped (the asker times out)
             match = self.index.match(query.keys)
             per_node = {n: NodePrefix(m.prefix_len, m.num_dram, m.num_ssd) for n, m in match.per_node.items()}
             await msg.respond(IndexReply(per_node, match.best_len, list(match.best_nodes)).to_bytes())
 
-    async def on_dump(self, msg: Msg) -> None:
-        request = IndexDumpRequest.from_bytes(msg.data)
+    async def on_dump(self, request: IndexDumpRequest, msg: Msg) -> None:
         entries = self.index.node_entries(request.node)
         await msg.respond(IndexDumpReply(request.node, self.index.last_seq(request.node),
                                          list(entries), list(entries.values())).to_bytes())
@@ -89,10 +88,10 @@ async def serve(cfg: CacheIndexConfig, stop: asyncio.Event) -> bool:
     nc = await bus.connect(cfg.nats_url, cfg.instance_id, cfg.nats_auth)
     tasks = runner.TaskGroup(stop)
     service = CacheIndexService(cfg, nc, tasks)
-    await bus.subscribe(nc, subjects.KV_EVENTS_ALL, service.follower.on_kv_event, background=True)
-    await bus.subscribe(nc, subjects.WORKER_HEARTBEAT_ALL, service.on_heartbeat, background=True)
-    await bus.subscribe(nc, subjects.INDEX_QUERY, service.on_query, queue=subjects.INDEX_QUEUE)
-    await bus.subscribe(nc, subjects.INDEX_DUMP, service.on_dump, queue=subjects.INDEX_QUEUE)
+    await bus.receive(nc, subjects.KV_EVENTS_ALL, Event, service.follower.on_kv_event, background=True)
+    await bus.receive(nc, subjects.WORKER_HEARTBEAT_ALL, WorkerInfo, service.on_heartbeat, background=True)
+    await bus.receive(nc, subjects.INDEX_QUERY, IndexQuery, service.on_query, queue=subjects.INDEX_QUEUE)
+    await bus.receive(nc, subjects.INDEX_DUMP, IndexDumpRequest, service.on_dump, queue=subjects.INDEX_QUEUE)
     tasks.spawn(runner.every(cfg.heartbeat_interval_s, stop, service.heartbeat), "heartbeat")
     tasks.spawn(runner.every(1.0, stop, service.sweep), "sweep")
     tasks.spawn(bus.watchdog(nc), "broker-watchdog")

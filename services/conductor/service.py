@@ -25,7 +25,6 @@ import asyncio
 import logging
 import random
 import time
-from dataclasses import replace
 
 import msgspec
 from nats.aio.msg import Msg
@@ -39,6 +38,7 @@ from common.kv.blocks import DEFAULT_SEED, block_keys
 from common.decide.perf import Profile
 from schemas import subjects
 from schemas.codec import WireError
+from schemas.events import Event
 from schemas.index import IndexQuery, IndexReply
 from schemas.prefill import PipelineSpec, PrefillTask, PullSpec
 from schemas.route import RouteReply, RouteRequest
@@ -114,8 +114,7 @@ class ConductorService:
         self.rng = random.Random()
         self.offline = False  # the broker connection was down at the last sweep
 
-    async def on_heartbeat(self, msg: Msg) -> None:
-        info = WorkerInfo.from_bytes(msg.data)  # a malformed one raises: logged and dropped
+    async def on_heartbeat(self, info: WorkerInfo, msg: Msg) -> None:
         if not subjects.speaks_for(msg.subject, info.role, info.instance_id):
             return await self.spoof("heartbeat", msg.subject, info.instance_id)
         if self.follower is not None:
@@ -125,9 +124,8 @@ class ConductorService:
     async def index_resynced(self, done: Resynced) -> None:
         self.metrics.index_resyncs.labels(done.kind).inc()
 
-    async def on_progress(self, msg: Msg) -> None:
+    async def on_progress(self, progress: Progress, msg: Msg) -> None:
         """A request changed state at an instance: its report, and the change itself."""
-        progress = Progress.from_bytes(msg.data)
         if not subjects.speaks_for(msg.subject, progress.info.instance_id):
             return await self.spoof("progress", msg.subject, progress.info.instance_id)
         await self.heard(progress.info)
@@ -140,16 +138,14 @@ class ConductorService:
             if progress.kind == "finished" and progress.generated:
                 self.state.completed(progress.generated)
 
-    async def on_alive(self, msg: Msg) -> None:
+    async def on_alive(self, alive: Alive, msg: Msg) -> None:
         """A worker's liveness beacon: busy is not dead (its reports may come late under load)."""
-        alive = Alive.from_bytes(msg.data)
         if not subjects.speaks_for(msg.subject, alive.instance_id):
             return await self.spoof("alive", msg.subject, alive.instance_id)
         self.state.alive(alive.instance_id, alive.incarnation, time.monotonic())
 
-    async def on_exited(self, msg: Msg) -> None:
+    async def on_exited(self, exited: Exited, msg: Msg) -> None:
         """A supervisor saw the process exit: its requests are handed back now, not after a timeout."""
-        exited = Exited.from_bytes(msg.data)
         for info in self.state.dead(exited.instance_id, time.monotonic()):
             log.warning("instance %s (%s) exited (code %d)", info.instance_id, info.role, exited.exit_code)
             await self.events.instance("lost", info.instance_id, role=info.role, node=info.node, reason="exited",
@@ -225,9 +221,8 @@ class ConductorService:
         if msg.reply:
             await bus.publish(self.nc, msg.reply, reply.to_bytes())
 
-    async def on_cancel(self, msg: Msg) -> None:
+    async def on_cancel(self, cancel: Cancel, msg: Msg) -> None:
         """The gateway gave up on attempts of a request (client gone, resumed elsewhere): their load ends."""
-        cancel = Cancel.from_bytes(msg.data)  # a malformed one raises: logged and dropped by bus.subscribe
         self.state.end(cancel.request_id, up_to_attempt=cancel.attempt)
 
     async def route(self, request: RouteRequest) -> RouteReply:
@@ -400,15 +395,15 @@ async def serve(cfg: ConductorConfig, stop: asyncio.Event) -> bool:
     tasks = runner.TaskGroup(stop)
     service = ConductorService(cfg, nc, tasks, perf, shape.kv_bytes_per_token(cfg.dtype), layout)
     if service.follower is not None:  # before the heartbeats: no event after a node's first snapshot is missed
-        await bus.subscribe(nc, subjects.KV_EVENTS_ALL, service.follower.on_kv_event, background=True)
-    await bus.subscribe(nc, subjects.WORKER_HEARTBEAT_ALL, service.on_heartbeat, background=True)
+        await bus.receive(nc, subjects.KV_EVENTS_ALL, Event, service.follower.on_kv_event, background=True)
+    await bus.receive(nc, subjects.WORKER_HEARTBEAT_ALL, WorkerInfo, service.on_heartbeat, background=True)
     await service.hear_the_cluster(stop, HEAR_FIRST_S)
     await bus.subscribe(nc, subjects.CONDUCTOR_ROUTE, service.on_route, queue=subjects.CONDUCTOR_QUEUE)
     await bus.subscribe(nc, subjects.CONDUCTOR_STATUS, service.on_status)
-    await bus.subscribe(nc, subjects.CONTROL_PROGRESS_ALL, service.on_progress)
-    await bus.subscribe(nc, subjects.CONTROL_ALIVE_ALL, service.on_alive, background=True)
-    await bus.subscribe(nc, subjects.CONTROL_EXITED_ALL, service.on_exited)
-    await bus.subscribe(nc, subjects.REQUEST_CANCEL, service.on_cancel)
+    await bus.receive(nc, subjects.CONTROL_PROGRESS_ALL, Progress, service.on_progress)
+    await bus.receive(nc, subjects.CONTROL_ALIVE_ALL, Alive, service.on_alive, background=True)
+    await bus.receive(nc, subjects.CONTROL_EXITED_ALL, Exited, service.on_exited)
+    await bus.receive(nc, subjects.REQUEST_CANCEL, Cancel, service.on_cancel)
     tasks.spawn(runner.every(cfg.sweep_interval_s, stop, service.sweep), "sweep")
     tasks.spawn(bus.watchdog(nc), "broker-watchdog")
     tasks.spawn(health.beacon(cfg.health_file, nc, stop), "health", essential=False)

@@ -1,9 +1,7 @@
 """Decode instance: continuous batching over every request whose KV has arrived.
 
-DecodeTask (NATS) -> late TBT re-check (reject now rather than break the batch's SLO) -> wait
-for KV room -> load the KV from the node's shared memory into the buffer it will run in, on a
-thread beside the running steps, with its room held -> join the batch between two steps (a few
-list operations: the batch never waits for a file) -> every iteration ONE
+DecodeTask (NATS) -> the way in (join.py: late TBT re-check, wait for KV room, load the KV on a
+thread beside the running steps, join the batch between two steps) -> every iteration ONE
 forward for the whole batch (common/engine/batch.py), each request sampled with its own
 settings, its token published to its gateway -> finished or cancelled requests leave, and the
 KV of finished ones is stored in the node's pool so that the next turn of a conversation hits
@@ -26,10 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import logging
 import time
-from dataclasses import dataclass
 
 from nats.aio.msg import Msg
 
@@ -38,28 +34,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from common import bus, kvfiles, metrics, runner, worker
 from common.pool_client import PoolClient
 from schemas import subjects
-from schemas.codec import WireError
 from schemas.decode import DecodeTask
-from schemas.tokens import Probe, ProbeReply, TokenChunk
+from schemas.tokens import Cancel, Probe, ProbeReply, TokenChunk
 from schemas.workers import DecodeReport, Joined, Layout, Measured, Progress, WorkerInfo
-from common.decide.admission import late_verdict
 from common.decide.learn import Factor
-from common.engine.batch import BatchEngine, RowKv
+from common.engine.batch import BatchEngine
 from services.decode.config import DecodeConfig
+from services.decode.join import Joins
 from services.decode.keep import KvKeeper, Running
 
 log = logging.getLogger(__name__)
-
-
-LOADS_AT_ONCE = 2  # KV files read into row buffers at the same time, beside the steps
-
-
-@dataclass
-class Loading:
-    """A request with room held in the batch whose KV is being read into its row buffer."""
-
-    task: DecodeTask
-    job: asyncio.Future  # -> RowKv, from a thread
 
 
 class DecodeMetrics:
@@ -102,9 +86,7 @@ class DecodeService:
         self.cluster_layout: Layout | None = None  # set at start: what the conductors check
         self.events = bus.EventPublisher.of(nc, "decode", cfg, self.incarnation)
         self.pool = PoolClient(nc, cfg.node, layout, f"{cfg.instance_id}:{self.incarnation}")
-        self.arrived: asyncio.Queue[DecodeTask] = asyncio.Queue()
-        self.waiting: collections.deque[DecodeTask] = collections.deque()  # passed the TBT check, no KV room yet
-        self.loading: dict[str, Loading] = {}  # request_id -> its KV loading, its room held (oldest first)
+        self.joins = Joins(self)  # arrived, waiting for room, loading (join.py)
         self.running: dict[str, Running] = {}  # request_id -> Running
         self.cancelled = worker.Cancellations()
         # a coupled instance's, shared with its prefill; else this instance's own. A step holds it, so
@@ -126,14 +108,9 @@ class DecodeService:
         self.beacon: worker.AliveBeacon | None = None  # liveness from a thread of its own (start())
 
     # --- messages -------------------------------------------------------------------------------
-    async def on_task(self, msg: Msg) -> None:
-        try:
-            task = DecodeTask.from_bytes(msg.data)
-        except WireError as exc:
-            log.error("dropping a malformed decode task: %s", exc)
-            return
+    async def on_task(self, task: DecodeTask, msg: Msg) -> None:
         self.arrived_at.put(task.request_id, task.attempt, time.monotonic())
-        await self.arrived.put(task)
+        await self.joins.arrived.put(task)
         self.wakeup.set()
         await self.progress("accepted", task)
 
@@ -144,11 +121,10 @@ class DecodeService:
     @property
     def num_queued(self) -> int:
         """Requests held that are not in the batch yet: arrived, waiting for room, or loading."""
-        return self.arrived.qsize() + len(self.waiting) + len(self.loading)
+        return len(self.joins)
 
     def queued_tasks(self) -> list[DecodeTask]:
-        return ([e.task for e in self.loading.values()] + list(self.waiting)
-                + list(self.arrived._queue))  # noqa: SLF001 - a read-only look
+        return self.joins.tasks()
 
     # --- the loop -----------------------------------------------------------------------------------
     async def loop(self) -> None:
@@ -156,20 +132,19 @@ class DecodeService:
             if not self.num_held:
                 self.wakeup.clear()
                 await self.wakeup.wait()
-            while not self.arrived.empty():
-                await self.guarded(self.check_in, self.arrived.get_nowait())
-            await self.join_loaded()
-            await self.admit_waiting()
+            await self.joins.check_in_arrived()
+            await self.joins.join_loaded()
+            await self.joins.admit_waiting()
             await self.drop_cancelled()
             if self.running:
                 await self.iterate()
                 continue
             self.cycle_from = None  # the batch emptied (finished, cancelled, handed back): the next step starts afresh
-            if self.loading:  # nothing to step: wait for a load (or new work)
+            if self.joins.loading:  # nothing to step: wait for a load (or new work)
                 self.wakeup.clear()
-                if not any(e.job.done() for e in self.loading.values()):
+                if not self.joins.any_loaded:
                     await self.wakeup.wait()
-            elif self.waiting:
+            elif self.joins.waiting:
                 await asyncio.sleep(0.01)  # KV room frees only when requests finish: cannot happen here
 
     async def guarded(self, step, task: DecodeTask) -> None:
@@ -182,102 +157,16 @@ class DecodeService:
             kvfiles.remove(self.cfg.shm_dir, task.kv)
             await self.fail(task, f"decode failed: {exc}", 500, retryable=True)
 
-    async def check_in(self, task: DecodeTask) -> None:
-        """A request's KV has arrived: the late TBT re-check, then the wait for KV room."""
-        rid = task.request_id
-        if self.cancelled.covers(rid, task.attempt):
-            kvfiles.remove(self.cfg.shm_dir, task.kv)
-            await self.progress("finished", task)
-            return
-        if self.closed:  # a hand-off that landed after the hand-back: resumed elsewhere too
-            kvfiles.remove(self.cfg.shm_dir, task.kv)
-            await self.fail(task, self.closed, 503, retryable=True)
-            return
-        if rid in self.running or rid in self.loading:  # an abandoned attempt of it is held here: the new one wins
-            self.forget(rid)
-        for old in [t for t in self.waiting if t.request_id == rid]:
-            self.waiting.remove(old)
-            kvfiles.remove(self.cfg.shm_dir, old.kv)
-        needed, budget = self.needed(task), self.engine.kv_budget_tokens
-        why = late_verdict(self.engine.admission_state(step_factor=self.speed.value), len(task.prompt_token_ids),
-                           needed, budget, self.perf, self.cfg.tbt_slo_s, check_tbt=self.cfg.late_check)
-        if why == "tbt":
-            await self.reject_late(task, f"decode instance {self.cfg.instance_id} cannot meet the TBT SLO")
-        elif why == "kv":
-            await self.reject_late(task, f"the request needs {needed} KV tokens; the decode budget is {budget}")
-        else:
-            self.waiting.append(task)
-
-    def needed(self, task: DecodeTask) -> int:
-        return self.engine.tokens_needed(len(task.prompt_token_ids), task.sampling, task.num_generated + 1)
-
-    async def admit_waiting(self) -> None:
-        """Start loading the KV of the first waiting requests that fit, first come first served:
-        each holds its room from now, and loads on a thread while the batch steps."""
-        while self.waiting and len(self.loading) < LOADS_AT_ONCE:
-            task, needed = self.waiting[0], self.needed(self.waiting[0])
-            if not self.engine.can_admit(needed):
-                return
-            self.waiting.popleft()
-            self.engine.reserve(task.request_id, needed, len(task.prompt_token_ids))
-            job = asyncio.ensure_future(asyncio.to_thread(self.load, task))
-            job.add_done_callback(self.loaded)
-            self.loading[task.request_id] = Loading(task, job)
-
-    def load(self, task: DecodeTask) -> RowKv:
-        """On a thread: the landed file, checked, in the blocks the request holds in the batch's pool."""
-        started = time.perf_counter()
-        row = self.engine.load_file(task.request_id, self.cfg.shm_dir, task.kv, task.sampling, task.num_generated + 1,
-                                    remove=True)
-        self.metrics.load_s.observe(time.perf_counter() - started)
-        return row
-
-    def loaded(self, job: asyncio.Future) -> None:
-        if not job.cancelled():
-            job.exception()  # seen here: a load handed back meanwhile is never joined
-        self.wakeup.set()
-
-    async def join_loaded(self) -> None:
-        for entry in [e for e in self.loading.values() if e.job.done()]:
-            if self.loading.get(entry.task.request_id) is not entry:  # handed back while an earlier one joined
-                continue
-            del self.loading[entry.task.request_id]
-            await self.guarded(functools.partial(self.join, job=entry.job), entry.task)
-
-    async def join(self, task: DecodeTask, job: asyncio.Future) -> None:
-        rid = task.request_id
-        try:
-            row = job.result()
-        except (OSError, ValueError) as exc:  # a missing, corrupt or misshapen file (KvChecksumError is a ValueError)
-            log.error("request %s: cannot load its KV: %s", rid, exc)
-            self.engine.remove(rid)
-            kvfiles.remove(self.cfg.shm_dir, task.kv)  # refused before it was read
-            await self.fail(task, f"decode could not load the KV: {exc}", 500, retryable=True)
-            return
-        if self.cancelled.covers(rid, task.attempt):
-            self.engine.remove(rid)
-            await self.progress("finished", task)
-            return
-        self.engine.add(rid, row, task.first_token, task.sampling, task.num_generated + 1)
-        self.running[rid] = Running(task, [task.first_token])
-        waited = self.arrived_at.waited(rid, task.attempt, time.monotonic())
-        self.metrics.room_wait_s.observe(waited)
-        await self.events.request("decode_joined", rid, waited_s=round(waited, 6), batch=self.engine.num_running,
-                                  attempt=task.attempt)
-
     async def drop_cancelled(self) -> None:
         for seq in [seq for rid, seq in self.running.items() if self.cancelled.covers(rid, seq.task.attempt)]:
             self.forget(seq.request_id)
             await self.progress("finished", seq.task)
-        for task in [t for t in self.waiting if self.cancelled.covers(t.request_id, t.attempt)]:
-            self.waiting.remove(task)
-            kvfiles.remove(self.cfg.shm_dir, task.kv)
-            await self.progress("finished", task)
+        await self.joins.drop_cancelled()
 
     def forget(self, request_id: str) -> None:
         self.engine.remove(request_id)
         self.running.pop(request_id, None)
-        self.loading.pop(request_id, None)  # its load, if any, finishes unseen (the file is read and removed)
+        self.joins.forget(request_id)
 
     async def iterate(self) -> None:
         # NOTE: an iteration is counted from the end of the one before (while the batch had rows), so
@@ -338,10 +227,9 @@ class DecodeService:
         while len(self.recent) > keep:
             self.recent.popitem(last=False)
 
-    async def on_probe(self, msg: Msg) -> None:
+    async def on_probe(self, probe: Probe, msg: Msg) -> None:
         """Do we hold this attempt? If so, send its tokens from `from_index` again (they may have
         been lost while the broker was away); the gateway resumes the request elsewhere if not."""
-        probe = Probe.from_bytes(msg.data)
         reply = ProbeReply(False)
         seq = self.running.get(probe.request_id)
         if seq is not None and seq.task.attempt == probe.attempt:
@@ -434,10 +322,10 @@ class DecodeService:
         """Subscribe, start the batch loop and the heartbeats, announce the instance."""
         cfg = self.cfg
         kvfiles.sweep_incoming(cfg.shm_dir, cfg.instance_id)  # landed for a predecessor that died before reading them
-        await bus.subscribe(self.nc, subjects.decode_tasks(cfg.instance_id), self.on_task)
-        await bus.subscribe(self.nc, subjects.REQUEST_CANCEL, self.cancelled.on_cancel)
+        await bus.receive(self.nc, subjects.decode_tasks(cfg.instance_id), DecodeTask, self.on_task)
+        await bus.receive(self.nc, subjects.REQUEST_CANCEL, Cancel, self.cancelled.on_cancel)
         await self.pool.watch_messenger()
-        await bus.subscribe(self.nc, subjects.worker_probe(cfg.instance_id), self.on_probe)
+        await bus.receive(self.nc, subjects.worker_probe(cfg.instance_id), Probe, self.on_probe)
         await worker.obey_refusal(self.nc, cfg.instance_id, self.tasks)
         self.model_name = model_name
         self.cluster_layout = Layout(model_name, cfg.block_tokens, 0, self.layout.signature)
@@ -479,11 +367,9 @@ class DecodeService:
         async with self.compute_lock:
             self.closed = why
             held = [seq.task for seq in self.running.values()] + self.queued_tasks()
-            while not self.arrived.empty():
-                self.arrived.get_nowait()
             for task in held:
                 self.forget(task.request_id)
-            self.waiting.clear()
+            self.joins.clear()
         for task in held:
             kvfiles.remove(self.cfg.shm_dir, task.kv)
             await self.fail(task, why, 503, retryable=True)

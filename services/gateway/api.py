@@ -8,6 +8,7 @@ import math
 
 import orjson
 from aiohttp import web
+from nats.aio.msg import Msg
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 from common import metrics
@@ -184,9 +185,8 @@ class Api:
         await response.write_eof()
         return response
 
-    async def on_request_event(self, msg) -> None:
+    async def on_request_event(self, event: Event, msg: Msg) -> None:
         """Replication and reuse, as the workers report them, for this gateway's requests."""
-        event = Event.from_bytes(msg.data)
         # NOTE: events are stored and relayed after the fact, often after the request ended here
         if event.request_id not in self.gateway.states and event.request_id not in self.gateway.ended:
             return

@@ -120,12 +120,7 @@ class Gateway:
         # a prompt this many characters long cannot fit the context, whatever the tokenizer does
         self.max_prompt_chars = 32 * max_context
 
-    async def on_tokens(self, msg: Msg) -> None:
-        try:
-            chunk = TokenChunk.from_bytes(msg.data)
-        except WireError as exc:
-            log.error("dropping a malformed token chunk: %s", exc)
-            return
+    async def on_tokens(self, chunk: TokenChunk, msg: Msg) -> None:
         state = self.states.get(chunk.request_id)
         if state is not None:  # else: the request already ended (e.g. client went away)
             state.chunks.put_nowait(chunk)
@@ -403,8 +398,7 @@ class Gateway:
             await bus.publish(self.nc, subjects.tenant_usage(self.cfg.instance_id),
                               TenantUsage(self.cfg.instance_id, self.limits.usage(now)).to_bytes())
 
-    async def on_usage(self, msg: Msg) -> None:
-        usage = TenantUsage.from_bytes(msg.data)  # a malformed one raises: logged and dropped
+    async def on_usage(self, usage: TenantUsage, msg: Msg) -> None:
         if usage.gateway_id != self.cfg.instance_id and subjects.speaks_for(msg.subject, usage.gateway_id):
             self.limits.heard(usage.gateway_id, usage.tenants, time.monotonic())
 

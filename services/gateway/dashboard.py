@@ -29,6 +29,7 @@ from typing import Any, Awaitable, Callable
 
 import orjson
 from aiohttp import web
+from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
 from schemas import subjects
@@ -243,9 +244,9 @@ class Dashboard:
     def record_ttft(self, actual_s: float, predicted_s: float) -> None:
         self.ttft_error.record(actual_s / predicted_s, time.time())
 
-    async def on_routed(self, msg) -> None:
-        """Subscribed to every `routed` event (common.bus.subscribe logs and drops a bad one)."""
-        self.decisions.add(Event.from_bytes(msg.data))
+    async def on_routed(self, event: Event, msg: Msg) -> None:
+        """Subscribed to every `routed` event."""
+        self.decisions.add(event)
 
     async def page(self, request: web.Request) -> web.Response:
         if self._page is None:

@@ -15,6 +15,8 @@ from aiohttp import web
 from common import bus, health, models
 from common.runner import TaskGroup, every, serving
 from schemas import subjects
+from schemas.events import Event
+from schemas.tokens import TenantUsage, TokenChunk
 from services.gateway.api import Api
 from services.gateway.config import GatewayConfig
 from services.gateway.core import Gateway
@@ -28,13 +30,13 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event) -> bool:
     shape = models.read_shape(ref)
     nc = await bus.connect(cfg.nats_url, cfg.instance_id, cfg.nats_auth)
     gateway = Gateway(cfg, nc, tokenizer, ref.name, shape.max_context)
-    await bus.subscribe(nc, gateway.reply_subject, gateway.on_tokens)
-    await bus.subscribe(nc, subjects.TENANT_USAGE_ALL, gateway.on_usage, background=True)  # limits over every replica
-    bus.on_reconnect(nc, gateway.probe_all)  # chunks may have been lost while the broker was away
+    await bus.receive(nc, gateway.reply_subject, TokenChunk, gateway.on_tokens)
+    await bus.receive(nc, subjects.TENANT_USAGE_ALL, TenantUsage, gateway.on_usage, background=True)  # limits over every replica
+    nc.on_reconnect(gateway.probe_all)  # chunks may have been lost while the broker was away
     api = Api(gateway)
     for kind in ("prefilled", "kv_pulled"):
-        await bus.subscribe(nc, subjects.request_event(kind, "*"), api.on_request_event, background=True)
-    await bus.subscribe(nc, subjects.request_event("routed", "*"), api.dashboard.on_routed, background=True)
+        await bus.receive(nc, subjects.request_event(kind, "*"), Event, api.on_request_event, background=True)
+    await bus.receive(nc, subjects.request_event("routed", "*"), Event, api.dashboard.on_routed, background=True)
     # handler_cancellation: a client that goes away cancels its handler, non-streaming too, so its
     # request is cancelled at the workers and audited as cancelled (not run to max_tokens)
     runner = web.AppRunner(api.app(), access_log=None, handler_cancellation=True)

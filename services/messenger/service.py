@@ -40,7 +40,7 @@ from schemas.pool import (
     ReserveRequest, SnapshotReply,
 )
 from schemas.transfer import AbortKv, AcceptKv, AcceptKvReply
-from schemas.workers import Alive, Layout, WorkerInfo, own_heartbeat
+from schemas.workers import Alive, Layout, WorkerInfo
 from services.messenger.config import MessengerConfig
 from services.messenger.handoff import Reservations
 from services.messenger.node_pool import NodePool, PoolEvent
@@ -140,10 +140,9 @@ class MessengerService:
 
         await self.replies.answer(msg, run)
 
-    async def on_heartbeat(self, msg: Msg) -> None:
-        info = own_heartbeat(msg.subject, msg.data)
-        if info is None:  # one instance speaking for another: the conductor audits it
-            return
+    async def on_heartbeat(self, info: WorkerInfo, msg: Msg) -> None:
+        if not subjects.speaks_for(msg.subject, info.role, info.instance_id):
+            return  # one instance speaking for another: the conductor audits it
         if info.role in ("prefill", "decode"):
             if info.node == self.cfg.node:
                 self.track_worker(info)
@@ -155,13 +154,9 @@ class MessengerService:
         else:
             self.peers[info.node] = (info.endpoints or {"tcp": info.transfer_addr}, time.monotonic())
 
-    async def on_alive(self, msg: Msg) -> None:
+    async def on_alive(self, alive: Alive, msg: Msg) -> None:
         """A worker's liveness beacon (a thread of its own): a prefill busy with a long prompt may
         send no heartbeat for seconds, and its reservations and pins must not go with it."""
-        try:
-            alive = Alive.from_bytes(msg.data)
-        except WireError:
-            return
         if not subjects.speaks_for(msg.subject, alive.instance_id):
             return
         now = time.monotonic()
@@ -329,7 +324,7 @@ class MessengerService:
         request files nobody came back for."""
         now = time.monotonic()
         quiet_since = now - self.cfg.peer_timeout_s
-        trust = not bus.recently_reconnected(self.nc)  # after a broker outage, silence proves nothing
+        trust = not self.nc.recently_reconnected()  # after a broker outage, silence proves nothing
         alive_any = {f"{iid}:{inc}" for iid, (inc, seen) in self.seen.items() if seen >= quiet_since} if trust else None
         live_decodes = {iid for iid, (_, seen) in self.seen.items() if seen >= quiet_since} if trust else None
         for region, why in self.reservations.expired(alive_any, live_decodes):
@@ -338,7 +333,7 @@ class MessengerService:
         alive = {f"{iid}:{inc}" for iid, (inc, seen) in self.workers.items() if seen >= quiet_since}
         for hold, since in list(self.hold_since.items()):
             holder = hold.split("/", 1)[0]
-            if holder != self.own_holder and holder not in alive and since < quiet_since and not bus.recently_reconnected(self.nc):
+            if holder != self.own_holder and holder not in alive and since < quiet_since and not self.nc.recently_reconnected():
                 self.release_holder(holder, "its process stopped sending heartbeats")
             elif now - since > self.cfg.pin_lease_s:
                 log.warning("%s: pin lease expired; releasing its blocks", hold)
@@ -371,8 +366,8 @@ async def serve(cfg: MessengerConfig, stop: asyncio.Event) -> None:
     await worker.obey_refusal(nc, cfg.instance_id, tasks)
     endpoints = transports.listen(cfg.transfer_host, cfg.transfer_port, cfg.advertise_host)
     service.transfer_addr = endpoints.get("tcp", "")
-    await bus.subscribe(nc, subjects.WORKER_HEARTBEAT_ALL, service.on_heartbeat, background=True)
-    await bus.subscribe(nc, subjects.CONTROL_ALIVE_ALL, service.on_alive, background=True)
+    await bus.receive(nc, subjects.WORKER_HEARTBEAT_ALL, WorkerInfo, service.on_heartbeat, background=True)
+    await bus.receive(nc, subjects.CONTROL_ALIVE_ALL, Alive, service.on_alive, background=True)
     await bus.subscribe(nc, subjects.messenger_control(cfg.node, "*"), service.on_control)
     tasks.spawn(service.publish_loop(), "kv-events")
     tasks.spawn(runner.every(cfg.heartbeat_interval_s, stop, service.heartbeat), "heartbeat")

@@ -41,10 +41,9 @@ from common.transport import TransportError, Transports
 from common.decide.admission import clamp_retry_after, late_start
 from common.decide.perf import queue_ends
 from schemas import subjects
-from schemas.codec import WireError
 from schemas.decode import DecodeTask
 from schemas.prefill import PrefillTask
-from schemas.tokens import Probe, ProbeReply, TokenChunk
+from schemas.tokens import Cancel, Probe, ProbeReply, TokenChunk
 from schemas.workers import Coming, Layout, Measured, PrefillReport, Progress, WorkerInfo
 from services.prefill import pipeline
 from services.prefill.config import PrefillConfig
@@ -116,12 +115,7 @@ class PrefillService:
                                                self.transports if cfg.pipeline_listener else None)
         self.stream_addr = ""  # host:port of the pipeline KV listener, announced in heartbeats
 
-    async def on_task(self, msg: Msg) -> None:
-        try:
-            task = PrefillTask.from_bytes(msg.data)
-        except WireError as exc:
-            log.error("dropping a malformed prefill task: %s", exc)
-            return
+    async def on_task(self, task: PrefillTask, msg: Msg) -> None:
         if task.pipeline is not None:
             self.receiver.expect(task.request_id, len(task.prompt_token_ids))
         self.arrived_at.put(task.request_id, task.attempt, time.monotonic())
@@ -407,9 +401,8 @@ class PrefillService:
                 self.recent.popitem(last=False)
         await worker.reply(self.nc, task.reply_subject, chunk)
 
-    async def on_probe(self, msg: Msg) -> None:
+    async def on_probe(self, probe: Probe, msg: Msg) -> None:
         """Do we hold (or did we just prefill) this attempt? The gateway resumes it elsewhere if not."""
-        probe = Probe.from_bytes(msg.data)
         rid, attempt = probe.request_id, probe.attempt
         reply = ProbeReply(False)
         if self.current is not None and (self.current.request_id, self.current.attempt) == (rid, attempt):
@@ -441,10 +434,10 @@ class PrefillService:
         kvfiles.sweep_outgoing(cfg.shm_dir)  # written by a predecessor that died before sending them
         if cfg.pipeline_listener:  # only a cluster that pipelines long prompts needs the listener open
             self.stream_addr = self.transports.listen(cfg.stream_host, 0, self.advertised_host()).get("tcp", "")
-        await bus.subscribe(self.nc, subjects.prefill_tasks(cfg.instance_id), self.on_task)
-        await bus.subscribe(self.nc, subjects.REQUEST_CANCEL, self.cancelled.on_cancel)
+        await bus.receive(self.nc, subjects.prefill_tasks(cfg.instance_id), PrefillTask, self.on_task)
+        await bus.receive(self.nc, subjects.REQUEST_CANCEL, Cancel, self.cancelled.on_cancel)
         await self.pool.watch_messenger()
-        await bus.subscribe(self.nc, subjects.worker_probe(cfg.instance_id), self.on_probe)
+        await bus.receive(self.nc, subjects.worker_probe(cfg.instance_id), Probe, self.on_probe)
         await worker.obey_refusal(self.nc, cfg.instance_id, tasks)
         self.model_name = model_name
         self.cluster_layout = Layout(model_name, cfg.block_tokens, cfg.prefill_chunk, self.layout.signature)

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tools.moonbus.traces.rows import load_trace, prompt_token_ids
+from common.decide import route as routing
 from tests.integration.conftest import conversation_trace
+from tools.moonbus.traces.rows import load_trace, prompt_token_ids
 from tools.moonbus.bench.fleet import PromptBuilder
 
 pytestmark = pytest.mark.integration
@@ -43,7 +44,7 @@ def test_pure_rows_price_every_stage_of_the_live_route(report):
     assert set(results) == {"kvcache-centric", "random"} and report["decisions"] == 200
     for policy, x in results.items():
         assert 0 < x["p50_us"] <= x["p99_us"] <= x["max_us"]
-        assert set(x["stage_p50_us"]) == set(x["stage_p99_us"]) == {"match", "snapshot", "decide", "admit", "record"}
+        assert set(x["stage_p50_us"]) == set(x["stage_p99_us"]) == set(routing.STAGES)  # the route's own stages
         assert all(x["stage_p50_us"][s] <= x["stage_p99_us"][s] for s in x["stage_p50_us"])
         assert 0 <= x["pull_share"] <= 1 and 0 <= x["reject_share"] < 1
     assert results["random"]["pull_share"] == 0 and results["random"]["mean_prefix_blocks"] == 0  # it never matches

@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 
+from tests import required
 from tools.moonbus.bench import wire
 
 pytestmark = pytest.mark.integration
@@ -22,7 +23,7 @@ def has_revision(revision: str) -> bool:
 
 def test_every_hot_message_is_timed_against_the_hand_written_codec(capsys):
     if not has_revision(wire.HAND_WRITTEN_CODEC):
-        pytest.skip(f"this clone does not hold {wire.HAND_WRITTEN_CODEC} (the hand-written codec)")
+        required.missing("history", f"this clone does not hold {wire.HAND_WRITTEN_CODEC} (the hand-written codec)")
     args = argparse.Namespace(before=wire.HAND_WRITTEN_CODEC, number=5, rounds=1, json=True)
     assert wire.run(args) == 0
     report = json.loads(capsys.readouterr().out)

@@ -173,8 +173,11 @@ async def test_a_background_subscription_lets_a_request_that_came_during_its_bur
                 if order.count("beat") == burst:
                     done.set()
 
+            routed = asyncio.Event()
+
             async def on_route(msg) -> None:
                 order.append("route")
+                routed.set()
 
             beats, routes = f"test.beat.{background}", f"test.route.{background}"
             await bus.subscribe(receiver, beats, on_beat, background=background)
@@ -184,13 +187,41 @@ async def test_a_background_subscription_lets_a_request_that_came_during_its_bur
                 await sender.publish(beats, b"b")
             await sender.publish(routes, b"r")
             await sender.flush()
-            await asyncio.wait_for(done.wait(), 10)
-            await asyncio.sleep(0.05)
+            await asyncio.wait_for(asyncio.gather(done.wait(), routed.wait()), 10)
             assert order.count("route") == 1
             if background:  # it waits for the beats before it was read, one at most after: not the burst's 200 ms
                 assert order.index("route") < burst // 2
             else:
                 assert order.index("route") == burst
+    finally:
+        await bus.shutdown(sender)
+        await bus.shutdown(receiver)
+
+
+async def test_a_typed_subscription_hands_over_what_decodes_and_drops_the_rest(bare_nats_url):
+    """One place decodes a subscription's wire type: a malformed message is dropped there, and the
+    subscription goes on with the next."""
+    from schemas.tokens import Cancel
+
+    sender = await bus.connect(bare_nats_url, "sender")
+    receiver = await bus.connect(bare_nats_url, "receiver")
+    heard: list[tuple[Cancel, str]] = []
+    second = asyncio.Event()
+
+    async def on_cancel(cancel: Cancel, msg) -> None:
+        heard.append((cancel, msg.subject))
+        if len(heard) == 2:
+            second.set()
+
+    try:
+        await bus.receive(receiver, subjects.REQUEST_CANCEL, Cancel, on_cancel)
+        await bus.flush(receiver)
+        for data in (b"not json", Cancel("r-1", 0).to_bytes(), b'{"request_id": "has spaces", "attempt": 0}',
+                     b'{"request_id": "r-2", "attempt": "zero"}', Cancel("r-2", 3).to_bytes()):
+            await sender.publish(subjects.REQUEST_CANCEL, data)
+        await sender.flush()
+        await asyncio.wait_for(second.wait(), 10)
+        assert heard == [(Cancel("r-1", 0), subjects.REQUEST_CANCEL), (Cancel("r-2", 3), subjects.REQUEST_CANCEL)]
     finally:
         await bus.shutdown(sender)
         await bus.shutdown(receiver)

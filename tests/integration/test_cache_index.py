@@ -14,6 +14,7 @@ import time
 import pytest
 
 from common import bus
+from common.index_follow import SILENCE_RESYNC_S
 from schemas import subjects
 from schemas.index import IndexQuery, IndexReply
 from schemas.pool import SnapshotReply
@@ -104,11 +105,13 @@ async def test_blocks_stored_while_the_broker_was_away_are_in_the_index_once_it_
     assert await wait_prefix(nc, [11, 12, 13], 2, timeout_s=30) == 2  # first seen: loaded from its snapshot
     first_snapshots = node.snapshots
 
-    # the broker goes away for 4 s (less than the node timeout: nobody is dropped); meanwhile the
-    # node stores a block whose KV event nobody hears
+    # the broker goes away for longer than the silence after which the index reloads a node it hears
+    # again (but less than the node timeout: nobody is dropped); meanwhile the node stores a block
+    # whose KV event nobody hears. The silence the index measures spans at least this sleep, whatever
+    # the machine's speed: it heard nothing before the broker stopped and hears nothing before it is back.
     broker.stop()
     node.keys.append(13)
-    await asyncio.sleep(4.0)
+    await asyncio.sleep(SILENCE_RESYNC_S + 1.0)
     broker.start()
 
     # both ends reconnect; the index hears the node again after a silence and reloads it

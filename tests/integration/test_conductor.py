@@ -16,6 +16,7 @@ from schemas import subjects
 from schemas.events import TERMINAL_KINDS
 from tests.integration.conftest import start_cluster
 from tests.integration.test_kv_pool import _holds, text_of
+from tests.wait import until
 
 pytestmark = pytest.mark.integration
 BLOCK = 16
@@ -87,7 +88,16 @@ async def test_hot_prefix_ends_up_on_both_prefill_nodes(two_prefills, tiny):
     async with aiohttp.ClientSession() as session:
         first = await timed_completion(session, cluster.spec.url, prompts[0])
         burst = await asyncio.gather(*(timed_completion(session, cluster.spec.url, p) for p in prompts[1:7]))
-        await asyncio.sleep(1.0)
+        # what the burst stored (and pulled) is in the index before the later requests are routed:
+        # each prompt's blocks on the prefill node it went to
+        early = await routed_events(cluster, [r["id"] for r in (first, *burst)])
+        wanted = [(early[r["id"]]["prefill_node"], block_keys(tokenizer(p)["input_ids"][:-1], BLOCK))
+                  for r, p in zip((first, *burst), prompts)]
+
+        async def all_held() -> bool:
+            return all([await _holds(cluster, node, keys) for node, keys in wanted])
+
+        await until(all_held, "the index holds each earlier prompt's blocks on the node it was prefilled on")
         later = await asyncio.gather(*(timed_completion(session, cluster.spec.url, p) for p in prompts[7:]))
     results = [first, *burst, *later]
     assert all(r["status"] == 200 and r["error"] is None for r in results), results
@@ -158,10 +168,10 @@ async def test_flood_beyond_capacity_gets_429_with_retry_after(tight_slo):
 
 async def test_a_prefill_that_can_no_longer_start_in_time_is_rejected_before_it_is_computed(tight_slo):
     """Admitted while their prefill instance looked idle, two requests (one streaming) wait there
-    while the instance is frozen (SIGSTOP) for several times the TTFT SLO. When it runs again,
-    their first tokens could no longer come in time: each is rejected with an HTTP 429 with
-    Retry-After (the streaming one too: its stream had not begun) and one terminal event, and no
-    prefill is spent on them.
+    while the instance is frozen (SIGSTOP), until twice the TTFT SLO after both were routed. When it
+    runs again, their first tokens could no longer come in time: each is rejected with an HTTP 429
+    with Retry-After (the streaming one too: its stream had not begun) and one terminal event, and
+    no prefill is spent on them.
     The next request is served. (The conductor's heartbeat timeout and the gateway's probe are
     set far beyond the freeze: no one takes the instance for lost.)"""
     from tests.integration.conftest import collect_request_events, post
@@ -169,14 +179,23 @@ async def test_a_prefill_that_can_no_longer_start_in_time_is_rejected_before_it_
     cluster, slo = tight_slo
     prefill = cluster.procs["prefill-0"].popen
     body = {"model": "tiny-random", "prompt": text_of(300, seed=400), "max_tokens": 4}
+    nc = await bus.connect(cluster.spec.nats_url, "test-routed-while-frozen")
+    routed = await nc.subscribe(subjects.request_event("routed", "*"))
+    await bus.flush(nc)
     async with aiohttp.ClientSession() as session:
         prefill.send_signal(signal.SIGSTOP)
         try:
             asking = asyncio.ensure_future(post(f"{cluster.spec.url}/v1/completions", body))
             streaming = asyncio.ensure_future(timed_completion(session, cluster.spec.url, text_of(300, seed=402)))
-            await asyncio.sleep(max(3.0, 10 * slo))
+            for _ in range(2):  # both admitted and sent to the frozen instance...
+                event = json.loads((await routed.next_msg(timeout=60)).data)
+                assert event["data"]["admitted"], event
+            # ...having arrived before: once the SLO has passed twice over, each one's first token is
+            # due in the past (its arrival + the SLO), however long the routing took
+            await asyncio.sleep(2 * slo)
         finally:
             prefill.send_signal(signal.SIGCONT)
+            await nc.drain()
         status, reply, headers = await asking
         streamed = await streaming
     # a streaming client gets its answer with the first token: here, none came, so a plain 429

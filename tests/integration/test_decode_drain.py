@@ -27,6 +27,7 @@ from schemas.decode import DecodeTask
 from schemas.route import SamplingParams
 from schemas.tokens import TokenChunk
 from schemas.transfer import KvHandle
+from tests.wait import until
 
 pytestmark = pytest.mark.integration
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
@@ -39,6 +40,18 @@ def config(url: str, home: Path) -> DecodeConfig:
                         model=models.TINY_RANDOM, block_tokens=16, dtype="float32", home=home, threads=1,
                         heartbeat_interval_s=0.15, drain_grace_s=0.0, orphan_kv_s=60.0, store_every_blocks=0,
                         max_batch=4, kv_cache_bytes=KV_CACHE_BYTES, tbt_slo_s=1.0, late_check=False, profile="")
+
+
+class CountedLock(asyncio.Lock):
+    """The decode loop's compute lock, counting who asked for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = 0
+
+    async def acquire(self) -> bool:
+        self.asked += 1
+        return await super().acquire()
 
 
 class Decode:
@@ -58,12 +71,15 @@ class Decode:
         return torch.zeros(m.num_layers, 2, m.num_kv_heads, len(PROMPT), m.head_dim, dtype=m.dtype)
 
     async def errors(self) -> list[TokenChunk]:
-        await bus.flush(self.nc)
-        await asyncio.sleep(0.2)  # the chunks come back over the broker
+        """The error chunks sent so far: they come back over the broker, in the order they were sent
+        on the connection, so all of them are back once a chunk sent after them is."""
+        await self.nc.publish(REPLY, END.to_bytes())
+        await until(lambda: END in self.chunks, "a chunk sent after the service's comes back")
         return [c for c in self.chunks if c.error]
 
 
 REPLY = "moonbus.test.decode-drain"
+END = TokenChunk("end-of-test", 0, [])
 
 
 @pytest.fixture
@@ -98,16 +114,19 @@ async def test_a_request_handed_back_during_a_step_is_failed_once_and_the_loop_l
     def held_step():  # the step computes, then waits before it returns
         result = step()
         computed.set()
-        release.wait(30)
+        release.wait()  # set in the test's `finally`, whatever happens
         return result
 
     engine.step = held_step
+    service.compute_lock = lock = CountedLock()
     try:
         iteration = asyncio.create_task(service.iterate())
-        assert await asyncio.to_thread(computed.wait, 30)
+        await until(computed.is_set, "the step has computed")
         handing_back = asyncio.create_task(service.hand_back("decode instance decode-t is shutting down"))
-        done, _ = await asyncio.wait({handing_back}, timeout=0.5)
-        assert not done, "the hand-back took a row out of the engine while its step ran"
+        # the hand-back has gone as far as it can while the step is held: it waits for the lock the
+        # step holds (or, wrongly, it is done)
+        await until(lambda: lock.asked == 2 or handing_back.done(), "the hand-back waits for the step")
+        assert not handing_back.done(), "the hand-back took a row out of the engine while its step ran"
         assert "r1" in service.running and "r1" in engine.index
     finally:
         release.set()
@@ -126,15 +145,15 @@ async def test_what_reaches_the_batch_after_the_hand_back_is_handed_back_too(dec
     a hand-off that lands after it each get one retryable 503 and never join the batch."""
     service, engine = decode.service, decode.engine
     handle = kvfiles.write(service.cfg.shm_dir, "node-t", "loading.kv", decode.kv())
-    service.waiting.append(decode.task("loading", handle))
-    await service.admit_waiting()  # its load starts, its room held
-    assert "loading" in service.loading and engine.reserved_tokens > 0
-    job = service.loading["loading"].job
+    service.joins.waiting.append(decode.task("loading", handle))
+    await service.joins.admit_waiting()  # its load starts, its room held
+    assert "loading" in service.joins.loading and engine.reserved_tokens > 0
+    job = service.joins.loading["loading"].job
     await service.hand_back("decode instance decode-t is shutting down")
-    await service.check_in(decode.task("late"))  # landed after the hand-back
+    await service.joins.check_in(decode.task("late"))  # landed after the hand-back
     await asyncio.wait([job])
-    await service.join_loaded()  # the finished load joins nothing
-    assert service.running == {} and not service.waiting and not service.loading and service.num_held == 0
+    await service.joins.join_loaded()  # the finished load joins nothing
+    assert service.running == {} and not service.joins.waiting and not service.joins.loading and service.num_held == 0
     assert engine.num_running == 0 and engine.reserved_tokens == 0 and not engine.pending
     assert not kvfiles.path_of(service.cfg.shm_dir, handle).exists()
     errors = await decode.errors()
@@ -150,31 +169,25 @@ async def test_the_batch_steps_on_while_a_joining_request_loads_its_kv(decode):
     engine.add("r1", decode.kv(), task.first_token, task.sampling, 1)
     service.running["r1"] = Running(task, [task.first_token])
     handle = kvfiles.write(service.cfg.shm_dir, "node-t", "r2.kv", decode.kv())
-    service.waiting.append(decode.task("r2", handle))
+    service.joins.waiting.append(decode.task("r2", handle))
     release = threading.Event()
-    load = service.load
+    load = service.joins.load
 
     def held_load(t):
-        release.wait(30)
+        release.wait()  # set in the test's `finally`, whatever happens
         return load(t)
 
-    service.load = held_load
+    service.joins.load = held_load
     loop = asyncio.create_task(service.loop())
     try:
-        for _ in range(200):  # while r2's load is held, r1 keeps getting tokens
-            await asyncio.sleep(0.02)
-            if sum(1 for c in decode.chunks if c.request_id == "r1") >= 5:
-                break
-        assert sum(1 for c in decode.chunks if c.request_id == "r1") >= 5
-        assert "r2" in service.loading and "r2" not in engine
-        assert engine.reserved_tokens == 2 * service.needed(task)  # r2's room is held while it loads
+        # while r2's load is held, r1 keeps getting tokens
+        await until(lambda: sum(1 for c in decode.chunks if c.request_id == "r1") >= 5, "r1 has 5 tokens")
+        assert "r2" in service.joins.loading and "r2" not in engine
+        assert engine.reserved_tokens == 2 * service.joins.needed(task)  # r2's room is held while it loads
         assert service.report().joined[-1].request_id == "r2"  # the conductors count it as coming
         release.set()
-        for _ in range(200):
-            await asyncio.sleep(0.02)
-            if any(c.request_id == "r2" for c in decode.chunks):
-                break
-        assert "r2" in engine and not service.loading
+        await until(lambda: any(c.request_id == "r2" for c in decode.chunks), "r2 has a token")
+        assert "r2" in engine and not service.joins.loading
         assert any(c.request_id == "r2" and c.token_ids for c in decode.chunks)
     finally:
         release.set()

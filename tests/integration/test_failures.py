@@ -31,6 +31,7 @@ from common import bus
 from schemas import subjects
 from schemas.events import TERMINAL_KINDS
 from tests.integration.conftest import assert_greedy, collect_request_events, post, start_cluster
+from tests.wait import until
 from tools.moonbus.cluster.up import supervise
 
 pytestmark = pytest.mark.integration
@@ -281,8 +282,17 @@ async def test_a_request_that_arrives_while_the_conductor_restarts_waits_for_it(
     # the gateway's route timeout (BOUND_S) outlives the conductor's restart
     cluster = pair
     kill(cluster, "conductor")
-    request = asyncio.create_task(post(f"{cluster.spec.url}/v1/completions", body(8)))
-    await asyncio.sleep(1.0)  # asked while no conductor listens
+    user = f"test-{uuid.uuid4().hex}"
+    nc = await bus.connect(cluster.spec.nats_url, "test-received")
+    try:
+        received = await nc.subscribe(subjects.request_event("received", "*"))
+        await bus.flush(nc)
+        request = asyncio.create_task(post(f"{cluster.spec.url}/v1/completions", body(8) | {"user": user}))
+        while True:  # its `received` event: the gateway holds it, and asks for its route while no conductor listens
+            if json.loads((await received.next_msg(timeout=BOUND_S)).data)["data"].get("user") == user:
+                break
+    finally:
+        await nc.drain()
     assert not request.done()
     cluster.restart("conductor")
     status, reply, headers = await request
@@ -405,13 +415,6 @@ async def open_stream(cluster, payload: dict) -> Stream:
     finally:
         await nc.drain()
     return s
-
-
-async def until(check, what: str) -> None:
-    deadline = time.monotonic() + BOUND_S
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        await asyncio.sleep(0.05)
 
 
 def gauge(cluster, name: str, metric: str) -> float:

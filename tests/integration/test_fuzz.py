@@ -20,18 +20,17 @@ from dataclasses import dataclass, field
 
 import pytest
 import requests
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st
+from jsonschema import Draft202012Validator
+from schemathesis import GenerationMode
+from schemathesis.core.failures import FailureGroup
+from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
+                                               status_code_conformance)
 
 from services.gateway import openapi
 from services.gateway.protocol import COMPLETION_DEFAULT_MAX_TOKENS
 from tests.integration.conftest import start_cluster
-
-schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, Phase, given, settings, strategies as st  # noqa: E402
-from jsonschema import Draft202012Validator  # noqa: E402
-from schemathesis import GenerationMode  # noqa: E402
-from schemathesis.core.failures import FailureGroup  # noqa: E402
-from schemathesis.specs.openapi.checks import (  # noqa: E402
-    content_type_conformance, response_schema_conformance, status_code_conformance)
 
 pytestmark = pytest.mark.integration
 

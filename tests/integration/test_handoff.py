@@ -6,8 +6,11 @@ steps time out after 3 s (`--transfer-timeout 3`, default 60), so that a frozen 
 the handoff quickly. Over tcp the prefill stripes each slice over two connections
 (`--tcp-streams 2`, with the stripe minimum lowered below one slice), so that every test here also
 runs the striped path: parts on two connections, the owner handed each slice once, the completion
-notice after a fence. Faults are real: the decode node's messenger (the destination's owner) is
-frozen (SIGSTOP) or killed (SIGKILL) the moment the request's destination is reserved.
+notice after a fence. Each decode node's transport listener is reached through a relay of the
+test's (its messenger advertises the relay's address), so faults come at a moment the test
+chooses, whatever the machine's speed: the relays hold the first bytes of a handoff (its
+destination is reserved: they follow the reservation's reply) while the decode node's messenger
+(the destination's owner) is frozen (SIGSTOP) or killed (SIGKILL), then let them go.
 """
 
 from __future__ import annotations
@@ -28,15 +31,17 @@ from common.transport.tcp import recv_exactly
 from common.transport import resolve
 from schemas import subjects
 from schemas.pool import PoolStatus
+from schemas.workers import StatusReply
 from tests.integration.conftest import (AUTO_DTYPE, KV_DTYPES, collect_request_events, free_port, post,
                                         assert_greedy, start_cluster, tiny_kv_bytes_per_token)
 from tests.integration.test_kv_pool import text_of
+from tests.wait import until
 
 pytestmark = pytest.mark.integration
 CHUNK = 128
 BOUND_S = 90
 STRIPE_MIN = 16 << 10
-RELAY_HOST = "127.0.0.2"  # loopback too: node-d1's KV goes through the relay there
+RELAY_HOSTS = {"node-d0": "127.0.0.3", "node-d1": "127.0.0.2"}  # loopback too: each node's KV goes through its relay
 assert CHUNK * min(map(tiny_kv_bytes_per_token, KV_DTYPES)) // 4 >= STRIPE_MIN  # one layer's slice of a chunk is striped
 # (transport, KV dtype) of the clusters: every transport this host can run (rdma: a device), each in
 # both dtypes for the test of the bytes moved; the fault tests run in the dtype `auto` picks here
@@ -45,15 +50,51 @@ EVERY_DTYPE = [(t, d) for t in TRANSPORTS for d in KV_DTYPES]
 AUTO = [(t, AUTO_DTYPE) for t in TRANSPORTS]
 
 
-class CorruptingRelay:
-    """A TCP relay in front of node-d1's transport listener (node-d1 advertises the relay's address):
-    bytes pass unchanged, except that once `arm()`ed, the first write frame of the next connection
-    gets one bit of its payload flipped on the way, as a bad NIC or bad memory would do. The sender's
-    checksum is of the bytes it meant to send."""
+class Gate:
+    """Shared by the relays: once `close()`d, the next bytes any relay is to pass towards its node
+    (a handoff's first, over tcp its connection's handshake or its first slice, over rdma its
+    control connection's) wait there until `open()`; the future `close()` returned says which node."""
+
+    def __init__(self) -> None:
+        self.opened = threading.Event()
+        self.opened.set()
+        self.lock = threading.Lock()
+        self.waiting: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
+
+    def close(self) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        held = loop.create_future()
+        with self.lock:
+            self.waiting = loop, held
+            self.opened.clear()
+        return held
+
+    def open(self) -> None:
+        with self.lock:
+            self.waiting = None
+            self.opened.set()
+
+    def pass_towards(self, node: str) -> None:
+        """On a relay's thread, before it passes bytes towards `node`."""
+        with self.lock:
+            waiting, self.waiting = self.waiting, None
+        if waiting is not None:
+            loop, held = waiting
+            loop.call_soon_threadsafe(lambda: held.done() or held.set_result(node))
+        self.opened.wait()
+
+
+class Relay:
+    """A TCP relay in front of a decode node's transport listener (the node advertises the relay's
+    address): bytes pass unchanged, except that they wait at the `gate` while it is closed, and that
+    once `arm()`ed, the first write frame of the next connection gets one bit of its payload flipped
+    on the way, as a bad NIC or bad memory would do. The sender's checksum is of the bytes it meant
+    to send."""
 
     HANDSHAKE = LINK_NONCE_BYTES + 32  # what the client sends first: its nonce and its proof (HMAC-SHA256)
 
-    def __init__(self, listen: tuple[str, int], upstream: tuple[str, int]) -> None:
+    def __init__(self, node: str, gate: Gate, listen: tuple[str, int], upstream: tuple[str, int]) -> None:
+        self.node, self.gate = node, gate
         self.listener = socket.create_server(listen)
         self.upstream = upstream
         self.armed = False
@@ -83,6 +124,8 @@ class CorruptingRelay:
             if outbound:
                 self._first_frame(src, dst)
             while data := src.recv(1 << 16):
+                if outbound:
+                    self.gate.pass_towards(self.node)
                 dst.sendall(data)
         except OSError:
             pass
@@ -94,9 +137,12 @@ class CorruptingRelay:
                     pass
 
     def _first_frame(self, src: socket.socket, dst: socket.socket) -> None:
-        dst.sendall(recv_exactly(src, self.HANDSHAKE))
+        handshake = recv_exactly(src, self.HANDSHAKE)
+        self.gate.pass_towards(self.node)
+        dst.sendall(handshake)
         head = recv_exactly(src, 5)
         header = recv_exactly(src, int.from_bytes(head[1:], "big"))
+        self.gate.pass_towards(self.node)
         dst.sendall(head + header)
         if head[:1] != b"W":
             return
@@ -107,6 +153,7 @@ class CorruptingRelay:
                 self.armed = False
                 payload[1000] ^= 0x10
                 self.flipped.append(frame)
+        self.gate.pass_towards(self.node)
         dst.sendall(payload)
 
 
@@ -114,16 +161,19 @@ class CorruptingRelay:
 def streamed(request, tmp_path_factory, tiny_profile):
     transport, dtype = request.param
     striped = ["--tcp-streams", "2", "--tcp-stripe-min", str(STRIPE_MIN)] if transport == "tcp" else []
-    port = free_port()  # node-d1's transport listener; the relay listens on the same port of another address
-    relay = CorruptingRelay((RELAY_HOST, port), ("127.0.0.1", port))
+    gate, relays, relayed = Gate(), {}, {}
+    for node, host in RELAY_HOSTS.items():
+        port = free_port()  # the node's transport listener; its relay listens on the same port of another address
+        relays[node] = Relay(node, gate, (host, port), ("127.0.0.1", port))
+        relayed[f"messenger-{node.removeprefix('node-')}"] = ["--transfer-port", str(port), "--advertise-host", host]
     cluster = start_cluster(tmp_path_factory.mktemp("handoff"), decode=2, prefill_chunk=CHUNK, profile=tiny_profile,
-                            transport=transport, dtype=dtype, service_args={
-                                "prefill": ["--transfer-timeout", "3", *striped],
-                                "messenger-d1": ["--transfer-port", str(port), "--advertise-host", RELAY_HOST]})
-    cluster.relay = relay
+                            transport=transport, dtype=dtype,
+                            service_args={"prefill": ["--transfer-timeout", "3", *striped], **relayed})
+    cluster.gate, cluster.relay = gate, relays["node-d1"]
     yield cluster
     cluster.stop()
-    relay.close()
+    for relay in relays.values():
+        relay.close()
 
 
 def body(prompt: str, max_tokens: int = 16) -> dict:
@@ -137,7 +187,9 @@ async def test_greedy_output_is_identical_with_the_streamed_handoff(streamed, ti
     prompt = text_of(1500, seed=900)
     ids = tokenizer(prompt)["input_ids"]
     assert len(ids) > 10 * CHUNK  # many chunks, each layer's slices streamed while the next computes
+    started = time.monotonic()
     status, first, headers = await post(f"{streamed.spec.url}/v1/completions", body(prompt))
+    took_s = time.monotonic() - started
     assert status == 200, first
     assert_greedy(first["choices"][0]["token_ids"], model, ids, 16, True)
     events = await collect_request_events(streamed.spec.nats_url, headers["X-Request-Id"])
@@ -145,7 +197,10 @@ async def test_greedy_output_is_identical_with_the_streamed_handoff(streamed, ti
     assert moved["streamed"] and moved["transport"] == streamed.spec.transport
     assert moved["src_node"] != moved["dest_node"]
     assert moved["bytes"] == len(ids) * tiny_kv_bytes_per_token(streamed.spec.dtype)  # every slice, once
-    assert moved["tail_s"] < 5.0  # measured by `moonbus bench transfer`; here only bounded
+    # the tail (the last layer's compute done -> the decode node holds the whole KV) is measured by
+    # `moonbus bench transfer`; its size depends on the machine, so here it is only seen to be a
+    # part of the request's own time, as its client measured it
+    assert 0 < moved["tail_s"] < took_s
     # the same prompt again: its prefix comes from the prefill node's pool and is streamed too
     status, again, _ = await post(f"{streamed.spec.url}/v1/completions", body(prompt))
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
@@ -153,22 +208,22 @@ async def test_greedy_output_is_identical_with_the_streamed_handoff(streamed, ti
 
 
 async def stream_with_fault(cluster, prompt: str, fault) -> tuple[str, list[dict], str]:
-    """Stream a completion; the moment its destination is reserved on a decode node, `fault(messenger)`.
-    Returns (request id, events, the messenger hit or '' if the request was quicker than the watch)."""
+    """Stream a completion; once its destination is reserved on a decode node (the relays hold the
+    handoff's first bytes to it), `fault(messenger)`, then let the handoff go on.
+    Returns (request id, events, the messenger hit: '' if the request never reached a decode node)."""
     hit = ""
+    held = cluster.gate.close()
 
-    async def watch() -> None:
+    async def strike() -> None:
         nonlocal hit
-        while True:
-            for i in (0, 1):
-                shm = cluster.shm_root / f"node-d{i}"
-                if shm.is_dir() and any(p.name.endswith(".kv.tmp") and p.name.startswith(".in-") for p in shm.iterdir()):
-                    hit = f"messenger-d{i}"
-                    fault(hit)
-                    return
-            await asyncio.sleep(0.002)
+        node = await held
+        hit = f"messenger-{node.removeprefix('node-')}"
+        try:
+            fault(hit)
+        finally:
+            cluster.gate.open()
 
-    watcher = asyncio.ensure_future(watch())
+    striking = asyncio.ensure_future(strike())
     events, request_id = [], ""
     try:
         timeout = aiohttp.ClientTimeout(total=BOUND_S * 2)
@@ -181,12 +236,23 @@ async def stream_with_fault(cluster, prompt: str, fault) -> tuple[str, list[dict
                         data = line[6:].strip()
                         events.append({"done": True} if data == b"[DONE]" else json.loads(data))
     finally:
-        watcher.cancel()
+        striking.cancel()
+        cluster.gate.open()
     return request_id, events, hit
 
 
 def tokens_of(events: list[dict]) -> list[int]:
     return [t for e in events if e.get("choices") for t in e["choices"][0].get("token_ids", [])]
+
+
+async def messenger_incarnations(cluster) -> dict[str, str]:
+    """The conductor's view: messenger -> the incarnation (process) it last heard."""
+    nc = await bus.connect(cluster.spec.nats_url, "test-status")
+    try:
+        status = StatusReply.from_bytes((await nc.request(subjects.CONDUCTOR_STATUS, b"", timeout=10)).data)
+    finally:
+        await nc.drain()
+    return {w.instance_id: w.incarnation for w in status.workers if w.role == "messenger"}
 
 
 async def no_request_files_left(cluster, nodes=("node-p0", "node-d0", "node-d1")) -> None:
@@ -223,17 +289,20 @@ async def test_a_frozen_destination_fails_the_handoff_and_the_request_resumes_wi
     def freeze(messenger: str) -> None:
         cluster.procs[messenger].popen.send_signal(signal.SIGSTOP)
         frozen.append(messenger)
-        # the handoff's next step times out after 3 s and the request is dispatched again; by then
-        # the messenger is back (a stall, not a death) and answers the new attempt's reservation
-        asyncio.get_running_loop().call_later(4.5, thaw)
 
+    async def on_routed(msg) -> None:
+        # the handoff's next step timed out (after 3 s) and the request is dispatched again: the
+        # messenger comes back (a stall, not a death) and answers the new attempt's reservation
+        if json.loads(msg.data)["data"].get("attempt", 0) > 0:
+            thaw()
+
+    nc = await bus.connect(cluster.spec.nats_url, "test-thaw")
     try:
-        for seed in range(901, 906):  # a request quicker than the watch is retried with another prompt
-            prompt = text_of(3000, seed=seed)
-            request_id, events, hit = await stream_with_fault(cluster, prompt, freeze)
-            if hit:
-                break
-        assert hit, "every request was handed off before its destination could be frozen"
+        await nc.subscribe(subjects.request_event("routed", "*"), cb=on_routed)
+        await bus.flush(nc)
+        prompt = text_of(3000, seed=901)
+        request_id, events, hit = await stream_with_fault(cluster, prompt, freeze)
+        assert hit, "the request reached no decode node"
         ids = tokenizer(prompt)["input_ids"]
         assert events[-1] == {"done": True} and not [e for e in events if "error" in e], events[-3:]
         assert_greedy(tokens_of(events), model, ids, 24, True)  # resumed: nothing lost or repeated
@@ -243,6 +312,7 @@ async def test_a_frozen_destination_fails_the_handoff_and_the_request_resumes_wi
         assert kinds.count("routed") >= 2  # the first attempt's handoff failed; another took over
     finally:
         thaw()
+        await nc.drain()
     await no_request_files_left(cluster)
 
 
@@ -256,12 +326,10 @@ async def test_a_destination_killed_midway_fails_or_resumes_the_request_cleanly(
         cluster.procs[messenger].popen.send_signal(signal.SIGKILL)
         killed.append(messenger)
 
-    for seed in range(911, 916):
-        prompt = text_of(3000, seed=seed)
-        request_id, events, hit = await stream_with_fault(cluster, prompt, kill)
-        if hit:
-            break
-    assert hit, "every request was handed off before its destination could be killed"
+    incarnations = await messenger_incarnations(cluster)
+    prompt = text_of(3000, seed=911)
+    request_id, events, hit = await stream_with_fault(cluster, prompt, kill)
+    assert hit, "the request reached no decode node"
     assert events[-1] == {"done": True}
     errors = [e for e in events if "error" in e]
     if errors:  # one clear error, no hang
@@ -273,19 +341,23 @@ async def test_a_destination_killed_midway_fails_or_resumes_the_request_cleanly(
     for messenger in killed:
         cluster.procs[messenger].popen.wait(10)
         cluster.restart(messenger)  # as the supervisor would: it sweeps what its predecessor reserved
-    await asyncio.sleep(3)
+
+    async def known_again() -> bool:  # the conductor routes to the restarted messenger's node again
+        now = await messenger_incarnations(cluster)
+        return all(now.get(m, incarnations[m]) != incarnations[m] for m in killed)
+
+    await until(known_again, "the conductor knows the restarted messenger")
     status, after, _ = await post(f"{cluster.spec.url}/v1/completions", body(text_of(400, seed=920)), timeout_s=BOUND_S)
     assert status == 200, after
     await no_request_files_left(cluster)
 
 
-@pytest.mark.parametrize("streamed", AUTO, indirect=True, ids=lambda p: "-".join(p))
+# the relay reads tcp frames: rdma writes land without a byte stream to corrupt
+@pytest.mark.parametrize("streamed", [("tcp", AUTO_DTYPE)], indirect=True, ids=lambda p: "-".join(p))
 async def test_a_slice_corrupted_on_the_wire_is_caught_on_arrival_and_the_request_completes_elsewhere(streamed, tiny):
-    """One bit of a slice flipped between prefill and node-d1 (the relay): node-d1's messenger finds
+    """One bit of a slice flipped between prefill and node-d1 (its relay): node-d1's messenger finds
     the slice's checksum wrong on arrival, the completion fails naming it, and the request is
     dispatched again, away from node-d1, with the tokens an undisturbed run gives."""
-    if streamed.spec.transport != "tcp":
-        pytest.skip("the relay reads tcp frames; rdma writes land without a byte stream to corrupt")
     tokenizer, model = tiny
     cluster, relay = streamed, streamed.relay
     relay.arm()

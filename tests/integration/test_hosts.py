@@ -36,6 +36,7 @@ HOSTS = ("ctl", "node-a", "node-b", "node-c")
 RATE = 4.0  # requests per second in the steady load (Poisson), about half what 2 shared cores serve
 MAX_TOKENS = 12
 CUT_S = 10.0
+ENDS_S = 60.0  # the judge waits this long for the next event while a request has not ended: a hang, not a slow machine
 STALL_S = 20.0  # below every bus call's timeout (30 s and more): what a lost reply used to cost
 
 
@@ -118,16 +119,18 @@ async def steady_load(cluster, duration_s: float, fault=None) -> list[tuple[floa
         return list(await asyncio.gather(*tasks))
 
 
-async def terminal_events(nats_url: str, settle_s: float = 3.0) -> sv.EventLog:
+async def terminal_events(nats_url: str, results: list[tuple[float, RequestResult]]) -> sv.EventLog:
     """Every request event in MOONBUS_EVENTS, read from the start (duplicates by stream sequence
-    are not second ends): the events stream is the judge of exactly-once."""
+    are not second ends) until each request of `results` that got an id has its terminal event and
+    nothing more is stored (the gateways' last ones may still be on their way), or ENDS_S passed
+    without another event: the events stream is the judge of exactly-once."""
     from nats.js.api import ConsumerConfig, DeliverPolicy
 
     from common import bus
     from schemas import subjects
     from schemas.events import Event
 
-    await asyncio.sleep(settle_s)  # the gateways' last terminal events are on their way
+    ids = {r.request_id for _, r in results if r.request_id}
     log = sv.EventLog()
     nc = await bus.connect(nats_url, "test-hosts-judge", first_connect_timeout_s=20)
     try:
@@ -135,10 +138,12 @@ async def terminal_events(nats_url: str, settle_s: float = 3.0) -> sv.EventLog:
                                              config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
         while True:
             try:
-                msg = await sub.next_msg(timeout=3.0)
+                msg = await sub.next_msg(timeout=ENDS_S)
             except asyncio.TimeoutError:
-                return log
+                return log  # the judge names what never ended
             log.add(Event.from_bytes(msg.data), msg.metadata.sequence.stream)
+            if msg.metadata.num_pending == 0 and ids <= log.terminal.keys():
+                return log
     finally:
         await bus.shutdown(nc)
 
@@ -227,7 +232,7 @@ async def test_a_host_cut_off_for_ten_seconds_and_back(hosts):
         hosts.restore("node-c")
     back_s = await wait_whole(hosts)
     counts = judge(f"node-c cut at {timeline['cut_at']:.1f} s for {CUT_S:.0f} s", results,
-                   await terminal_events(hosts.spec.nats_url))
+                   await terminal_events(hosts.spec.nats_url, results))
     during = [r for sent, r in results if timeline["cut_at"] <= sent < timeline["restored_at"]]
     print(f"sent while node-c was away: {len(during)}, completed {sum(sv.classify(r).kind == sv.COMPLETED for r in during)}; "
           f"every instance seen again {back_s:.1f} s after the load")
@@ -272,7 +277,7 @@ async def test_a_nats_server_killed_under_load(hosts):
         results = await steady_load(hosts, 16.0, kill_server)
         after = [r for sent, r in results if sent >= timeline["killed_at"]]
         counts = judge(f"{victim} killed at {timeline['killed_at']:.1f} s", results,
-                       await terminal_events(hosts.spec.nats_url))
+                       await terminal_events(hosts.spec.nats_url, results))
         served = sum(sv.classify(r).kind == sv.COMPLETED for r in after)
         waits = sorted(r.end_s - sent for sent, r in results)
         print(f"sent after the kill: {len(after)}, completed {served}; request time p50 {waits[len(waits) // 2]:.2f} s, "

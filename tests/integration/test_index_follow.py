@@ -24,7 +24,8 @@ from schemas.events import Event
 from schemas.pool import KvEventData, SnapshotReply
 from schemas.workers import WorkerInfo
 from tests.integration.conftest import bare_nats_server, start_cluster
-from tests.integration.test_kv_pool import complete, messenger_entries, routed_prefill_node, text_of, wait_until
+from tests.integration.test_kv_pool import complete, messenger_entries, routed_prefill_node, text_of
+from tests.wait import until
 from tools.moonbus.cluster.processes import free_port
 
 pytestmark = pytest.mark.integration
@@ -41,9 +42,10 @@ class Messenger:
         self.held: dict[int, str] = {}  # key -> tier
         self.answer = asyncio.Event()  # snapshots are answered while set
         self.answer.set()
-        self.snapshots = 0
+        self.asked = self.snapshots = 0
 
     async def on_snapshot(self, msg) -> None:
+        self.asked += 1
         await self.answer.wait()
         self.snapshots += 1
         reply = SnapshotReply(NODE, self.epoch, self.seq, list(self.held), list(self.held.values()))
@@ -69,13 +71,6 @@ class Messenger:
         self.epoch, self.seq, self.held = f"epoch-{int(self.epoch[6:]) + 1}", 0, {}
 
 
-async def until(predicate, what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-
-
 @pytest.fixture
 async def follower():
     """(IndexFollower, Messenger, resyncs seen) over a fresh nats-server."""
@@ -90,7 +85,7 @@ async def follower():
         resyncs.append(done)
 
     following = IndexFollower(mine, tasks, resync_timeout_s=5.0, node_timeout_s=5.0, on_resynced=resynced)
-    await bus.subscribe(mine, subjects.KV_EVENTS_ALL, following.on_kv_event)
+    await bus.receive(mine, subjects.KV_EVENTS_ALL, Event, following.on_kv_event)
     messenger = Messenger(theirs)
     await theirs.subscribe(subjects.messenger_control(NODE, "snapshot"), cb=messenger.on_snapshot)
     await bus.flush(theirs)
@@ -113,7 +108,7 @@ async def test_a_node_holds_nothing_until_it_is_synced_then_every_event_is_appli
     messenger.held = {11: "dram", 12: "ssd"}
     messenger.answer.clear()  # the snapshot is slow to come
     heard(following)
-    await asyncio.sleep(0.2)
+    await until(lambda: messenger.asked, "the follower asks for the snapshot")
     assert following.holders([11, 12]) == {} and NODE in following.syncing
     messenger.answer.set()
     await until(lambda: following.holders([11, 12]) == {NODE: 2}, "the first snapshot")
@@ -230,7 +225,7 @@ async def test_a_repeated_prompt_goes_to_its_holder_without_asking_the_cache_ind
     held = len(block_keys(tokenizer(prompt)["input_ids"][:-1], BLOCK))
     first = await complete(cluster, prompt)
     holder = (await routed(cluster, first["id"]))["prefill_id"]
-    await wait_until(lambda: conductor_matches_messengers(cluster), what="the conductor's copy to match the messengers")
+    await until(lambda: conductor_matches_messengers(cluster), "the conductor's copy matches the messengers")
     cache_index = cluster.procs["cache_index"].popen
     cache_index.terminate()  # nobody answers index queries now: a remote index would find nothing
     cache_index.wait(20)
@@ -250,7 +245,7 @@ async def test_the_conductor_follows_a_messenger_restart(local_index_cluster, ti
     held = len(block_keys(tokenizer(prompt)["input_ids"][:-1], BLOCK))
     first = await complete(cluster, prompt)
     node = await routed_prefill_node(cluster, first["id"])
-    await wait_until(lambda: conductor_matches_messengers(cluster), what="the conductor's copy to match the messengers")
+    await until(lambda: conductor_matches_messengers(cluster), "the conductor's copy matches the messengers")
     before = await routed(cluster, (await complete(cluster, prompt))["id"])
     assert local_blocks(before, node) == held
     resyncs = conductor_metric(cluster, "moonbus_conductor_index_resyncs_total")
@@ -260,7 +255,7 @@ async def test_the_conductor_follows_a_messenger_restart(local_index_cluster, ti
         return conductor_metric(cluster, "moonbus_conductor_index_resyncs_total") > resyncs \
             and await conductor_matches_messengers(cluster)
 
-    await wait_until(reloaded, what="the conductor to reload the restarted node")
+    await until(reloaded, "the conductor reloads the restarted node")
     after = await routed(cluster, (await complete(cluster, prompt))["id"])
     assert local_blocks(after, node) == 0  # its blocks went with its DRAM: no longer believed held there
 

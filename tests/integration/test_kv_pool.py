@@ -19,6 +19,7 @@ from schemas.route import SamplingParams
 from schemas.tokens import TokenChunk
 from tests.integration.conftest import (AUTO_DTYPE, KV_DTYPES, assert_greedy, post, start_cluster,
                                         tiny_kv_bytes_per_token)
+from tests.wait import until
 
 pytestmark = pytest.mark.integration
 BLOCK = 16
@@ -50,15 +51,6 @@ async def request(nats_url: str, subject: str, payload: bytes, reply_type):
         await nc.drain()
 
 
-async def wait_until(predicate, timeout_s: float = 60.0, what: str = ""):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if await predicate():
-            return
-        await asyncio.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 async def test_same_prompt_twice_reuses_its_blocks_with_identical_output(cluster, tiny):
     tokenizer, model = tiny
     prompt = text_of(600, seed=1)
@@ -78,7 +70,7 @@ async def test_next_turn_reuses_the_kv_of_the_generated_tokens(cluster, tiny):
     history = tokenizer(prompt)["input_ids"] + turn1["choices"][0]["token_ids"]
     # decode stores the KV (all but the last token) after the last token is sent: wait for the index to know
     stored = block_keys(history[:-1], BLOCK)
-    await wait_until(lambda: _holds(cluster, "node-d0", stored), what="the decode node's stored blocks in the index")
+    await until(lambda: _holds(cluster, "node-d0", stored), "the index holds the decode node's stored blocks")
     turn2 = await complete(cluster, history + tokenizer(" and more")["input_ids"])
     cached = turn2["usage"]["prompt_tokens_details"]["cached_tokens"]
     # more than the first prompt: blocks holding generated tokens came from the decode node's pool
@@ -144,7 +136,7 @@ async def test_prefix_held_only_on_another_nodes_ssd_is_pulled_from_there(two_no
     async def demoted() -> bool:
         return (await index_entries(cluster, routed_to)).get(keys[0]) == "ssd"
 
-    await wait_until(demoted, what="the prompt's oldest block demoted to the SSD tier, in the index")
+    await until(demoted, "the index has the prompt's oldest block demoted to the SSD tier")
     held = await index_entries(cluster, routed_to)
     assert all(k in held for k in keys) and held[keys[-1]] == "dram"
     other_held = await index_entries(cluster, other)
@@ -156,7 +148,7 @@ async def test_prefix_held_only_on_another_nodes_ssd_is_pulled_from_there(two_no
     assert chunks[0].cached_tokens == len(keys) * BLOCK
     assert_greedy([t for c in chunks for t in c.token_ids], model, ids, 12)
     # the pulled blocks are kept: the other node now holds them too (hot-block replication)
-    await wait_until(lambda: _holds(cluster, other, keys), what="the pulled blocks on the other node")
+    await until(lambda: _holds(cluster, other, keys), "the index holds the pulled blocks on the other node")
 
 
 def prefill_on(node: str) -> str:
@@ -198,7 +190,7 @@ async def test_cache_index_restarted_mid_run_comes_back_exact(two_nodes):
                 return False
         return True
 
-    await wait_until(exact, what="the restarted index to match every messenger")
+    await until(exact, "the restarted index matches every messenger")
     assert await index_entries(cluster, "node-d0")  # not trivially empty
 
 
@@ -218,17 +210,26 @@ async def test_corrupted_block_is_recomputed_and_reported(two_nodes, tiny):
     assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
     assert_greedy(first["choices"][0]["token_ids"], model, ids, 12)
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    [corrupt] = [e for e in await kv_events(cluster, "corrupt") if e["data"].get("request_id") == second["id"]]
+
+    async def reported() -> list[dict]:
+        return [e for e in await kv_events(cluster, "corrupt") if e["data"].get("request_id") == second["id"]]
+
+    [corrupt] = await until(reported, "the corrupt blocks are reported")
+
+    async def evicted() -> bool:
+        evictions = [e for e in await kv_events(cluster, "evicted") if e["data"]["node"] == node]
+        return any(set(corrupt["data"]["keys"]) <= set(e["data"]["keys"]) for e in evictions)
+
     # the block left the pool and the index (an `evicted` event), so the recomputed one replaced it:
     # the third request reuses the prefix again, and its output is still right
-    evicted = [e for e in await kv_events(cluster, "evicted") if e["data"]["node"] == node]
-    assert any(set(corrupt["data"]["keys"]) <= set(e["data"]["keys"]) for e in evicted)
+    await until(evicted, "the corrupt blocks' eviction is stored")
     third = await complete(cluster, prompt)
     assert third["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert third["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
 
 
 async def kv_events(cluster, kind: str) -> list[dict]:
+    """The `kind` KV events stored so far (those stored later may be missing: callers poll)."""
     from nats.js.api import ConsumerConfig, DeliverPolicy
 
     nc = await bus.connect(cluster.spec.nats_url, "test-kv-events")
@@ -254,7 +255,7 @@ async def test_messenger_restart_drops_then_resyncs_its_blocks(two_nodes):
     name = "messenger-p" + node[-1]
     assert await index_entries(cluster, node)
     cluster.restart(name)
-    await wait_until(lambda: _index_matches(cluster, node), what="the index to resync the restarted node")
+    await until(lambda: _index_matches(cluster, node), "the index resyncs the restarted node")
     assert await index_entries(cluster, node) == {}  # its DRAM went with it; its SSD tier starts empty
     again = await complete(cluster, prompt)  # recomputed, then stored again
     assert again["choices"][0]["token_ids"] == body["choices"][0]["token_ids"]

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import random
+import urllib.request
 
 import openai
 import pytest
 
 from tests.integration.conftest import assert_greedy, collect_request_events, post, stream_events
+from tests.wait import until
 
 pytestmark = pytest.mark.integration
 
@@ -140,6 +142,7 @@ async def test_client_going_away_cancels_the_request(cluster):
 
     body = {"model": "tiny-random", "prompt": "cancel me", "max_tokens": 4000, "ignore_eos": True,
             "temperature": 0, "stream": True}
+    generated_before = decode_tokens(cluster)
     async with aiohttp.ClientSession() as session:
         async with session.post(f"{cluster.spec.url}/v1/completions", json=body) as resp:
             request_id = resp.headers["X-Request-Id"]
@@ -152,19 +155,27 @@ async def test_client_going_away_cancels_the_request(cluster):
     kinds = [e["kind"] for e in events]
     assert kinds[-1] == "cancelled" and kinds.count("cancelled") == 1
     assert "completed" not in kinds
-    # the decode instance drops the request (4,000 tokens would keep it busy for over 10 s)
+    # the decode instance drops the request: once it runs nothing, it has generated fewer than the
+    # 4,000 tokens asked for (the first came from the prefill)
     from common import bus
     from schemas import subjects
     from schemas.workers import StatusReply
 
     nc = await bus.connect(cluster.spec.nats_url, "test-status")
+
+    async def decode_idle() -> bool:
+        status = StatusReply.from_bytes((await nc.request(subjects.CONDUCTOR_STATUS, b"", timeout=10)).data)
+        return all(w.num_running == 0 for w in status.workers if w.role == "decode")
+
     try:
-        for _ in range(25):  # 5 s: heartbeats come every second
-            status = StatusReply.from_bytes((await nc.request(subjects.CONDUCTOR_STATUS, b"", timeout=5)).data)
-            if all(w.num_running == 0 for w in status.workers if w.role == "decode"):
-                break
-            await asyncio.sleep(0.2)
-        else:
-            raise AssertionError("the decode instance kept generating for the cancelled request")
+        await until(decode_idle, "the decode instance runs nothing")
     finally:
         await nc.drain()
+    assert decode_tokens(cluster) - generated_before < 4000 - 1, "the decode instance generated the whole request"
+
+
+def decode_tokens(cluster) -> float:
+    """The tokens decode-0 has generated."""
+    with urllib.request.urlopen(cluster.procs["decode-0"].metrics, timeout=10) as resp:
+        return next(float(line.split()[1]) for line in resp.read().decode().splitlines()
+                    if line.startswith("moonbus_decode_tokens_total "))

@@ -165,7 +165,9 @@ def guest_suite(image, home: Path) -> vm.GuestResult:
     cluster = Cluster(spec)  # nats-server, conductor, cache index, gateway: the nodes join from the guest
     cluster.start(ready_timeout_s=300)
     try:
-        env = {"MOONBUS_RDMA_MODEL_DIR": guest_model, "MOONBUS_RDMA_EXPECTED": json.dumps(expected),
+        # the guest's tests are the rdma component: one that cannot run there fails (tests/required.py)
+        env = {"MOONBUS_REQUIRE": "rdma",
+               "MOONBUS_RDMA_MODEL_DIR": guest_model, "MOONBUS_RDMA_EXPECTED": json.dumps(expected),
                "MOONBUS_RDMA_GATEWAY_URL": f"http://{vm.HOST_FROM_GUEST}:{spec.port}",
                "MOONBUS_RDMA_MODEL_NATS_URL": f"nats://{vm.HOST_FROM_GUEST}:{spec.nats_port}",
                "MOONBUS_RDMA_TORCH_PATH": "/work/.venv/lib/python3.11/site-packages"}

@@ -31,10 +31,12 @@ from schemas.pool import KvEventData, SnapshotReply
 from schemas.transfer import CallFrame, WriteFrame
 from schemas.workers import WorkerInfo
 from tests.integration.conftest import start_cluster
+from tests.wait import until
 from tools.moonbus.cluster import keys as keys_tool
 from tools.moonbus.cluster.security import instance_user
 
 pytestmark = pytest.mark.integration
+END_OF_FORGERIES = b'{"forgeries": "done"}'
 
 
 @pytest.fixture(scope="module")
@@ -252,10 +254,8 @@ async def test_the_kv_links_run_tls_when_asked(two_doors):
         with member_without_certificate.connect({"tcp": messenger.transfer_addr}) as channel:
             channel.call("complete", b"")
     log = cluster.log_dir / "messenger-d0.log"
-    for _ in range(100):  # the refusal is logged when the listener gives up on it (its handshake deadline)
-        if "certificate of the cluster's link CA" in log.read_text():
-            break
-        await asyncio.sleep(0.1)
+    # the refusal is logged when the listener gives up on it (its handshake deadline)
+    await until(lambda: "certificate of the cluster's link CA" in log.read_text(), "messenger-d0 logs the refusal")
     assert "refused: no TLS session with a certificate of the cluster's link CA" in log.read_text()
     assert not cluster.dead()
 
@@ -267,10 +267,13 @@ async def test_the_bus_refuses_strangers_and_keeps_each_role_to_its_subjects(gua
     secrets = cluster.secrets
     admin = await nats.connect(cluster.spec.nats_url, allow_reconnect=False)
     seen: list[str] = []
+    heard_all = asyncio.Event()
 
     async def record(msg):
         if msg.data == b'{"forged": true}':  # the real instances heartbeat meanwhile: only ours count
             seen.append(msg.subject)
+        elif msg.data == END_OF_FORGERIES:
+            heard_all.set()
 
     await admin.subscribe("moonbus.>", cb=record)
     await bus.flush(admin)
@@ -291,11 +294,13 @@ async def test_the_bus_refuses_strangers_and_keeps_each_role_to_its_subjects(gua
                                 error_cb=on_error, allow_reconnect=False)
         for subject in forbidden:
             await nc.publish(subject, b'{"forged": true}')
-        await bus.flush(nc)
-        await asyncio.sleep(0.5)
+        await bus.flush(nc)  # the broker's refusals come before its answer to the flush: all are in
         denied[role] = [str(e) for e in errors]
         await nc.close()
-    await asyncio.sleep(0.5)
+    # the broker handled every forgery before it answered their flushes, and passes on what it
+    # takes in order: a message published after them reaches `record` after any forgery it let through
+    await admin.publish("moonbus.test.forgeries-done", END_OF_FORGERIES)
+    await until(heard_all.is_set, "the message published after the forgeries comes back")
     await admin.close()
     for role, forbidden in attempts.items():
         for subject in forbidden:
@@ -312,8 +317,7 @@ async def test_the_bus_refuses_strangers_and_keeps_each_role_to_its_subjects(gua
     for theirs in ("_INBOX.>", "_INBOX_gateway.>", "_INBOX_conductor.>"):
         await nc.subscribe(theirs)
     await nc.subscribe("_INBOX_decode.>")
-    await bus.flush(nc)
-    await asyncio.sleep(0.5)
+    await bus.flush(nc)  # the broker's refusals come before its answer to the flush: all are in
     await nc.close()
     refused = [e for e in errors if "subscription" in e.lower()]
     assert len(refused) == 3 and not any("_inbox_decode" in e.lower() for e in refused), errors
@@ -334,17 +338,23 @@ async def test_an_instance_speaks_only_for_itself(guarded):
     nc = await nats.connect(cluster.spec.nats_addr, user=user, password=cluster.secrets.password(user),
                             error_cb=on_error, allow_reconnect=False, inbox_prefix=f"_INBOX_{user}")
     theirs, own = subjects.worker_heartbeat("decode", "decode-0"), subjects.worker_heartbeat("cache_index", "cache-index")
+    ignored = await spoofed_heartbeats(cluster)
     for _ in range(6):  # on decode-0's subject (the bus refuses), and on its own subject in decode-0's name
         await nc.publish(theirs, forged)
         await nc.publish(own, forged)
         await nc.publish(subjects.control_alive("decode-0"), b"{}")
-        await bus.flush(nc)
-        await asyncio.sleep(0.2)
+    await bus.flush(nc)  # the broker's refusals come before its answer to the flush: all are in
     await nc.close()
     assert any(theirs in e for e in errors) and any(subjects.control_alive("decode-0") in e for e in errors), errors
-    spoofed = await instance_events(cluster, "spoofed", "decode-0")
-    assert spoofed and spoofed[0]["data"]["subject"] == own, spoofed
-    assert await instance_events(cluster, "refused", "decode-0", wait_s=1.0) == []
+
+    async def all_ignored() -> bool:
+        return await spoofed_heartbeats(cluster) >= ignored + 6
+
+    # the conductor ignored every forgery that reached it (none went on to be heard as decode-0's)...
+    await until(all_ignored, "the conductor ignores all 6 forgeries")
+    spoofed = await stored_event(cluster, subjects.instance_event("spoofed", "decode-0"))
+    assert spoofed["data"]["subject"] == own, spoofed
+    assert not await stored(cluster, subjects.instance_event("refused", "decode-0"))  # ...so it refused no one
     assert cluster.procs["decode-0"].popen.poll() is None  # it never heard a refusal
     status, reply, _ = await call(cluster, completion("still served?"), issued["acme"])
     assert status == 200, reply
@@ -373,15 +383,11 @@ async def test_a_messenger_speaks_only_for_its_own_nodes_pool(guarded):
     theirs, own = subjects.kv_event("stored", "node-d0"), subjects.kv_event("stored", "node-p0")
     await nc.publish(theirs, forged)  # on node-d0's subject: the bus refuses
     await nc.publish(own, forged)  # on its own subject, in node-d0's name: the followers drop it
-    await bus.flush(nc)
-    await asyncio.sleep(0.5)
+    await bus.flush(nc)  # the broker's refusal comes before its answer to the flush
     await nc.close()
     assert any(theirs in e for e in errors), errors
     index = cluster.log_dir / "cache_index.log"
-    for _ in range(100):
-        if "not that node's subject" in index.read_text():
-            break
-        await asyncio.sleep(0.1)
+    await until(lambda: "not that node's subject" in index.read_text(), "the cache index drops the forged event")
     dump = IndexDumpReply.from_bytes((await admin.request(subjects.INDEX_DUMP, IndexDumpRequest("node-d0").to_bytes(),
                                                           timeout=10)).data)
     await admin.close()
@@ -391,21 +397,27 @@ async def test_a_messenger_speaks_only_for_its_own_nodes_pool(guarded):
     assert status == 200, reply
 
 
-async def instance_events(cluster, kind: str, instance_id: str, wait_s: float = 10.0) -> list[dict]:
-    """The stored `kind` events of an instance (waits up to wait_s for the first)."""
-    from nats.js.api import ConsumerConfig, DeliverPolicy
+async def stored(cluster, subject: str) -> bool:
+    """Whether the events stream holds an event under `subject` now."""
+    from nats.js.errors import NotFoundError
 
     nc = await nats.connect(cluster.spec.nats_url, allow_reconnect=False)
     try:
-        sub = await nc.jetstream().subscribe(subjects.instance_event(kind, instance_id), ordered_consumer=True,
-                                             config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL))
-        events = []
-        with contextlib.suppress(nats.errors.TimeoutError, asyncio.TimeoutError):
-            while True:
-                events.append(json.loads((await sub.next_msg(timeout=wait_s if not events else 0.5)).data))
-        return events
+        await nc.jetstream().get_last_msg(subjects.EVENTS_STREAM, subject)
+        return True
+    except NotFoundError:
+        return False
     finally:
         await nc.close()
+
+
+async def spoofed_heartbeats(cluster) -> float:
+    """How many heartbeats the conductor has ignored for speaking for an instance their subject does not name."""
+    async with aiohttp.ClientSession() as session:
+        async with session.get(cluster.procs["conductor"].metrics) as resp:
+            text = await resp.text()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "moonbus_conductor_spoofed_total" and s.labels.get("kind") == "heartbeat")
 
 
 async def heartbeat_of(cluster, role: str, instance_id: str = "") -> WorkerInfo:

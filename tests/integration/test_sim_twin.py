@@ -18,7 +18,8 @@ from common.decide.index import PrefixIndex
 from common.kv.blocks import block_keys
 from schemas.route import SamplingParams
 from tests.integration.conftest import KV_DTYPES, start_cluster, tiny_kv_bytes_per_token
-from tests.integration.test_kv_pool import BLOCK, index_entries, messenger_entries, run_prefill_task, wait_until
+from tests.integration.test_kv_pool import BLOCK, index_entries, messenger_entries, run_prefill_task
+from tests.wait import until
 from tools.sim.instances import PoolNode
 
 pytestmark = pytest.mark.integration
@@ -59,5 +60,5 @@ async def test_a_prompt_sequence_leaves_the_same_blocks_in_the_same_tiers_live_a
     async def index_agrees() -> bool:
         return await index_entries(cluster, "node-p0") == want
 
-    await wait_until(index_agrees, what="the live cache index to hold what the simulator's index holds")
+    await until(index_agrees, "the live cache index holds what the simulator's index holds")
     assert await messenger_entries(cluster, "node-p0") == want

@@ -11,6 +11,8 @@ import os
 
 import pytest
 
+from tests import required
+
 IN_GUEST = os.environ.get("MOONBUS_RDMA_GUEST") == "1"
 if not IN_GUEST:
     collect_ignore_glob = ["test_*.py"]
@@ -22,5 +24,5 @@ NATS_URL = os.environ.get("MOONBUS_RDMA_NATS_URL", "")  # the host's nats-server
 @pytest.fixture
 def nats_url() -> str:
     if not NATS_URL:
-        pytest.skip("no nats-server given (MOONBUS_RDMA_NATS_URL)")
+        required.missing("rdma", "no nats-server given (MOONBUS_RDMA_NATS_URL)")
     return NATS_URL

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
@@ -127,18 +126,21 @@ def test_a_peer_vanishing_midway_fails_the_write_cleanly(writer):
         assert ch.transport == "rdma"
         ch.write(ref, [(0, b"warm")])
         outcome: list = []
+        payload = os.urandom(48 * MiB)
 
         def big_write() -> None:
             try:
-                ch.write(ref, [(0, os.urandom(48 * MiB))])
+                ch.write(ref, [(0, payload)])
                 ch.call("echo")
                 outcome.append("done")
             except TransportError as exc:
                 outcome.append(exc)
 
+        # frozen, the owner confirms nothing (its device still takes the writes), so the write cannot
+        # be done before it dies, however fast this machine is
+        os.kill(proc.pid, signal.SIGSTOP)
         thread = threading.Thread(target=big_write)
         thread.start()
-        time.sleep(0.3)
         os.kill(proc.pid, signal.SIGKILL)
         thread.join(120)
         assert not thread.is_alive(), "the write hung"

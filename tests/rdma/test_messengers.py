@@ -14,7 +14,6 @@ only config.json: the messenger reads the KV shape from it and imports no torch 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import subprocess
@@ -132,24 +131,29 @@ async def test_a_block_pull_between_two_messengers_goes_over_rdma(messengers, na
 
 
 async def heartbeats(nc, messengers: list[Messenger]) -> dict[str, WorkerInfo]:
-    """The first heartbeat of every messenger (each has seen the other's by the next one)."""
+    """The first heartbeat of every messenger, returned once each has sent another after all the
+    first ones were out (a heartbeat interval later: each has seen the other's)."""
     seen: dict[str, WorkerInfo] = {}
+    again: set[str] = set()
     sub = await nc.subscribe(subjects.WORKER_HEARTBEAT_ALL)
     deadline = time.monotonic() + START_S
     try:
-        while len(seen) < len(messengers):
+        while len(again) < len(messengers):
             for m in messengers:
                 assert m.proc.poll() is None, f"{m.instance} exited {m.proc.returncode}:\n{m.log()[-4000:]}"
             left = deadline - time.monotonic()
-            assert left > 0, f"no heartbeat from {sorted({m.instance for m in messengers} - set(seen))}"
+            silent = {m.instance for m in messengers} - (again if len(seen) == len(messengers) else set(seen))
+            assert left > 0, f"no heartbeat (or none after the first ones) from {sorted(silent)}"
             try:
                 msg = await sub.next_msg(timeout=min(left, 1.0))
             except NatsTimeout:
                 continue
             info = WorkerInfo.from_bytes(msg.data)
-            if info.role == "messenger":
-                seen.setdefault(info.instance_id, info)
-        await asyncio.sleep(2.0)  # one more heartbeat interval: each messenger knows the other
+            if info.role != "messenger":
+                continue
+            if len(seen) == len(messengers):
+                again.add(info.instance_id)
+            seen.setdefault(info.instance_id, info)
     finally:
         await sub.unsubscribe()
     return seen

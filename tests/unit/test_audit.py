@@ -231,6 +231,8 @@ class FakeNats:
         self.ids: list[str] = []
         self.fail = fail
         self.acks = None
+        self.publishers: list = []  # what common.bus.Connection keeps: the publishers to flush at shutdown
+        self.denied: set[str] = set()  # and the subjects the broker refused it
 
     def new_inbox(self) -> str:
         return "_INBOX.test"

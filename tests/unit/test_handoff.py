@@ -172,14 +172,15 @@ def test_an_abort_frees_a_reservation_whose_reply_was_lost_and_refuses_a_late_ac
 
 
 def test_reservations_expire_when_idle_or_when_their_prefill_or_decode_is_gone(tmp_path):
-    node = Node(tmp_path, idle_s=0.2)
+    node = Node(tmp_path)  # idle for far longer than the checks below take
     try:
         a = node.accept("r1", holder="prefill-0:aaa")
         b = node.accept("r2", holder="prefill-1:bbb")
         assert node.reservations.expired({"prefill-0:aaa", "prefill-1:bbb"}, {"decode-0"}) == []
         assert [r for r, _ in node.reservations.expired({"prefill-0:aaa"}, {"decode-0"})] == [b.region]
         assert {r for r, _ in node.reservations.expired(None, set())} == {a.region, b.region}
-        time.sleep(0.3)
+        node.reservations.idle_s = 0.05
+        time.sleep(0.1)  # idle past idle_s now: the sleep outlasts it, and came after their last write
         expired = node.reservations.expired(None, None)
         assert {r for r, _ in expired} == {a.region, b.region} and "no write" in expired[0][1]
         for region, why in expired:

@@ -13,17 +13,19 @@ from schemas.workers import Alive
 from services.messenger.service import MessengerService
 
 
-def beacon(instance_id: str, incarnation: str, sender: str = "") -> SimpleNamespace:
-    return SimpleNamespace(subject=subjects.control_alive(sender or instance_id), data=Alive(instance_id, incarnation).to_bytes())
+def beacon(instance_id: str, incarnation: str, sender: str = "") -> tuple[Alive, SimpleNamespace]:
+    """A beacon as the bus hands it over (decoded), with the message it came in."""
+    alive = Alive(instance_id, incarnation)
+    return alive, SimpleNamespace(subject=subjects.control_alive(sender or instance_id), data=alive.to_bytes())
 
 
 def test_a_beacon_keeps_a_known_process_alive_and_no_other():
     long_ago = time.monotonic() - 60
     service = SimpleNamespace(seen={"prefill-0": ("a1", long_ago), "decode-0": ("d1", long_ago)},
                               workers={"prefill-0": ("a1", long_ago)})
-    for msg in (beacon("decode-0", "d1", sender="prefill-0"), beacon("prefill-0", "a1"), beacon("decode-0", "old"),
-                beacon("stranger", "x"), SimpleNamespace(subject=subjects.control_alive("x"), data=b"not a beacon")):
-        asyncio.run(MessengerService.on_alive(service, msg))
+    for alive, msg in (beacon("decode-0", "d1", sender="prefill-0"), beacon("prefill-0", "a1"),
+                       beacon("decode-0", "old"), beacon("stranger", "x")):
+        asyncio.run(MessengerService.on_alive(service, alive, msg))
     assert service.seen["prefill-0"][1] > long_ago and service.workers["prefill-0"][1] > long_ago
     # another incarnation's beacon proves nothing, nor one sent in its name by another instance
     assert service.seen["decode-0"] == ("d1", long_ago)

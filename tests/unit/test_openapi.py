@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import openapi_spec_validator
 import orjson
 import pytest
 from jsonschema import Draft202012Validator
@@ -30,8 +31,7 @@ def parse_accepts(body: dict, kind: str) -> bool:
 
 
 def test_the_document_is_valid_openapi_3():
-    validator = pytest.importorskip("openapi_spec_validator")
-    validator.validate(DOC)
+    openapi_spec_validator.validate(DOC)
     assert DOC["openapi"].startswith("3.")
 
 

@@ -6,7 +6,6 @@ each: prefix, snapshot, decide, judge, record, the 400 for a request no instance
 from __future__ import annotations
 
 import copy
-import random
 
 import pytest
 

@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
@@ -16,6 +15,7 @@ from common.transport import TransportError, Transports, checksum, resolve
 from common.transport import tcp
 from common.kv.blocks import checksum as block_checksum
 from schemas.transfer import RegionRef, WriteFrame
+from tests.wait import until_sync
 
 SECRET = b"s" * 32
 MiB = 1 << 20
@@ -155,8 +155,8 @@ def test_a_peer_without_the_secret_is_refused(owner):
     owner.transports.on_refused = lambda who, why: refused.append(why)
     with pytest.raises(TransportError):
         stranger.connect(owner.ref.endpoints).call("echo", b"x")
-    time.sleep(0.2)
-    assert refused and "cluster secret" in refused[0]
+    until_sync(lambda: refused, "the owner reports the refusal")  # from its connection's thread
+    assert "cluster secret" in refused[0]
 
 
 def test_a_silent_peer_is_dropped_at_the_read_deadline():
@@ -171,15 +171,17 @@ def test_a_silent_peer_is_dropped_at_the_read_deadline():
 
 
 def test_unregister_waits_for_a_write_in_flight(owner):
+    region = owner.transports.regions["r1"]
     sock = raw_connection(owner)
     header = WriteFrame("r1", [[0, 1000]], {}).to_bytes()
     sock.sendall(tcp.frame(tcp.OP_WRITE, header) + b"x" * 500)  # half of it: the region is in use
-    time.sleep(0.2)
+    until_sync(lambda: region._users == 1, "the owner is receiving the write into r1")
     done = threading.Event()
     threading.Thread(target=lambda: (owner.transports.unregister("r1"), done.set()), daemon=True).start()
-    assert not done.wait(0.3)
+    until_sync(lambda: region._retired, "unregister has begun")  # and waits while the write is in flight
+    assert not done.is_set()
     sock.close()  # the writer dies midway: the write fails, the region is free
-    assert done.wait(5)
+    until_sync(done.is_set, "unregister returns")
     assert owner.landed == []  # nothing landed: the owner never counted the half write
 
 
