@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from tools.experiments import live, runs
+from tools.moonbus.traces.rows import resolve_trace
 
 EXPERIMENTS = {**runs.EXPERIMENTS, "6": live.live}
 
@@ -22,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.experiments", description=__doc__.splitlines()[0])
     parser.add_argument("which", choices=[*EXPERIMENTS, "all"])
     parser.add_argument("--out", type=Path, default=Path("docs/experiments"))
-    parser.add_argument("--traces", type=Path, default=Path(__file__).resolve().parents[3] / "shared/data/traces")
+    parser.add_argument("--traces", type=Path, default=resolve_trace("conversation").parent,
+                        help="the folder holding conversation_trace.jsonl and synthetic_trace.jsonl (default: the repository's data/traces)")
     parser.add_argument("--limit", type=int, default=None,
                         help=f"first N rows of each trace (smoke runs; experiment 6: default {live.ROWS})")
     args = parser.parse_args(argv)

@@ -70,7 +70,7 @@ class Soak:
         self.trace = resolve_trace(args.trace)
         if not self.trace.exists():
             raise SoakError(f"no trace at {self.trace} (give --trace PATH; the released traces are looked for "
-                            f"in ../shared/data/traces or $MOONBUS_TRACES)")
+                            f"in $MOONBUS_TRACES, then the repository's data/traces)")
         self.rows = load_trace(self.trace, args.limit)
         self.events = EventLog()
         self.rng = random.Random(args.seed)

@@ -85,14 +85,12 @@ NAMED_TRACES = {"conversation": "conversation_trace.jsonl", "synthetic": "synthe
 
 def trace_dirs() -> list[Path]:
     """Where the released traces are looked for: $MOONBUS_TRACES, then the copies kept in the
-    repository (data/traces), then a `shared/data/traces` beside the repository or the working directory."""
+    repository (data/traces)."""
     import os
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[3]
     dirs = [Path(os.environ["MOONBUS_TRACES"])] if os.environ.get("MOONBUS_TRACES") else []
     dirs.append(repo / "data" / "traces")
-    for base in (repo.parent, Path.cwd().parent, Path.cwd()):
-        dirs.append(base / "shared" / "data" / "traces")
     return dirs
 
 
