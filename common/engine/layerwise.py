@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from common import kvfiles
-from common.cores import CoreShare
+from common.cores import CoreShare, helper_thread
 from common.engine.llama import KvWriter, Llama
 from common.kvfiles import checksum
 from schemas.transfer import KvHandle
@@ -208,6 +208,7 @@ class LayerStreamer:
         self.sink.finish()
 
     def _run(self) -> None:
+        helper_thread()
         while (item := self._queue.get()) is not self._DONE:
             if self.error is not None:
                 continue  # drain
@@ -301,6 +302,7 @@ class LayerwisePrefill:
 
     @torch.inference_mode()
     def _load_prefix(self, prefix: PrefixSource, kv: KvAssembly, streamer: LayerStreamer | None) -> None:
+        helper_thread()
         p = prefix.num_tokens
         try:
             for layer in range(self.num_layers):

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-
+from functools import partial
 
 from common import bus, health, metrics, models, profiles, runner
+from common.cores import ComputeThread
 from services.coupled.config import CoupledConfig
 from common.engine.batch import BatchEngine
 from services.decode.batch_loop import DecodeService
@@ -29,7 +30,8 @@ log = logging.getLogger(__name__)
 
 async def serve(cfg: CoupledConfig, stop: runner.Stop) -> bool:
     pcfg, dcfg = cfg.prefill, cfg.decode
-    worker = await asyncio.to_thread(models.load_for_worker, pcfg.model, pcfg.home, pcfg.threads, pcfg.dtype, "coupled")
+    compute = ComputeThread.start(pcfg.threads)  # one thread computes both halves' work, one at a time
+    worker = await compute.run(models.load_for_worker, pcfg.model, pcfg.home, pcfg.threads, pcfg.dtype, "coupled")
     model, eos, ref = worker.model, worker.eos_token_id, worker.ref
     layout = worker.kv_layout(pcfg.block_tokens)
     perf, source = profiles.load(dcfg.home, dcfg.model, dcfg.profile, dcfg.dtype)
@@ -37,9 +39,10 @@ async def serve(cfg: CoupledConfig, stop: runner.Stop) -> bool:
     tasks = runner.TaskGroup(stop)
     compute_lock = asyncio.Lock()  # a prefill forward and a decode iteration never overlap
     registry = metrics.registry()  # one process, one metrics port: both halves report into it
-    prefill = PrefillService(pcfg, nc, model, eos, layout, compute_lock, registry, cores=worker.cores)
-    engine = BatchEngine.for_memory(model, dcfg.max_batch, dcfg.kv_cache_bytes, cores=worker.cores)
-    decode = DecodeService(dcfg, nc, engine, eos, layout, tasks, perf, compute_lock, registry)
+    prefill = PrefillService(pcfg, nc, model, eos, layout, compute_lock, registry, cores=worker.cores, compute=compute)
+    engine = await compute.run(partial(BatchEngine.for_memory, model, dcfg.max_batch, dcfg.kv_cache_bytes,
+                                       cores=worker.cores))
+    decode = DecodeService(dcfg, nc, engine, eos, layout, tasks, perf, compute_lock, registry, compute=compute)
     await prefill.start(tasks, stop, ref.name)
     await decode.start(stop, ref.name, source)
     tasks.spawn(bus.watchdog(nc), "broker-watchdog")
@@ -57,5 +60,6 @@ async def serve(cfg: CoupledConfig, stop: runner.Stop) -> bool:
     await prefill.leave()
     await decode.leave()
     await tasks.cancel_all()
+    compute.close()
     await bus.shutdown(nc)
     return not tasks.failed

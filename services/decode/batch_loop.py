@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from common import bus, kvfiles, metrics, runner, worker
 from common.pool_client import PoolClient
+from common.cores import ComputeThread
 from schemas import subjects
 from schemas.decode import DecodeTask
 from schemas.tokens import Cancel, Probe, ProbeReply, TokenChunk
@@ -73,8 +74,9 @@ class DecodeMetrics:
 class DecodeService:
     def __init__(self, cfg: DecodeConfig, nc, engine: BatchEngine, eos_token_id: int | None,
                  layout, tasks: runner.TaskGroup, perf, compute_lock: asyncio.Lock | None = None,
-                 registry: CollectorRegistry | None = None) -> None:
+                 registry: CollectorRegistry | None = None, compute: ComputeThread | None = None) -> None:
         self.cfg = cfg
+        self.compute = compute or ComputeThread()  # the thread the batch steps on (common/cores.py)
         self.nc = nc
         self.engine = engine
         self.eos_token_id = eos_token_id
@@ -175,7 +177,7 @@ class DecodeService:
         started = self.cycle_from if self.cycle_from is not None else time.perf_counter()
         try:
             async with self.compute_lock:
-                result = await asyncio.to_thread(self.engine.step)
+                result = await self.compute.run(self.engine.step)
             if self.engine.last_step is not None:
                 self.metrics.step_s.observe(self.engine.last_step.seconds)
             self.metrics.tokens.inc(len(result.tokens))

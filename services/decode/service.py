@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
-import asyncio
+from functools import partial
 
 from common import bus, health, metrics, models, profiles, runner
+from common.cores import ComputeThread
 from common.engine.batch import BatchEngine
 from services.decode.batch_loop import DecodeService
 from services.decode.config import DecodeConfig
 
 
 async def serve(cfg: DecodeConfig, stop: runner.Stop) -> bool:
-    worker_model = await asyncio.to_thread(models.load_for_worker, cfg.model, cfg.home, cfg.threads, cfg.dtype,
-                                           "decode")
+    compute = ComputeThread.start(cfg.threads)  # the model loads, the pool is made and the batch steps there
+    worker_model = await compute.run(models.load_for_worker, cfg.model, cfg.home, cfg.threads, cfg.dtype, "decode")
     perf, source = profiles.load(cfg.home, cfg.model, cfg.profile, cfg.dtype)
-    engine = BatchEngine.for_memory(worker_model.model, cfg.max_batch, cfg.kv_cache_bytes, cores=worker_model.cores)
+    engine = await compute.run(partial(BatchEngine.for_memory, worker_model.model, cfg.max_batch, cfg.kv_cache_bytes,
+                                       cores=worker_model.cores))
     nc = await bus.connect(cfg.nats_url, cfg.instance_id, cfg.nats_auth)
     tasks = runner.TaskGroup(stop)
     service = DecodeService(cfg, nc, engine, worker_model.eos_token_id,
-                            worker_model.kv_layout(cfg.block_tokens), tasks, perf)
+                            worker_model.kv_layout(cfg.block_tokens), tasks, perf, compute=compute)
     await service.start(stop, worker_model.ref.name, source)
     tasks.spawn(bus.watchdog(nc), "broker-watchdog")
     tasks.spawn(health.beacon(cfg.health_file, nc, stop), "health", essential=False)
@@ -30,5 +32,6 @@ async def serve(cfg: DecodeConfig, stop: runner.Stop) -> bool:
         await service.hand_back(f"decode instance {cfg.instance_id} failed")
     await service.leave()
     await tasks.cancel_all()
+    compute.close()
     await bus.shutdown(nc)
     return not tasks.failed

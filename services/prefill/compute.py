@@ -35,6 +35,7 @@ from nats.aio.msg import Msg
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from common import bus, kvfiles, metrics, runner, sampling, security, worker
+from common.cores import ComputeThread
 from common.kv.blocks import DEFAULT_SEED, block_keys
 from common.pool_client import PoolClient, PoolUnavailable, Prefix
 from common.transport import TransportError, Transports
@@ -77,11 +78,12 @@ class PrefillMetrics:
 class PrefillService:
     def __init__(self, cfg: PrefillConfig, nc, model, eos_token_id: int | None, layout,
                  compute_lock: asyncio.Lock | None = None, registry: CollectorRegistry | None = None,
-                 cores=None) -> None:
+                 cores=None, compute: ComputeThread | None = None) -> None:
         self.cfg = cfg
         self.nc = nc
         self.model = model
         self.engine = LayerwisePrefill(model, cfg.prefill_chunk, cores)
+        self.compute = compute or ComputeThread()  # the thread prefills run on (common/cores.py)
         self.layout = layout
         self.eos_token_id = eos_token_id
         self.incarnation = worker.new_incarnation()
@@ -216,7 +218,7 @@ class PrefillService:
         cached = prefix.num_blocks * self.block_tokens
         try:
             async with self.compute_lock:
-                result = await asyncio.to_thread(self.engine.run, ids, prefix.kv, handoff.sink if handoff else None)
+                result = await self.compute.run(self.engine.run, ids, prefix.kv, handoff.sink if handoff else None)
             first = sampling.sample(result.logits, task.sampling, step=task.num_generated)
         except BaseException:
             if handoff is not None:
@@ -282,7 +284,7 @@ class PrefillService:
             if handoff is not None:
                 await handoff.open()
             streamer = LayerStreamer(sink)
-            work = asyncio.ensure_future(asyncio.to_thread(self.compute_stage, ids, chunks, kv, streamer))
+            work = asyncio.ensure_future(self.compute.run(self.compute_stage, ids, chunks, kv, streamer))
             try:
                 logits = await asyncio.wait_for(asyncio.shield(work), self.cfg.transfer_timeout_s)
             except asyncio.TimeoutError:

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from common import bus, health, metrics, models, runner
+from common.cores import ComputeThread
 from services.prefill.compute import PrefillService
 from services.prefill.config import PrefillConfig
 
 
 async def serve(cfg: PrefillConfig, stop: runner.Stop) -> bool:
-    loaded = await asyncio.to_thread(models.load_for_worker, cfg.model, cfg.home, cfg.threads, cfg.dtype, "prefill")
+    compute = ComputeThread.start(cfg.threads)  # the model loads and prompts are computed there
+    loaded = await compute.run(models.load_for_worker, cfg.model, cfg.home, cfg.threads, cfg.dtype, "prefill")
     nc = await bus.connect(cfg.nats_url, cfg.instance_id, cfg.nats_auth)
     service = PrefillService(cfg, nc, loaded.model, loaded.eos_token_id, loaded.kv_layout(cfg.block_tokens),
-                             cores=loaded.cores)
+                             cores=loaded.cores, compute=compute)
     tasks = runner.TaskGroup(stop)
     await service.start(tasks, stop, loaded.ref.name)
     tasks.spawn(bus.watchdog(nc), "broker-watchdog")
@@ -27,5 +27,6 @@ async def serve(cfg: PrefillConfig, stop: runner.Stop) -> bool:
     await service.leave()
     await tasks.cancel_all()
     service.transports.close()
+    compute.close()
     await bus.shutdown(nc)
     return not tasks.failed

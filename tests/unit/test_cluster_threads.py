@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from common import profiles
+from common import cores as common_cores, profiles
 from common.decide.perf import A800_X8, LLAMA3_70B, analytic_profile
 from tools.moonbus.cluster import processes, up
 from tools.moonbus.cluster.processes import ClusterSpec
@@ -55,18 +55,22 @@ def test_a_profile_says_with_how_many_threads_each_role_was_timed(tmp_path: Path
     assert up.profile_stale(path, {"prefill": 2, "decode": 1}) == ""
     assert "measured with {'prefill': 2, 'decode': 1}" in up.profile_stale(path, {"prefill": 1, "decode": 1})
     assert up.profile_stale(tmp_path / "missing.json", {"prefill": 2, "decode": 1}) == "once"
-    # the workers' OpenMP threads sleep when they wait where they share cores: timed as they run
-    assert "OMP_WAIT_POLICY PASSIVE" in up.profile_stale(path, {"prefill": 2, "decode": 1}, "PASSIVE")
-    profile.meta["omp_wait_policy"] = "PASSIVE"
+    # the workers' OpenMP threads wait as they are told where they share cores: timed as they run
+    assert "with OMP_WAIT_POLICY=PASSIVE" in up.profile_stale(path, {"prefill": 2, "decode": 1}, "OMP_WAIT_POLICY=PASSIVE")
+    profile.meta["omp_wait"] = common_cores.wait_setting({"OMP_WAIT_POLICY": "PASSIVE"})
     profiles.save(profile, path)
-    assert up.profile_stale(path, {"prefill": 2, "decode": 1}, "PASSIVE") == ""
-    assert "OMP_WAIT_POLICY unset" in up.profile_stale(path, {"prefill": 2, "decode": 1})
+    assert up.profile_stale(path, {"prefill": 2, "decode": 1}, "OMP_WAIT_POLICY=PASSIVE") == ""
+    assert "waiting as by default" in up.profile_stale(path, {"prefill": 2, "decode": 1})
+    assert "with GOMP_SPINCOUNT=10000" in up.profile_stale(path, {"prefill": 2, "decode": 1}, "GOMP_SPINCOUNT=10000")
 
 
-def test_workers_that_share_cores_sleep_when_they_wait(cores, tmp_path, monkeypatch):
+def test_workers_that_share_cores_spin_briefly_and_fixed_threads_that_outnumber_them_sleep(cores, tmp_path, monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     cores(2)
-    assert ClusterSpec(home=tmp_path).worker_env == {"OMP_WAIT_POLICY": "PASSIVE"}  # shares that change step to step
+    spin = {"GOMP_SPINCOUNT": common_cores.SHARED_SPIN_COUNT}
+    assert ClusterSpec(home=tmp_path).worker_env == spin  # shares that change step to step, never past the cores
+    assert ClusterSpec(home=tmp_path, prefill_threads=2).worker_env == {"OMP_WAIT_POLICY": "PASSIVE"}  # fixed beside shared
     assert ClusterSpec(home=tmp_path, threads=1).worker_env == {}  # one thread each: a core each
     assert ClusterSpec(home=tmp_path, coupled=2, threads=1).worker_env == {}
     cores(16)
@@ -74,14 +78,18 @@ def test_workers_that_share_cores_sleep_when_they_wait(cores, tmp_path, monkeypa
     assert ClusterSpec(home=tmp_path, prefill_threads=8, decode_threads=8).worker_env == {}  # 8 + 8
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the caller's choice stands
     assert ClusterSpec(home=tmp_path).worker_env == {}
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "0")
+    assert ClusterSpec(home=tmp_path).worker_env == {}
 
 
 def test_the_profile_is_measured_in_the_environment_the_workers_get(cores, tmp_path, monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     cores(2)
     spec = ClusterSpec(home=tmp_path, extra_env={"OMP_WAIT_POLICY": "ACTIVE", "MOONBUS_X": "1"})
     assert spec.model_env == {"OMP_WAIT_POLICY": "ACTIVE", "MOONBUS_X": "1"}  # a spec's own setting wins
-    assert ClusterSpec(home=tmp_path).model_env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert ClusterSpec(home=tmp_path).model_env == {"GOMP_SPINCOUNT": common_cores.SHARED_SPIN_COUNT}
 
 
 def test_a_process_is_never_handed_the_same_free_port_twice():

@@ -67,3 +67,27 @@ def test_a_share_file_of_another_user_or_a_link_is_refused(tmp_path):
     with pytest.raises(OSError):
         CoreShare("decode", link)
     assert cores.for_worker("decode", threads=2) is None  # a fixed number of threads: no share
+
+
+def test_a_worker_computes_on_one_thread_and_every_other_thread_on_one_torch_thread():
+    # run in a process of its own: the event loop's thread and torch's process-wide setting change
+    code = """
+import asyncio, threading, torch
+from common.cores import ComputeThread
+
+def threads():  # after a parallel operation, as a thread computes
+    torch.ones(1 << 20).add_(1)
+    return torch.get_num_threads()
+
+async def main():
+    compute = ComputeThread.start(3)
+    on_compute = await compute.run(threads)
+    on_helper = await asyncio.to_thread(threads)
+    print(on_compute, on_helper, threads())
+    compute.close()
+
+torch.set_num_threads(4)
+asyncio.run(main())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["3", "1", "1"]  # the compute thread's 3; the default executor's and the event loop's 1

@@ -197,23 +197,29 @@ class ClusterSpec:
 
     @property
     def worker_env(self) -> dict[str, str]:
-        """What the model-running processes' environment adds: where workers share the cores (by
-        default: each follows the work) or their torch threads outnumber the cores, OpenMP's
-        threads sleep when they wait (OMP_WAIT_POLICY=PASSIVE) rather than spin on a core another
-        worker needs. Measured on 2 cores, a 1,024-token prefill on 2 threads beside a busy decode
-        batch on 1: 4.9 s spinning, 3.6 s sleeping; the decode step 209 and 179 ms
-        (docs/benchmarks.md "Cores by role"). An OMP_WAIT_POLICY of the caller's is kept."""
+        """What the model-running processes' environment adds for OpenMP's waiting threads. Where
+        workers follow the work (the default), a short spin (GOMP_SPINCOUNT, common/cores.py): the
+        shares keep the busy threads within the cores, and a step's threads stay awake between its
+        parallel regions. Where fixed torch threads outnumber the cores, they sleep when they wait
+        (OMP_WAIT_POLICY=PASSIVE) rather than spin on a core another worker needs: measured on 2
+        cores, a 1,024-token prefill on 2 threads beside a busy decode batch on 1: 4.9 s spinning,
+        3.6 s sleeping (docs/benchmarks.md "Cores by role"). A wait setting of the caller's is kept."""
+        if any(name in os.environ for name in cores.WAIT_VARIABLES):
+            return {}
         roles = (("coupled", self.coupled),) if self.coupled else (("prefill", self.prefill), ("decode", self.decode))
         shared = any(n and not self.role_threads(role) for role, n in roles)  # their shares change step to step
-        threads = sum(n * (self.role_threads(role) or os.cpu_count() or 1) for role, n in roles)
-        if (shared or threads > (os.cpu_count() or 1)) and "OMP_WAIT_POLICY" not in os.environ:
+        fixed = sum(n * self.role_threads(role) for role, n in roles)
+        if fixed and (shared or fixed > (os.cpu_count() or 1)):
             return {"OMP_WAIT_POLICY": "PASSIVE"}
-        return {}
+        return {"GOMP_SPINCOUNT": cores.SHARED_SPIN_COUNT} if shared else {}
 
     @property
     def model_env(self) -> dict[str, str]:
         """What a model-running process's environment adds, the profile's measuring run included
-        (so the profile is measured as the workers will run)."""
+        (so the profile is measured as the workers will run). A wait setting of the spec's own
+        replaces the workers' default one."""
+        if any(name in self.extra_env for name in cores.WAIT_VARIABLES):
+            return dict(self.extra_env)
         return self.worker_env | self.extra_env
 
     @property

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from common import models, profiles
+from common import cores, models, profiles
 from common.config import default_home
 from common.decide.perf import DecodeModel, DecodeSample, PrefillModel, PrefillSample, Profile
 from schemas.route import SamplingParams
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
                       kv_bytes_per_token=shape.kv_bytes_per_token(dtype),
                       meta={"source": "moonbus profile", "dtype": dtype, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
                             "threads": threads, "engine": up.engine_key(),
-                            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+                            "omp_wait": cores.wait_setting(os.environ),
                             "held_out_error": {"prefill": _err(prefill_err), "decode": _err(decode_err)}})
     out = args.out or profiles.profile_path(args.home.resolve(), ref.name, dtype)
     out.parent.mkdir(parents=True, exist_ok=True)

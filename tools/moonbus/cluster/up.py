@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import models, profiles, signing
+from common import cores, models, profiles, signing
 from common.config import NatsAuth, default_home
 from common.security import read_secret
 from tools.moonbus.cluster.processes import Cluster, ClusterError, ClusterSpec
@@ -210,10 +210,10 @@ def engine_key(root: Path = ROOT) -> str:
     return digest.hexdigest()[:12]
 
 
-def profile_stale(path: Path, threads: dict[str, int], wait_policy: str = "") -> str:
+def profile_stale(path: Path, threads: dict[str, int], wait: str = "") -> str:
     """Why the profile at `path` must be measured (again) for instances run with `threads` torch
-    threads per role ("prefill", "decode") on this engine, with OMP_WAIT_POLICY `wait_policy` ("":
-    unset); "" when it fits them."""
+    threads per role ("prefill", "decode") on this engine, with OpenMP's threads waiting as `wait`
+    says (common.cores.wait_setting; "": OpenMP's default); "" when it fits them."""
     if not path.exists():
         return "once"
     meta = profiles.read(path).meta
@@ -223,9 +223,9 @@ def profile_stale(path: Path, threads: dict[str, int], wait_policy: str = "") ->
     if measured != threads:
         return (f"again, with {threads} torch threads: the profile was measured with "
                 + (str(measured) if measured else "a number it does not record"))
-    if meta.get("omp_wait_policy", "") != wait_policy:
-        return (f"again, with OMP_WAIT_POLICY {wait_policy or 'unset'}: the profile was measured with "
-                f"{meta.get('omp_wait_policy') or 'it unset'}")
+    if meta.get("omp_wait", "") != wait:
+        return (f"again, with {wait or 'OpenMP threads waiting as by default'}: the profile was measured with "
+                f"{meta.get('omp_wait') or 'the default wait'}")
     return ""
 
 
@@ -236,7 +236,7 @@ def ensure_profile(path: Path, home: Path, model: str, dtype: str, threads: dict
     (the file is replaced only by a run that succeeded). `env`: what the workers' environment adds
     (ClusterSpec.model_env), so that they are measured as they will run."""
     run_env = os.environ | (env or {})
-    why = profile_stale(path, threads, run_env.get("OMP_WAIT_POLICY", ""))
+    why = profile_stale(path, threads, cores.wait_setting(run_env))
     if not why:
         return None
     say(f"measuring the model's prefill and decode times {why} (moonbus profile --quick) into {path} ...")
