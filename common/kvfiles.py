@@ -96,7 +96,7 @@ def as_tensor(array: np.ndarray, dtype: str) -> "torch.Tensor":
 def write(shm_dir: Path, node: str, name: str, kv: "torch.Tensor") -> KvHandle:
     dtype = blocks.dtype_name(kv)
     array = as_array(kv)
-    shm_dir.mkdir(parents=True, exist_ok=True)
+    shm_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     path = path_of(shm_dir, name)
     tmp = shm_dir / f".{name}.tmp"
     try:

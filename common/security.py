@@ -16,6 +16,7 @@ import hmac
 import os
 import secrets
 import ssl
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,46 @@ def write_private(path: Path, data: bytes) -> Path:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as fh:
         fh.write(data)
+    return path
+
+
+class UnsafeDirectory(PermissionError):
+    """A directory the cluster would keep its files in, that another user could read or swap."""
+
+
+def private_dir(path: Path) -> Path:
+    """`path` as a directory only this user can enter: made (with any missing parents) 0700 where
+    missing, tightened to 0700 where it is this user's; refused (UnsafeDirectory, saying what is in
+    the way) where it is a link or a file, belongs to another user, or sits in a folder another
+    user could rename it out of (theirs, or writable by all without the sticky bit)."""
+    path = Path(path)
+    missing = []
+    probe = path
+    while not os.path.lexists(probe) and probe != probe.parent:
+        missing.append(probe)
+        probe = probe.parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, 0o700)
+        except FileExistsError:  # made meanwhile: checked below like any existing one
+            pass
+    uid = os.getuid()
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeDirectory(f"{path} is not a directory (a link or a file is there): remove it, or choose another")
+    if st.st_uid != uid:
+        raise UnsafeDirectory(f"{path} belongs to uid {st.st_uid}, not to this user ({uid}): another user made it "
+                              f"first; remove it, or choose another")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(path, 0o700)
+    for parent in path.parents:
+        pst = os.stat(parent)
+        if pst.st_uid not in (0, uid):
+            raise UnsafeDirectory(f"{path} is inside {parent}, which belongs to uid {pst.st_uid}: its owner could "
+                                  f"swap it; choose another place")
+        if pst.st_mode & stat.S_IWOTH and not pst.st_mode & stat.S_ISVTX:
+            raise UnsafeDirectory(f"{path} is inside {parent}, which anyone may write without the sticky bit: "
+                                  f"anyone could swap it; choose another place")
     return path
 
 

@@ -121,7 +121,7 @@ class Reservations:
             again = [r.region for r in self.held.values() if r.name == name]
         for region in again:  # the same attempt asked again (its prefill was dispatched twice)
             self.drop(region, "reserved again")
-        self.shm_dir.mkdir(parents=True, exist_ok=True)
+        self.shm_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # checked private at the messenger's start
         tmp = self.shm_dir / f".{name}.tmp"
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:

@@ -27,6 +27,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from common import security
 from common.kv import blocks as kvblocks
 from common.kv.blocks import ChecksumMismatch, KvLayout
 from common.decide.pool import (DRAM, SSD, Demoted, Evicted, NoRoom, PoolAction, Promoted, Stored, TieredPool,
@@ -52,7 +53,7 @@ class NodePool:
         self.epoch = uuid.uuid4().hex[:12]
         # NOTE: the slab's name carries the epoch: workers still mapping a dead messenger's slab see
         # a new path in the next reply and re-attach (common/pool_client.py), never the old memory.
-        shm_dir.mkdir(parents=True, exist_ok=True)
+        security.private_dir(shm_dir)
         for stale in shm_dir.glob("slab*"):  # a previous messenger's: it holds nothing we know
             stale.unlink(missing_ok=True)
         self.slab_path = shm_dir / f"slab-{self.epoch}"

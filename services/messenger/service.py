@@ -345,7 +345,7 @@ class MessengerService:
 
 
 async def serve(cfg: MessengerConfig, stop: asyncio.Event) -> None:
-    cfg.shm_dir.mkdir(parents=True, exist_ok=True)
+    security.private_dir(cfg.shm_dir)  # its KV files and slab are this user's alone
     kvfiles.sweep(cfg.shm_dir, kvfiles.IN, temporary_only=True)  # transfers a dead predecessor was landing
     ref = models.prepare(cfg.model, cfg.home)
     shape = models.read_shape(ref)

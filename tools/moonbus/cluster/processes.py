@@ -26,6 +26,7 @@ from pathlib import Path
 
 from common import cores, signing
 from common.config import cache_index_id
+from common.security import private_dir
 from tools.moonbus.cluster.security import ClusterSecrets, instance_user, nats_config
 from tools.moonbus.cluster.supervisor import Action, RestartPolicy, Restarts
 
@@ -271,6 +272,7 @@ class Cluster:
     def start(self, ready_timeout_s: float = 600.0) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(self.shm_root, ignore_errors=True)  # left by a cluster that was killed
+        private_dir(self.shm_root)  # the nodes' KV files and slabs: this user's alone
         try:
             self.start_nats()
             self.start_services()
