@@ -219,7 +219,17 @@ class Api:
         self.gateway.authenticate(request.headers.get("Authorization"))
         return json_response(responses.models_list(self.gateway.served_model))
 
+    def operator(self, request: web.Request) -> bool:
+        """Whether the caller may read the cluster's operational state: anyone on an open gateway;
+        with API keys on, an operator's key only (moonbus keys add --operator)."""
+        if self.gateway.keys.open:
+            return True
+        tenant = self.gateway.keys.tenant_of(request.headers.get("Authorization"))
+        return tenant is not None and tenant.operator
+
     async def health(self, request: web.Request) -> web.Response:
+        """Readiness for anyone (a load balancer's check): the status, the model and the instances
+        per role; the rest (requests in flight, KV layouts and room) for an operator only."""
         status = await self.gateway.cluster_status()
         if status is None:
             return json_response({"status": "unavailable", "reason": "no conductor answered"}, 503)
@@ -237,6 +247,8 @@ class Api:
         body = {"status": "ok" if ready else "unavailable", "model": self.gateway.served_model,
                 "instances": roles, "in_flight": status.in_flight, "kv_layouts": layouts,
                 "dtypes": sorted({layout.rsplit(" ", 1)[-1] for layout in layouts}), "decode_kv": kv}
+        if not self.operator(request):
+            body = {key: body[key] for key in ("status", "model", "instances")}
         return json_response(body, 200 if ready else 503)
 
     async def openapi_document(self, request: web.Request) -> web.Response:
@@ -244,6 +256,12 @@ class Api:
         return json_response(openapi.document(gw.served_model, gw.max_context, gw.vocab_size, gw.cfg.default_chat_max_tokens))
 
     async def metrics_page(self, request: web.Request) -> web.Response:
+        """Prometheus metrics; with API keys on, for an operator's key only (they count every tenant's
+        requests and tokens): Prometheus sends it as `authorization: {credentials: KEY}`."""
+        if not self.operator(request):
+            self.gateway.authenticate(request.headers.get("Authorization"))  # 401 without a key of this cluster
+            raise ApiError(403, "/metrics is for an operator's key (moonbus keys add --operator): it counts every "
+                                "tenant's requests", code="forbidden", type_="invalid_request_error")
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

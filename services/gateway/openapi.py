@@ -59,7 +59,9 @@ def document(served_model: str, max_context: int, vocab_size: int, default_chat_
                                                        "ChatCompletion", "ChatCompletionChunk")},
             "/v1/models": {"get": _get_operation("listModels", "The served model.", _json(_ref("ModelList")))},
             "/health": {"get": _health()},
-            "/metrics": {"get": _get_operation("metrics", "Prometheus metrics.", {"text/plain": {"schema": {"type": "string"}}})},
+            "/metrics": {"get": _operator_only(_get_operation(
+                "metrics", "Prometheus metrics (with API keys on, for an operator's key: every tenant's counts are in them).",
+                {"text/plain": {"schema": {"type": "string"}}}))},
             "/openapi.json": {"get": _get_operation("openapi", "This document.", _json({"type": "object"}))},
             "/dashboard": {"get": _get_operation("dashboard", "The live status page (HTML; it polls /dashboard/state).",
                                                  {"text/html": {"schema": {"type": "string"}}})},
@@ -136,11 +138,20 @@ def _get_operation(operation_id: str, description: str, content: Schema) -> Sche
     return {"operationId": operation_id, "responses": {"200": {"description": description, "content": content}}}
 
 
+def _operator_only(operation: Schema) -> Schema:
+    error = _json(_ref("Error"))
+    operation["responses"] |= {
+        "401": {"description": "No valid API key (when the cluster takes keys).", "content": error},
+        "403": {"description": "The key is not an operator's (moonbus keys add --operator).", "content": error}}
+    return operation
+
+
 # NOTE: /health and /dashboard/state are not OpenAI's API and have no models: their schemas are written here
 
 def _health() -> Schema:
     up = _object({"status": {"const": "ok"}, "model": {"type": "string"},
-                  "instances": {"type": "object", "additionalProperties": {"type": "integer"}},
+                  "instances": {"type": "object", "additionalProperties": {"type": "integer"}}})
+    up["properties"] |= {  # with API keys on, for an operator's key only
                   "in_flight": {"type": "integer"},
                   "kv_layouts": {"type": "array", "items": {"type": "string"},
                                  "description": "The workers' KV layouts, e.g. 30x2x3x64 bfloat16."},
@@ -150,7 +161,7 @@ def _health() -> Schema:
                                 "(--kv-cache-bytes), the tokens it holds and those free.",
                                 "additionalProperties": _object({"kv_cache_bytes": {"type": "integer"},
                                                                  "kv_tokens": {"type": "integer"},
-                                                                 "kv_free_tokens": {"type": ["integer", "null"]}})}})
+                                                                 "kv_free_tokens": {"type": ["integer", "null"]}})}}
     down = {"type": "object", "required": ["status"], "properties": {"status": {"const": "unavailable"}}}
     return {"operationId": "health", "responses": {
         "200": {"description": "A prefill and a decode instance are up.", "content": _json(up)},

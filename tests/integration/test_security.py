@@ -125,6 +125,28 @@ async def test_the_dashboard_shows_a_tenant_only_its_own_decisions(guarded):
     assert seen["ops"][rid] == "acme"  # an operator's key sees every tenant's
 
 
+async def test_with_keys_on_metrics_are_an_operators_and_health_tells_strangers_only_readiness(guarded):
+    cluster, issued = guarded
+    async with aiohttp.ClientSession() as session:
+        async def get(path: str, key: str | None):
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            async with session.get(cluster.spec.url + path, headers=headers) as resp:
+                return resp.status, await resp.text()
+
+        status, text = await get("/metrics", None)
+        assert status == 401 and json.loads(text)["error"]["code"] == "invalid_api_key"
+        status, text = await get("/metrics", issued["acme"])
+        assert status == 403 and "operator" in json.loads(text)["error"]["message"]
+        status, text = await get("/metrics", issued["ops"])
+        assert status == 200 and "moonbus_gateway_requests_total" in text  # every tenant's requests counted
+        status, text = await get("/health", None)
+        assert status == 200 and set(json.loads(text)) == {"status", "model", "instances"}
+        status, text = await get("/health", issued["acme"])
+        assert set(json.loads(text)) == {"status", "model", "instances"}
+        status, text = await get("/health", issued["ops"])
+        assert {"in_flight", "decode_kv", "kv_layouts"} <= set(json.loads(text))
+
+
 async def test_an_oversized_body_is_413_and_a_tenant_over_its_limit_gets_429(guarded):
     cluster, issued = guarded
     huge = json.dumps(completion("x" * (5 << 20))).encode()
