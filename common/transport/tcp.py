@@ -41,7 +41,9 @@ handshakes of peers at other addresses (from one address, it delays them by at m
 HANDSHAKE_TIMEOUT_S per attempt). Where the cluster lists its members' addresses (`Transports.allow`,
 --link-peers), a connection from any other is closed at accept, before it reads a byte or takes a
 handshake's place. Refusals are counted (`TcpBackend.refused`, by reason), logged at
-most once per address every REFUSAL_LOG_S with the count since, and reported to `on_refused`.
+most once per source network every REFUSAL_LOG_S and for at most a few sources in that time, with
+the counts not logged since (common/transport/refusals.py: a stranger with many addresses cannot
+flood the log), and reported to `on_refused`.
 
 Speed (measured by `moonbus bench transfer`): each connection is served by its own thread on a
 blocking socket (deadlines by SO_RCVTIMEO/SO_SNDTIMEO, see `tune`), receiving with recv_into
@@ -70,6 +72,7 @@ from typing import Sequence
 import xxhash
 
 from common.security import LINK_NONCE_BYTES, link_proof, proofs_match
+from common.transport.refusals import Refusals, Told
 from common.transport import (STRIPE_MIN, Backend, Channel, Peer, Pieces, Region, TransportError, TransportRefused,
                               admitted)
 from schemas.codec import WireError
@@ -88,7 +91,7 @@ SOCKET_BUFFER = 0
 HANDSHAKE_TIMEOUT_S = 3.0  # two small messages each way; a peer that cannot is refused
 MAX_HANDSHAKES = 64  # connections proving themselves at once
 MAX_HANDSHAKES_PER_ADDRESS = 16  # of them from one address (a busy local cluster shares 127.0.0.1)
-REFUSAL_LOG_S = 10.0  # one log line per refused address per this long
+REFUSAL_LOG_S = 10.0  # one log line per refused source network per this long
 FENCE = "fence"  # a call each connection answers itself: the writes before it landed (or the first failed)
 OPEN_GROUPS = 1024  # striped writes a listener waits on at once; more are refused
 _PROOF_BYTES = 32
@@ -424,10 +427,10 @@ class TcpBackend(Backend):
                              daemon=True).start()
 
     def _refuse(self, addr, reason: str, why: str) -> None:
-        unlogged = self.door.refusal(addr[0], reason)
-        if unlogged is not None:
-            log.warning("connection from %s:%s refused: %s (refusals from this address since the last line: %d)",
-                        addr[0], addr[1], why, unlogged)
+        told = self.door.refusal(addr[0], reason)
+        if told is not None:
+            log.warning("connection from %s:%s refused: %s (since the last line: %d more from %s, %d from sources "
+                        "not logged)", addr[0], addr[1], why, told.untold, told.source, told.untold_elsewhere)
         if self.transports.on_refused is not None:
             self.transports.on_refused(f"{addr[0]}:{addr[1]}", why)
 
@@ -475,8 +478,7 @@ class _Door:
         self._lock = threading.Lock()
         self._waiting: dict[str, int] = {}
         self.refused: collections.Counter[str] = collections.Counter()
-        self.quiet: dict[str, int] = {}  # address -> refusals not logged since its last line
-        self._logged: dict[str, float] = {}  # address -> when its last line was logged
+        self.log = Refusals(REFUSAL_LOG_S)  # which refusals are logged
 
     def enter(self, address: str) -> bool:
         with self._lock:
@@ -494,21 +496,11 @@ class _Door:
             else:
                 self._waiting.pop(address, None)
 
-    def refusal(self, address: str, reason: str) -> int | None:
-        """Count a refusal; if it is to be logged (the first of its address in REFUSAL_LOG_S), the
-        address's refusals not logged since its last line, else None."""
-        now = time.monotonic()
+    def refusal(self, address: str, reason: str) -> Told | None:
+        """Count a refusal; what to log of it now, or None."""
         with self._lock:
             self.refused[reason] += 1
-            if now - self._logged.get(address, -REFUSAL_LOG_S) >= REFUSAL_LOG_S:
-                self._logged[address] = now
-                if len(self._logged) > 4096:  # forget the oldest addresses
-                    for old in sorted(self._logged, key=self._logged.get)[:2048]:
-                        self._logged.pop(old, None)
-                        self.quiet.pop(old, None)
-                return self.quiet.pop(address, 0)
-            self.quiet[address] = self.quiet.get(address, 0) + 1
-            return None
+            return self.log.refused(address, time.monotonic())
 
 
 class _Connection:

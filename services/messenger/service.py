@@ -32,6 +32,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from common import bus, health, kvfiles, metrics, models, runner, security, worker
 from common.decide.pool import capacity_in_blocks
 from common.transport import Transports
+from common.transport.refusals import Refusals
 from schemas import subjects
 from schemas.codec import Wire
 from schemas.codec import WireError
@@ -47,7 +48,7 @@ from services.messenger.node_pool import NodePool, PoolEvent
 from services.messenger.pulls import Pulls
 
 log = logging.getLogger(__name__)
-REFUSAL_EVENT_S = 10.0  # one link_refused event per refused address per this long
+REFUSAL_EVENT_S = 10.0  # one link_refused event per refused source network per this long
 
 
 class MessengerMetrics:
@@ -96,7 +97,7 @@ class MessengerService:
         self.seen: dict[str, tuple[str, float]] = {}  # prefill/decode instance anywhere -> (incarnation, last heartbeat)
         self.pulls: Pulls | None = None  # set by serve(): it needs the running loop
         self.replies = bus.Replies()  # control ops asked again after a lost reply run once
-        self.refusals: dict[str, tuple[int, float]] = {}  # peer address -> (refusals not audited, last audited)
+        self.refusals = Refusals(REFUSAL_EVENT_S)  # which refused connections are audited
         self.loop: asyncio.AbstractEventLoop | None = None
         # op -> (handler, runs as its own task); slow ops must not hold up the others
         self.ops: dict[str, tuple[Callable[[bytes], Awaitable[Wire]], bool]] = {
@@ -282,24 +283,19 @@ class MessengerService:
 
     def on_refused(self, peer: str, reason: str) -> None:
         """The transport refused a connection (from a connection thread): counted, and audited as a
-        `link_refused` event at most once per address every REFUSAL_EVENT_S, with the count since,
-        so that a flood of strangers cannot flood the audit log."""
+        `link_refused` event at most once per source network every REFUSAL_EVENT_S and for a few
+        sources in that time, with the counts since (common/transport/refusals.py), so that a
+        flood of strangers, from as many addresses as they like, cannot flood the audit log."""
         self.metrics.link_refused.inc()
         self.loop.call_soon_threadsafe(self._audit_refusal, peer, reason)
 
     def _audit_refusal(self, peer: str, reason: str) -> None:
-        address = peer.rsplit(":", 1)[0]
-        count, last = self.refusals.get(address, (0, -REFUSAL_EVENT_S))
-        now = time.monotonic()
-        if now - last < REFUSAL_EVENT_S:
-            self.refusals[address] = (count + 1, last)
+        told = self.refusals.refused(peer.rsplit(":", 1)[0], time.monotonic())
+        if told is None:
             return
-        self.refusals[address] = (0, now)
-        if len(self.refusals) > 4096:
-            for old in sorted(self.refusals, key=lambda a: self.refusals[a][1])[:2048]:
-                del self.refusals[old]
         self.tasks.spawn(self.events.instance("link_refused", self.cfg.instance_id, node=self.cfg.node, peer=peer,
-                                              reason=reason, refusals_since_last=count),
+                                              reason=reason, source=told.source, refusals_since_last=told.untold,
+                                              refusals_from_sources_not_audited=told.untold_elsewhere),
                          "link-refused-event", essential=False)
 
     # --- events and housekeeping -------------------------------------------------------------
