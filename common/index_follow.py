@@ -32,6 +32,7 @@ from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
 from common import bus
 from common.decide.index import KINDS, KvEvent, PrefixIndex
+from common.decide.nodes import NodeHolders
 from schemas import subjects
 from schemas.codec import WireError, check_token
 from schemas.events import Event
@@ -82,6 +83,7 @@ class IndexFollower:
         self.epochs: dict[str, str] = {}  # node -> epoch of the events we applied
         self.last_seen: dict[str, float] = {}  # node -> monotonic time of its messenger's last heartbeat
         self.syncing: dict[str, list[KvEvent]] = {}  # node -> events held back while its resync is in flight
+        self.holders_of = NodeHolders()  # which messenger speaks for each node
 
     def holders(self, keys: Iterable[int]) -> dict[str, int]:
         """node -> leading blocks of `keys` it holds (any tier); nodes holding none are left out."""
@@ -108,13 +110,17 @@ class IndexFollower:
         if result.resync_needed:
             self.start_resync(data.node, f"gap: expected seq {result.expected_seq}, got {data.seq}")
 
-    def heard(self, info: WorkerInfo) -> None:
-        """A heartbeat (any role's: only messengers' count), its subject already checked."""
+    def heard(self, info: WorkerInfo) -> bool:
+        """A heartbeat (any role's: only messengers' count), its subject already checked; False
+        for a messenger that speaks for a node another messenger holds (ignored: the caller counts
+        it as a spoof)."""
         if info.role != "messenger":
-            return
+            return True
+        if not self.holders_of.claim(info.node, info.instance_id):
+            return False
         if info.leaving:
             self.forget(info.node, "messenger left")
-            return
+            return True
         now, last = time.monotonic(), self.last_seen.get(info.node)
         self.last_seen[info.node] = now
         if info.node not in self.epochs:  # never synced, or its last resync failed: ask (again)
@@ -124,6 +130,7 @@ class IndexFollower:
             # of that time may never have reached us, and a gap would show only at its next event,
             # which may be long in coming
             self.start_resync(info.node, f"silence: heard again after {now - last:.1f} s")
+        return True
 
     def start_resync(self, node: str, why: str) -> None:
         if node in self.syncing:
@@ -157,6 +164,9 @@ class IndexFollower:
         self.index.drop_node(node)
         self.epochs.pop(node, None)
         self.last_seen.pop(node, None)
+        holder = self.holders_of.holder(node)
+        if holder is not None:
+            self.holders_of.release(node, holder)
 
     def sweep(self) -> None:
         """Drop the nodes whose messengers stopped sending heartbeats (call about every second)."""

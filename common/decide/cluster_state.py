@@ -31,6 +31,7 @@ from typing import Collection, Iterable
 
 from schemas.workers import DecodeReport, Layout, PrefillReport, WorkerInfo
 from common.decide.admission import AdmissionSettings, DecodeLoad
+from common.decide.nodes import NodeHolders
 from common.decide.learn import Learned, Threshold, TtftMargin
 from common.decide.outputs import OutputLengths
 from common.decide.perf import Profile
@@ -147,6 +148,7 @@ class ClusterState:
         # nodes whose messenger stopped heartbeating: their workers can neither send nor receive KV
         # (a messenger that was never heard of, as in the simulator, marks nothing)
         self.lost_nodes: set[str] = set()
+        self.node_holders = NodeHolders()  # which messenger speaks for each node
         self.departed: dict[str, Departure] = {}  # instance_id -> how it went, until heard again
         # who last reported holding each of our requests, and since when it no longer does: a request
         # whose end message was lost (a broker restart drops what had no subscriber) ends this way,
@@ -201,7 +203,10 @@ class ClusterState:
         """A heartbeat or a report: "joined" for a new instance, "left" for a leaving one,
         "restarted" for a new process under a known id (its predecessor died: what it held is
         lost, though no silence was ever long enough to say so), a Refusal for one whose
-        invariants differ from the cluster's, else None."""
+        invariants differ from the cluster's, "spoofed" for a messenger that speaks for a node
+        another messenger holds (common/decide/nodes.py: ignored), else None."""
+        if info.role == "messenger" and not self.node_holders.claim(info.node, info.instance_id):
+            return "spoofed"
         known = self.instances.get(info.instance_id)
         gone = self.departed.get(info.instance_id)
         if info.leaving and known is None and gone is not None and gone.lost:
@@ -217,7 +222,11 @@ class ClusterState:
             self._members = {}  # who takes new work changed
         self._outputs_of.pop(info.instance_id, None)
         self.departed.pop(info.instance_id, None)  # back (or leaving on purpose): no longer capacity lost
+        if before is not None and before.role == "messenger" and before.node != info.node:
+            self.node_holders.release(before.node, info.instance_id)
         if info.leaving:  # a clean exit: a new instance under this id starts from the profile
+            if info.role == "messenger":
+                self.node_holders.release(info.node, info.instance_id)
             self.learned.forget(info.instance_id)
             self._measured.pop(info.instance_id, None)
             self._departs(info.instance_id, Departure(info.role, False, now))
@@ -322,6 +331,7 @@ class ClusterState:
             self._departs(info.instance_id, Departure(info.role, True, now))
             if info.role == "messenger":
                 self.lost_nodes.add(info.node)
+                self.node_holders.release(info.node, info.instance_id)
         if gone:
             self.changed()
         return gone

@@ -41,6 +41,8 @@ class IndexMetrics:
         self.query_s = Histogram("moonbus_cache_index_query_seconds", "prefix queries answered",
                                  buckets=metrics.FAST_BUCKETS, registry=r)
         self.events = Counter("moonbus_cache_index_kv_events", "KV events applied, by kind", ["kind"], registry=r)
+        self.spoofed = Counter("moonbus_cache_index_spoofed", "messenger heartbeats ignored because they speak for a "
+                               "node another messenger holds", registry=r)
 
 
 class CacheIndexService:
@@ -62,8 +64,8 @@ class CacheIndexService:
                                    blocks=done.blocks, seq=done.seq)
 
     async def on_heartbeat(self, info: WorkerInfo, msg: Msg) -> None:
-        if subjects.speaks_for(msg.subject, info.role, info.instance_id):
-            self.follower.heard(info)
+        if subjects.speaks_for(msg.subject, info.role, info.instance_id) and not self.follower.heard(info):
+            self.metrics.spoofed.inc()
 
     async def on_query(self, query: IndexQuery, msg: Msg) -> None:
         """A malformed query is dropped (bus.receive): its asker times out."""

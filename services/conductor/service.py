@@ -117,9 +117,10 @@ class ConductorService:
     async def on_heartbeat(self, info: WorkerInfo, msg: Msg) -> None:
         if not subjects.speaks_for(msg.subject, info.role, info.instance_id):
             return await self.spoof("heartbeat", msg.subject, info.instance_id)
+        if await self.heard(info) == "spoofed":
+            return
         if self.follower is not None:
             self.follower.heard(info)  # a messenger's: its node is synced into the local index
-        await self.heard(info)
 
     async def index_resynced(self, done: Resynced) -> None:
         self.metrics.index_resyncs.labels(done.kind).inc()
@@ -165,9 +166,12 @@ class ConductorService:
         log.warning("ignoring a %s on %s that claims to be instance %s", kind, subject, claimed)
         await self.events.instance("spoofed", claimed, kind=kind, subject=subject)
 
-    async def heard(self, info: WorkerInfo) -> None:
+    async def heard(self, info: WorkerInfo) -> str | Refusal | None:
         outcome = self.state.heard(info, time.monotonic())
-        if isinstance(outcome, Refusal):
+        if outcome == "spoofed":  # a messenger speaking for a node another messenger holds
+            await self.spoof("node", f"node {info.node}, held by {self.state.node_holders.holder(info.node)}",
+                             info.instance_id)
+        elif isinstance(outcome, Refusal):
             await self.refuse(outcome)
         elif outcome == "joined":
             self.refused.discard(info.instance_id)
@@ -181,6 +185,7 @@ class ConductorService:
             log.info("instance %s left", info.instance_id)
             await self.events.instance("left", info.instance_id, role=info.role, node=info.node)
             await self.fail_requests_of(info.instance_id, "left")
+        return outcome
 
     async def refuse(self, refusal: Refusal) -> None:
         info = refusal.info

@@ -353,14 +353,20 @@ class Gateway:
                     gen.cached_tokens = chunk.cached_tokens
                     await self.events.request("first_token", gen.request_id, ttft_s=round(gen.ttft_s, 6),
                                               predicted_ttft_s=gen.predicted_ttft_s, attempt=gen.attempt)
-                gen.token_ids.extend(chunk.token_ids)
-                text = detok.add(chunk.token_ids)
-                ids = tuple(chunk.token_ids)
+                # never past max_tokens, whatever a worker sends: the request's own bound
+                room = gen.max_tokens - len(gen.token_ids)
+                taken = chunk.token_ids[:room]
+                finish = chunk.finish_reason if len(taken) == len(chunk.token_ids) else "length"
+                if len(gen.token_ids) + len(taken) >= gen.max_tokens:
+                    finish = finish or "length"
+                gen.token_ids.extend(taken)
+                text = detok.add(taken)
+                ids = tuple(taken)
                 if detok.stopped:
                     yield Delta(text, "stop", ids)
                     return
-                if chunk.finish_reason is not None:
-                    yield Delta(text + detok.flush(), chunk.finish_reason, ids)
+                if finish is not None:
+                    yield Delta(text + detok.flush(), finish, ids)
                     return
                 yield Delta(text, None, ids)
 

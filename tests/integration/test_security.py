@@ -29,6 +29,7 @@ from schemas.events import Event
 from schemas.index import IndexDumpReply, IndexDumpRequest
 from schemas.pool import KvEventData, SnapshotReply
 from schemas.transfer import CallFrame, WriteFrame
+from schemas.tokens import TokenChunk
 from schemas.workers import WorkerInfo
 from tests.integration.conftest import start_cluster
 from tests.wait import until
@@ -301,8 +302,8 @@ async def test_the_bus_refuses_strangers_and_keeps_each_role_to_its_subjects(gua
     await bus.flush(admin)
     attempts = {  # role -> what it must not publish
         "gateway": [subjects.worker_heartbeat("decode", "decode-0"), subjects.kv_event("stored", "node-p0"), subjects.gateway_tokens("x")],
-        "decode": [subjects.request_event("completed", "cmpl-forged"), subjects.kv_event("evicted", "node-d0")],
-        "prefill": [subjects.request_event("failed", "cmpl-forged"), subjects.REQUEST_CANCEL],
+        instance_user("decode-0"): [subjects.request_event("completed", "cmpl-forged"), subjects.kv_event("evicted", "node-d0")],
+        instance_user("prefill-0"): [subjects.request_event("failed", "cmpl-forged"), subjects.REQUEST_CANCEL],
         "auditor": [subjects.worker_heartbeat("prefill", "prefill-0"), subjects.CONDUCTOR_ROUTE],
     }
     denied: dict[str, list[str]] = {}
@@ -334,15 +335,22 @@ async def test_the_bus_refuses_strangers_and_keeps_each_role_to_its_subjects(gua
     async def on_sub_error(exc):
         errors.append(str(exc))
 
-    nc = await nats.connect(cluster.spec.nats_addr, user="decode", password=secrets.password("decode"),
-                            error_cb=on_sub_error, allow_reconnect=False, inbox_prefix="_INBOX_decode")
+    decode = instance_user("decode-0")
+    nc = await nats.connect(cluster.spec.nats_addr, user=decode, password=secrets.password(decode),
+                            error_cb=on_sub_error, allow_reconnect=False, inbox_prefix=f"_INBOX_{decode}")
     for theirs in ("_INBOX.>", "_INBOX_gateway.>", "_INBOX_conductor.>"):
         await nc.subscribe(theirs)
-    await nc.subscribe("_INBOX_decode.>")
+    await nc.subscribe(f"_INBOX_{decode}.>")
     await bus.flush(nc)  # the broker's refusals come before its answer to the flush: all are in
     await nc.close()
     refused = [e for e in errors if "subscription" in e.lower()]
-    assert len(refused) == 3 and not any("_inbox_decode" in e.lower() for e in refused), errors
+    assert len(refused) == 3 and not any(f"_inbox_{decode}".lower() in e.lower() for e in refused), errors
+    # the roles' shared users (rights over every instance of a role) are not users of this bus:
+    # each process has its own (issue: with the `decode` user, refusing decode-0's joins made it give up)
+    for role in ("prefill", "decode", "messenger", "cache_index", "coupled"):
+        with pytest.raises(Exception, match="Authorization Violation"):
+            await nats.connect(cluster.spec.nats_addr, user=role, password=secrets.password(role), connect_timeout=2,
+                               allow_reconnect=False, max_reconnect_attempts=0)
 
 
 async def test_an_instance_speaks_only_for_itself(guarded):
@@ -380,6 +388,81 @@ async def test_an_instance_speaks_only_for_itself(guarded):
     assert cluster.procs["decode-0"].popen.poll() is None  # it never heard a refusal
     status, reply, _ = await call(cluster, completion("still served?"), issued["acme"])
     assert status == 200, reply
+
+
+async def test_a_messenger_cannot_make_the_cluster_forget_another_node(guarded):
+    """A heartbeat's node was not tied to the messenger that sent it: messenger-d0's user announcing
+    node-p0's messenger's departure dropped node-p0 from the conductor's and the cache index's maps.
+    A node is now held by its own messenger; another's word about it is ignored and counted."""
+    cluster, issued = guarded
+    prompt = "a prefix node-p0 keeps in its pool, whoever says it left " * 6
+    await call(cluster, completion(prompt), issued["acme"])
+    _, warm, _ = await call(cluster, completion(prompt), issued["acme"])
+    cached = warm["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0
+    real = await heartbeat_of(cluster, "messenger", "messenger-d0")
+    user = instance_user("messenger-d0")
+    nc = await nats.connect(cluster.spec.nats_addr, user=user, password=cluster.secrets.password(user),
+                            allow_reconnect=False, inbox_prefix=f"_INBOX_{user}")
+    lie = msgspec.structs.replace(real, node="node-p0", leaving=True).to_bytes()
+    for _ in range(20):  # on its own subject, in its own name, about another node
+        await nc.publish(subjects.worker_heartbeat("messenger", "messenger-d0"), lie)
+    await bus.flush(nc)
+    await nc.close()
+
+    async def counted(process: str, name: str) -> float:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(cluster.procs[process].metrics) as resp:
+                text = await resp.text()
+        return sum(x.value for f in text_string_to_metric_families(text) for x in f.samples
+                   if x.name == name and x.labels.get("kind", "node") == "node")
+
+    async def both_ignored() -> bool:
+        return await counted("conductor", "moonbus_conductor_spoofed_total") >= 20 \
+            and await counted("cache_index", "moonbus_cache_index_spoofed_total") >= 20
+
+    await until(both_ignored, "the conductor and the cache index ignore all 20 lies")
+    _, again, _ = await call(cluster, completion(prompt), issued["acme"])
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == cached  # node-p0's prefix is still found
+    assert not cluster.dead()
+
+
+async def test_no_worker_can_stretch_an_answer_past_its_max_tokens(guarded):
+    """A worker's user once sent 60 tokens with finish_reason stop into a live request that asked
+    for 8, and the client got all 60. The gateway now ends a stream at its max_tokens, whatever
+    a worker sends (who may send tokens at all is issue 38's item 2, not done)."""
+    cluster, issued = guarded
+    decode = cluster.procs["decode-0"].popen
+    user = instance_user("decode-0")
+    nc = await nats.connect(cluster.spec.nats_addr, user=user, password=cluster.secrets.password(user),
+                            allow_reconnect=False, inbox_prefix=f"_INBOX_{user}")
+    body = completion("stretch me", max_tokens=8, stream=True, return_token_ids=True)
+    tokens: list[int] = []
+    finish = None
+    decode.send_signal(signal.SIGSTOP)  # the first token comes from prefill; the rest waits for decode
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{cluster.spec.url}/v1/completions", json=body,
+                                    headers={"Authorization": f"Bearer {issued['acme']}"}) as resp:
+                assert resp.status == 200, await resp.text()
+                async for line in resp.content:
+                    if not line.startswith(b"data: ") or line[6:].strip() == b"[DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if not event.get("choices"):
+                        continue
+                    choice = event["choices"][0]
+                    tokens += choice.get("token_ids", [])
+                    finish = choice.get("finish_reason") or finish
+                    if len(tokens) == 1 and finish is None:  # the first token: inject the rest, stretched
+                        forged = TokenChunk(event["id"], 1, [5] * 60, finish_reason="stop", source="decode-0")
+                        await nc.publish(subjects.gateway_tokens("gateway"), forged.to_bytes())
+                        await bus.flush(nc)
+                        decode.send_signal(signal.SIGCONT)
+    finally:
+        decode.send_signal(signal.SIGCONT)
+        await nc.close()
+    assert len(tokens) == 8 and finish == "length", (len(tokens), finish)
 
 
 async def test_a_messenger_speaks_only_for_its_own_nodes_pool(guarded):

@@ -392,3 +392,20 @@ def test_a_request_its_prefill_could_not_begin_in_time_ends_and_the_ttft_margin_
     assert state.ttft_margin.value == 2.0
     state.route(routed("r9", at=0.0, attempt=1))
     assert state.unstarted("r9", 0, 14.0) is None and "r9" in state.routed  # another attempt's: not this one
+
+
+def test_a_messenger_cannot_speak_for_a_node_another_messenger_holds():
+    """A messenger's heartbeat names its node; the bus ties it to the messenger, not to the node.
+    One that said another node's messenger was leaving once made the conductor forget that node."""
+    state = ClusterState(timeout_s=3.0, lease_s=100.0)
+    state.heard(decode("d0", node="n1"), 0.0)
+    state.heard(WorkerInfo("m1", "messenger", "n1"), 0.0)
+    state.heard(WorkerInfo("m2", "messenger", "n2"), 0.0)
+    assert state.heard(WorkerInfo("m2", "messenger", "n1", leaving=True), 1.0) == "spoofed"
+    assert state.heard(WorkerInfo("m2", "messenger", "n1"), 1.0) == "spoofed"
+    assert "m1" in state.instances and "n1" not in state.lost_nodes
+    assert [d.instance_id for d in state.decode_candidates(1.0)] == ["d0"]
+    state.heard(WorkerInfo("m1", "messenger", "n1", leaving=True), 2.0)  # its own messenger leaves: the node is free
+    assert state.heard(WorkerInfo("m3", "messenger", "n1"), 2.5) == "joined"
+    state.dead("m3", 3.0)  # lost: free again
+    assert state.heard(WorkerInfo("m4", "messenger", "n1"), 3.5) == "joined"

@@ -198,10 +198,13 @@ def nats_config(secrets: ClusterSecrets, host: str, port: int, store_dir: Path, 
     (`http_port`: the monitoring endpoint, e.g. for a health check's /healthz; `routes`: this
     server's place in a cluster of servers, its routes authenticated by their own secret;
     `processes`: name -> (role, instance ids, nodes) of the processes that get a user of their own,
-    `instance_user(name)`, allowed to speak only for those instances and, a messenger, its node)."""
+    `instance_user(name)`, allowed to speak only for those instances and, a messenger, its node;
+    then the roles' shared users that speak for instances (INSTANCE_ROLES: rights over every
+    instance of their role, what compose gives each container) are not users of this server)."""
     users = []
     own = {instance_user(n): spoken for n, spoken in (processes or {}).items()}
-    for user in (*ALL_USERS, *own):
+    shared = [user for user in ALL_USERS if not (processes and user in INSTANCE_ROLES)]
+    for user in (*shared, *own):
         entry: dict = {"user": user, "password": secrets.password(user)}
         if user != "admin":
             role, ids, nodes = own.get(user, (user, (), ()))
