@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from schemas.codec import Token, Wire
+from typing import Annotated
+
+import msgspec
+
+from schemas.codec import NonNegative, Token, Wire
+
+USAGE_TENANTS_MAX = 4096  # tenants one gateway's usage message may name
+# [requests in flight, tokens booked in the last minute], never negative
+UsagePair = Annotated[list[NonNegative], msgspec.Meta(min_length=2, max_length=2)]
 
 
 class TokenChunk(Wire):
@@ -50,4 +58,4 @@ class TenantUsage(Wire):
     so that a tenant's limits hold across every replica (common/decide/tenancy.py)."""
 
     gateway_id: Token
-    tenants: dict[str, list[int]] = {}  # tenant -> [requests in flight, tokens booked in the last minute]
+    tenants: Annotated[dict[str, UsagePair], msgspec.Meta(max_length=USAGE_TENANTS_MAX)] = {}  # tenant -> its usage

@@ -39,6 +39,7 @@ class TenantLimits:
 
     WINDOW_S = 60.0
     PEER_TTL_S = 3.0
+    PEERS_MAX = 64  # other gateways kept at once: one more is ignored until one of them falls silent
 
     def __init__(self, fair_floor: int = 8) -> None:
         self.fair_floor = fair_floor  # a tenant without max_concurrent may always hold this many (0: no fair share)
@@ -46,8 +47,16 @@ class TenantLimits:
         self.booked: dict[str, collections.deque[list]] = collections.defaultdict(collections.deque)  # [t, tokens]
         self.peers: dict[str, tuple[float, dict[str, list[int]]]] = {}  # gateway -> (heard at, its usage)
 
-    def heard(self, gateway_id: str, usage: dict[str, list[int]], now: float) -> None:
+    def heard(self, gateway_id: str, usage: dict[str, list[int]], now: float) -> bool:
+        """Another gateway's usage (checked by its wire type: two counts, never negative); False
+        when it is ignored: a new gateway while PEERS_MAX others are heard."""
+        if gateway_id not in self.peers and len(self.peers) >= self.PEERS_MAX:
+            for gateway in [g for g, (at, _) in self.peers.items() if now - at > self.PEER_TTL_S]:
+                del self.peers[gateway]
+            if len(self.peers) >= self.PEERS_MAX:
+                return False
         self.peers[gateway_id] = (now, usage)
+        return True
 
     def usage(self, now: float) -> dict[str, list[int]]:
         """This gateway's [in flight, tokens in the window] per tenant that has either."""

@@ -137,3 +137,27 @@ def test_equal_prompts_of_two_tenants_never_share_a_block():
     assert keys["salt-a"] == keys["salt-b"]  # the same salt: deliberate sharing
     assert not set(keys["salt-a"]) & set(keys["a"])
     assert keys["open"] == keys["shared"] == block_keys(prompt, 16, DEFAULT_SEED)
+
+
+@pytest.mark.parametrize("tenants", [
+    {"acme": [-1000, 0]},  # a negative count once let a tenant limited to 1 run 4 on each gateway
+    {"acme": []},  # an empty list once made both gateways answer 500 (IndexError)
+    {"acme": [1]},
+    {f"t{i}": [1, 1] for i in range(5000)},  # past USAGE_TENANTS_MAX: 30,000 of them grew each gateway by 300 MB
+])
+def test_a_gateways_usage_that_is_not_two_counts_per_tenant_is_refused_on_the_wire(tenants):
+    from schemas.codec import WireError
+    from schemas.tokens import TenantUsage
+
+    raw = json.dumps({"gateway_id": "gateway-9", "tenants": tenants}).encode()
+    with pytest.raises(WireError):
+        TenantUsage.from_bytes(raw)
+
+
+def test_the_gateways_heard_are_bounded_and_a_silent_one_makes_room():
+    limits = TenantLimits()
+    for i in range(TenantLimits.PEERS_MAX):
+        assert limits.heard(f"gateway-{i}", {"acme": [1, 10]}, now=0.0)
+    assert not limits.heard("gateway-new", {"acme": [1, 10]}, now=1.0)  # all the others still speak
+    assert limits.heard("gateway-0", {"acme": [2, 10]}, now=1.0)  # one already heard: updated
+    assert limits.heard("gateway-new", {"acme": [1, 10]}, now=0.0 + TenantLimits.PEER_TTL_S + 2.0)  # the rest fell silent
