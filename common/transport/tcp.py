@@ -438,19 +438,27 @@ class TcpBackend(Backend):
         peer = Peer(f"{addr[0]}:{addr[1]}")
         t = self.transports
         slot = False
+        # the whole handshake (TLS and the secret) within HANDSHAKE_TIMEOUT_S: the socket's
+        # deadline is per read, and a peer sending a byte now and then would hold its place for ever
+        cutoff = _Cutoff(sock, HANDSHAKE_TIMEOUT_S)
         try:
             try:
                 tune(sock, HANDSHAKE_TIMEOUT_S)
                 if t.tls is not None:
                     sock = t.tls.server.wrap_socket(sock, server_side=True)
             except OSError as exc:  # no TLS, or a certificate the cluster's link CA did not issue
+                cutoff.passed()
                 self.door.leave(addr[0])
                 self._refuse(addr, "tls", f"no TLS session with a certificate of the cluster's link CA: {exc}")
                 return
             try:
                 server_handshake(sock, t.secret)
+                if not cutoff.passed():
+                    raise TransportError(f"the handshake took longer than {HANDSHAKE_TIMEOUT_S:g} s")
             except (TransportError, OSError) as exc:  # a wrong proof, or none within the deadline
-                self._refuse(addr, "secret", str(exc) or type(exc).__name__)
+                in_time = cutoff.passed()
+                self._refuse(addr, "secret", (str(exc) or type(exc).__name__) if in_time else
+                             f"the handshake took longer than {HANDSHAKE_TIMEOUT_S:g} s")
                 return
             finally:
                 self.door.leave(addr[0])
@@ -469,6 +477,34 @@ class TcpBackend(Backend):
             peer.closed()
             if slot:
                 self._slots.release()
+
+
+class _Cutoff:
+    """Closes a socket whose handshake is not over within `seconds` (a timer thread shuts it down,
+    which ends any read the handshake is blocked in)."""
+
+    def __init__(self, sock: socket.socket, seconds: float) -> None:
+        self._sock, self._lock, self._over = sock, threading.Lock(), False
+        self._timer = threading.Timer(seconds, self._cut)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _cut(self) -> None:
+        with self._lock:
+            if self._over:
+                return
+            self._over = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def passed(self) -> bool:
+        """The handshake is over: True if it ended before the cutoff (the socket is whole)."""
+        self._timer.cancel()
+        with self._lock:
+            in_time, self._over = not self._over, True
+        return in_time
 
 
 class _Door:

@@ -338,13 +338,16 @@ async def test_the_bus_refuses_strangers_and_keeps_each_role_to_its_subjects(gua
     decode = instance_user("decode-0")
     nc = await nats.connect(cluster.spec.nats_addr, user=decode, password=secrets.password(decode),
                             error_cb=on_sub_error, allow_reconnect=False, inbox_prefix=f"_INBOX_{decode}")
-    for theirs in ("_INBOX.>", "_INBOX_gateway.>", "_INBOX_conductor.>"):
+    # ... and its own tasks only (prefill-1's user once read prefill-0's: request ids and prompts)
+    for theirs in ("_INBOX.>", "_INBOX_gateway.>", "_INBOX_conductor.>", subjects.decode_tasks("decode-1")):
         await nc.subscribe(theirs)
     await nc.subscribe(f"_INBOX_{decode}.>")
+    await nc.subscribe(subjects.decode_tasks("decode-0"))
     await bus.flush(nc)  # the broker's refusals come before its answer to the flush: all are in
     await nc.close()
     refused = [e for e in errors if "subscription" in e.lower()]
-    assert len(refused) == 3 and not any(f"_inbox_{decode}".lower() in e.lower() for e in refused), errors
+    assert len(refused) == 4 and not any(f"_inbox_{decode}".lower() in e.lower() for e in refused), errors
+    assert any("decode-1" in e for e in refused) and not any("decode-0.tasks" in e for e in refused), errors
     # the roles' shared users (rights over every instance of a role) are not users of this bus:
     # each process has its own (issue: with the `decode` user, refusing decode-0's joins made it give up)
     for role in ("prefill", "decode", "messenger", "cache_index", "coupled"):

@@ -42,6 +42,13 @@ def test_a_process_of_its_own_may_speak_only_for_its_instances(tmp_path):
     assert subjects.control_progress("decode-0") in own["publish"]["allow"]
     assert not [s for s in own["publish"]["allow"] if s.startswith("moonbus.workers.heartbeat") and s.endswith("*")]
     assert "_INBOX_instance-decode-0.>" in own["subscribe"]["allow"]
+    # it reads its own tasks, probes and refusals, not another instance's
+    assert {subjects.decode_tasks("decode-0"), subjects.worker_probe("decode-0"),
+            subjects.control_refused("decode-0")} <= set(own["subscribe"]["allow"])
+    assert not [s for s in own["subscribe"]["allow"] if s.startswith(("moonbus.decode.", "moonbus.workers.")) and "*" in s
+                and not s.startswith("moonbus.workers.heartbeat.")]  # every heartbeat: the cluster's state
+    assert "moonbus.messenger.node-d0.*" in users["instance-messenger-d0"]["permissions"]["subscribe"]["allow"]
+    assert "moonbus.messenger.*.*" not in users["instance-messenger-d0"]["permissions"]["subscribe"]["allow"]
     coupled = users["instance-coupled-0"]["permissions"]["publish"]["allow"]
     assert {subjects.worker_heartbeat("prefill", "coupled-0-prefill"), subjects.worker_heartbeat("decode", "coupled-0-decode"),
             subjects.control_alive("coupled-0-decode")} <= set(coupled)

@@ -170,6 +170,41 @@ def test_a_silent_peer_is_dropped_at_the_read_deadline():
         side.transports.close()
 
 
+def test_a_peer_that_drips_its_handshake_is_cut_off_at_the_handshakes_deadline(monkeypatch):
+    """The deadline was per read: a byte every 1.5 s held a handshake place for 70 s, not 3 s.
+    Here a byte every 0.2 s would take 9.6 s for the 48 bytes of the answer; the owner gives the
+    whole handshake 0.5 s (its per-read deadline alone would never fire)."""
+    monkeypatch.setattr(tcp, "HANDSHAKE_TIMEOUT_S", 0.5)
+    owner = Owner(1024)
+    refused = []
+    owner.transports.on_refused = lambda who, why: refused.append(why)
+    try:
+        sock = socket.create_connection(tuple(owner.transports.endpoints["tcp"].rsplit(":", 1)), timeout=10)
+        with sock:
+            sock.recv(tcp.LINK_NONCE_BYTES)
+            sent = 0
+            try:
+                while sent < tcp.LINK_NONCE_BYTES + tcp._PROOF_BYTES:
+                    sock.sendall(b"x")
+                    sent += 1
+                    threading.Event().wait(0.2)
+                    sock.setblocking(False)
+                    try:
+                        if sock.recv(1) == b"":
+                            break  # closed on us
+                    except BlockingIOError:
+                        pass
+                    finally:
+                        sock.setblocking(True)
+            except OSError:
+                pass  # reset on us: cut off too
+        assert sent < tcp.LINK_NONCE_BYTES + tcp._PROOF_BYTES, "the dripping peer was never cut off"
+        until_sync(lambda: refused, "the owner reports the refusal")
+        assert "the handshake took longer than 0.5 s" in refused[0], refused
+    finally:
+        owner.transports.close()
+
+
 def test_unregister_waits_for_a_write_in_flight(owner):
     region = owner.transports.regions["r1"]
     sock = raw_connection(owner)

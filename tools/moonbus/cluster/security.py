@@ -75,7 +75,7 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
     ),
     "messenger": (
         [_beat("messenger"), f"moonbus.events.kv.*.{NODE}", _STARTED, f"moonbus.events.instance.link_refused.{ID}"],
-        [_HEARTBEAT, "moonbus.messenger.*.*", "moonbus.control.refused.*", "moonbus.control.alive.*"],
+        [_HEARTBEAT, f"moonbus.messenger.{NODE}.*", f"moonbus.control.refused.{ID}", "moonbus.control.alive.*"],
     ),
     "prefill": (
         [_beat("prefill"), "moonbus.tokens.*", "moonbus.decode.*.tasks", "moonbus.messenger.*.lookup",
@@ -83,15 +83,15 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
          "moonbus.messenger.*.pull", "moonbus.messenger.*.accept", "moonbus.messenger.*.abort",
          f"moonbus.control.progress.{ID}", f"moonbus.control.alive.{ID}",
          *_events("prefilled", "kv_pulled", "kv_transferred", "prefill_stage", "rejected_late"), _STARTED],
-        ["moonbus.prefill.*.tasks", "moonbus.requests.cancel", "moonbus.workers.*.probe", _HEARTBEAT,
-         "moonbus.control.refused.*"],
+        [f"moonbus.prefill.{ID}.tasks", "moonbus.requests.cancel", f"moonbus.workers.{ID}.probe", _HEARTBEAT,
+         f"moonbus.control.refused.{ID}"],
     ),
     "decode": (
         [_beat("decode"), "moonbus.tokens.*", "moonbus.messenger.*.reserve", "moonbus.messenger.*.commit",
          "moonbus.messenger.*.release", f"moonbus.control.progress.{ID}", f"moonbus.control.alive.{ID}",
          *_events("decode_finished", "decode_joined", "rejected_late"), _STARTED],
-        ["moonbus.decode.*.tasks", "moonbus.requests.cancel", "moonbus.workers.*.probe", _HEARTBEAT,
-         "moonbus.control.refused.*"],
+        [f"moonbus.decode.{ID}.tasks", "moonbus.requests.cancel", f"moonbus.workers.{ID}.probe", _HEARTBEAT,
+         f"moonbus.control.refused.{ID}"],
     ),
     "supervisor": (["moonbus.events.instance.restarted.*", "moonbus.events.instance.crash_loop.*",
                     "moonbus.control.exited.*"], []),
@@ -117,16 +117,17 @@ def instance_user(name: str) -> str:
 
 def permissions(role: str, ids: tuple[str, ...] = (), nodes: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
     """(publish, subscribe) of a role's user: with `ids`, a process's own user, which may publish
-    heartbeats, progress, liveness and instance events only as those instances (and, with `nodes`,
-    a messenger's KV events only as its node); without, any instance of the role (a user the role's
-    processes share, as compose gives them)."""
+    heartbeats, progress, liveness and instance events only as those instances, and read only
+    their tasks, probes and refusals (and, with `nodes`, a messenger's KV events and control
+    messages only its node's); without, any instance of the role (a user the role's processes
+    share, as compose gives them)."""
     def expand(subject: str) -> list[str]:
         for template, own in ((ID, ids), (NODE, nodes)):
             if template in subject:
                 return [subject.replace(template, i) for i in own] if own else [subject.replace(template, "*")]
         return [subject]
     publish, subscribe = ROLES[role]
-    return sorted({e for s in publish for e in expand(s)}), list(subscribe)
+    return sorted({e for s in publish for e in expand(s)}), sorted({e for s in subscribe for e in expand(s)})
 
 
 @dataclass(frozen=True)
