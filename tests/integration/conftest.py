@@ -41,7 +41,7 @@ def tiny_kv_bytes_per_token(dtype: str) -> int:
 def start_cluster(home: Path, model: str = TINY, **kwargs) -> Cluster:
     if model == TINY and kwargs.get("profile"):
         seed_model(Path(kwargs["profile"]).parent, home)
-    spec = ClusterSpec(home=home, model=model, port=free_port(), nats_port=free_port(), **kwargs)
+    spec = ClusterSpec(home=home, model=model, port=free_port(kwargs.get("gateways", 1)), nats_port=free_port(), **kwargs)
     cluster = Cluster(spec)
     cluster.start(ready_timeout_s=300)
     return cluster

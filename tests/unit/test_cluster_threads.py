@@ -97,3 +97,11 @@ def test_a_process_is_never_handed_the_same_free_port_twice():
     # 500 picks from the 16k ports below the ephemeral range would repeat one by chance
     picks = [processes.free_port() for _ in range(500)]
     assert len(set(picks)) == len(picks)
+
+
+def test_a_clusters_gateway_replicas_ports_are_never_handed_out_again():
+    # gateway i listens on the cluster's port + i: none of those may go to anything else
+    firsts = [processes.free_port(3) for _ in range(200)]
+    ranges = [p + i for p in firsts for i in range(3)]
+    singles = [processes.free_port() for _ in range(300)]
+    assert len(set(ranges)) == len(ranges) and not set(ranges) & set(singles)

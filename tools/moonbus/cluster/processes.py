@@ -80,8 +80,10 @@ def instance_id_of(name: str, kind: str) -> str:
 _HANDED_OUT: set[int] = set()  # ports free_port gave this process: each once
 
 
-def free_port() -> int:
-    """A port free now, for a listener that binds it later.
+def free_port(count: int = 1) -> int:
+    """A port free now, for a listener that binds it later; with `count`, the first of that many
+    consecutive ones (a cluster's gateway replicas listen on its port + 1, + 2, ...: a port picked
+    for something else once landed on the second gateway's, and its health check met NATS there).
 
     NOTE: chosen below the kernel's ephemeral range. A port bind(0) gives comes from that range,
     which every outgoing connection draws its local port from too: between this call and the
@@ -95,19 +97,24 @@ def free_port() -> int:
         low = 32768
     rng = random.Random()
     for _ in range(200):
-        port = rng.randint(max(1024, low - 16384), low - 1)
-        if port in _HANDED_OUT:
+        port = rng.randint(max(1024, low - 16384), low - count)
+        ports = range(port, port + count)
+        if any(p in _HANDED_OUT for p in ports) or not all(_bindable(p) for p in ports):
             continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            _HANDED_OUT.add(port)
-            return port
+        _HANDED_OUT.update(ports)
+        return port
     with socket.socket() as s:  # every try taken: the ephemeral range, as before
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def nats_server_binary() -> str:
