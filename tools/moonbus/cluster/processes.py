@@ -24,7 +24,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import cores, signing
+from common import cores, models, signing
 from common.config import cache_index_id
 from common.security import private_dir
 from tools.moonbus.cluster.security import ClusterSecrets, instance_user, nats_config
@@ -296,7 +296,8 @@ class Cluster:
             "url": spec.url, "nats_url": spec.nats_addr, "model": spec.model, "home": str(spec.home),
             "nats_credentials": {user: str(self.secrets.password_file(user)) for user in ("admin", "auditor", "supervisor")}
             if self.secrets else {},
-            "shm_root": str(self.shm_root), "profile": spec.profile, "prefill": spec.num_prefill,
+            "shm_root": str(self.shm_root), "profile": spec.profile, "dtype": models.resolve_dtype(spec.dtype),
+            "prefill": spec.num_prefill,
             "decode": spec.num_decode, "coupled": spec.coupled, "supervisor_pid": os.getpid(),
             "processes": {p.name: {"kind": p.kind, "node": p.node, "pid": p.popen.pid, "restarts": p.restarts.count,
                                    "state": p.state, "log": str(p.log_path), "metrics": p.metrics}

@@ -54,6 +54,7 @@ class ClusterState:
     home: str = ""
     shm_root: str = ""
     profile: str = ""
+    dtype: str = ""  # the workers' (resolved); "" from a cluster.json that predates it
     prefill: int = 0
     decode: int = 0
     coupled: int = 0
@@ -73,7 +74,7 @@ class ClusterState:
                                        int(p.get("restarts") or 0), str(p.get("state") or "running"))
         return cls(str(obj.get("url") or ""), str(obj.get("nats_url") or ""), str(obj.get("model") or ""),
                    str(obj.get("home") or ""), str(obj.get("shm_root") or ""), str(obj.get("profile") or ""),
-                   int(obj.get("prefill") or 0), int(obj.get("decode") or 0), int(obj.get("coupled") or 0), procs,
+                   str(obj.get("dtype") or ""), int(obj.get("prefill") or 0), int(obj.get("decode") or 0), int(obj.get("coupled") or 0), procs,
                    tuple(k for k in wanted if k not in obj), dict(obj.get("nats_credentials") or {}))
 
     @property

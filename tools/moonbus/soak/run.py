@@ -86,14 +86,16 @@ class Soak:
     # --- the plan ---------------------------------------------------------------------------
     def capacity(self, model: str) -> dict:
         """The profile's capacity estimate (soak_load), or {"rps": None, "error": why}."""
-        from common import profiles
+        from common import models, profiles
 
         workload = sl.workload_rows(self.rows, self.args.count)
         lengths = [sl.prompt_length(r, self.args.tokens_per_block, self.args.max_input) for r in workload]
         num_prefill = self.state.num_prefill or 1
         home = Path(self.state.home) if self.state.home else self.args.home.resolve()
         try:
-            profile, source = profiles.load(home, self.state.model or model, self.state.profile)
+            # the profile of the dtype the workers run (a bfloat16 cluster's, not float32's analytic guess)
+            profile, source = profiles.load(home, self.state.model or model, self.state.profile,
+                                            models.resolve_dtype(self.state.dtype or "auto"))
             rps = sl.capacity_rps(profile.prefill, lengths, num_prefill)
         except Exception as exc:  # no model files, an unreadable profile: only --load needs it
             return {"rps": None, "error": f"{type(exc).__name__}: {exc}", "num_prefill": num_prefill}
