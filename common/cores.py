@@ -168,10 +168,14 @@ def _alive(pid: int) -> bool:
 def helper_thread() -> None:
     """This thread computes on one torch thread: run first in every thread of a worker process but
     its compute thread (the module's docstring says why)."""
+    _this_thread_computes_on(1)
+
+
+def _this_thread_computes_on(threads: int) -> None:
     import torch
 
     torch.get_num_threads()  # NOTE: a thread takes torch's latest process-wide setting at its first parallel call: taken now
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
 
 
 class ComputeThread:
@@ -180,8 +184,8 @@ class ComputeThread:
     process a helper (helper_thread): the event loop's and its default executor's."""
 
     def __init__(self, threads: int = 0) -> None:
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="compute", initializer=_compute_thread,
-                                           initargs=(threads,))
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="compute", initializer=_this_thread_computes_on,
+                                           initargs=(threads or machine_cores(),))
 
     @classmethod
     def start(cls, threads: int = 0) -> "ComputeThread":
@@ -196,10 +200,3 @@ class ComputeThread:
 
     def close(self) -> None:
         self.executor.shutdown(wait=False)
-
-
-def _compute_thread(threads: int) -> None:
-    import torch
-
-    torch.get_num_threads()  # as in helper_thread: this thread's first parallel call takes its setting now
-    torch.set_num_threads(threads or machine_cores())

@@ -164,9 +164,7 @@ class IndexFollower:
         self.index.drop_node(node)
         self.epochs.pop(node, None)
         self.last_seen.pop(node, None)
-        holder = self.holders_of.holder(node)
-        if holder is not None:
-            self.holders_of.release(node, holder)
+        self.holders_of.forget(node)
 
     def sweep(self) -> None:
         """Drop the nodes whose messengers stopped sending heartbeats (call about every second)."""

@@ -25,3 +25,7 @@ class NodeHolders:
 
     def holder(self, node: str) -> str | None:
         return self._holder.get(node)
+
+    def forget(self, node: str) -> None:
+        """Nobody speaks for `node` now (its entries were dropped: silent past the timeout)."""
+        self._holder.pop(node, None)
