@@ -61,9 +61,11 @@ class Cancellations:
         return attempt <= self._attempts.get(request_id, -1)
 
 
-async def reply(nc, subject: str, chunk: TokenChunk) -> None:
-    """Send a chunk to the request's gateway (never raises: a lost publish is logged)."""
-    await bus.publish(nc, subject, chunk.to_bytes())
+async def reply(nc, subject: str, chunk: TokenChunk, sender_kind: str = "worker") -> None:
+    """Send a chunk to the request's gateway, on its sender's own subject below the request's
+    `subject` (the chunk's source; a gateway takes tokens only from the instances it was routed to)
+    (never raises: a lost publish is logged)."""
+    await bus.publish(nc, subjects.tokens_from(subject, sender_kind, chunk.source), chunk.to_bytes())
 
 
 def error_chunk(request_id: str, attempt: int, index: int, error: str, status: int, source: str,

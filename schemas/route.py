@@ -43,3 +43,4 @@ class RouteReply(Wire):
     prefill_id: str = ""
     decode_id: str = ""
     predicted_ttft_s: float = 0.0  # the conductor's prediction of this attempt's prefill end (from its routing)
+    senders: list[Token] = []  # every instance that may send this attempt's chunks (its prefill stages, its decode)

@@ -109,7 +109,30 @@ def tenant_usage(gateway_id: str) -> str:
 
 
 def gateway_tokens(gateway_id: str) -> str:
-    """moonbus.tokens.<gateway_id>: tokens and terminal errors for requests of one gateway."""
+    """moonbus.tokens.<gateway_id>: where a gateway's requests send their tokens and terminal
+    errors (a request's `reply_subject`); each sender publishes below it (tokens_from)."""
     return f"moonbus.tokens.{gateway_id}"
+
+
+TOKEN_SENDERS = ("worker", "conductor")  # who may send a request's chunks: its routed workers; a conductor (errors)
+
+
+def tokens_from(reply_subject: str, sender_kind: str, sender: str) -> str:
+    """<reply_subject>.<worker|conductor>.<instance>: a chunk sent by that instance, which only its
+    own credentials may publish on, so its gateway knows who sent it (sender_of)."""
+    return f"{reply_subject}.{sender_kind}.{sender}"
+
+
+def tokens_sent_to(reply_subject: str) -> str:
+    """Every sender's chunks for one gateway (tokens_from)."""
+    return f"{reply_subject}.*.*"
+
+
+def sender_of(subject: str) -> tuple[str, str]:
+    """(sender kind, instance) of a chunk's subject (tokens_from); ("", "") for any other subject."""
+    tokens = subject.split(".")
+    if len(tokens) != 5 or tokens[3] not in TOKEN_SENDERS:
+        return "", ""
+    return tokens[3], tokens[4]
 INDEX_DUMP = "moonbus.index.dump"  # anyone -> cache_index: one node's entries, request/reply
 KV_EVENTS_ALL = f"{EVENTS_PREFIX}.kv.>"

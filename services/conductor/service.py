@@ -298,8 +298,9 @@ class ConductorService:
             return RouteReply(False, 503, "could not dispatch the request", retry_after_s=1.0)
         # the prefill instance that answers for the request: with a pipeline, the stage of the last chunk
         first_token_by = decision.prefill_id if spec is None else spec.stages[spec.last_stage(len(ids))]
+        senders = sorted({*(spec.stages if spec is not None else (decision.prefill_id,)), decision.decode_id})
         return RouteReply(True, 200, prefill_id=first_token_by, decode_id=decision.decode_id,
-                          predicted_ttft_s=round(decision.ttft_s, 6))
+                          predicted_ttft_s=round(decision.ttft_s, 6), senders=senders)
 
     def pipeline_stages(self, decision: policy.Decision, snapshot: policy.ClusterSnapshot,
                         prompt_tokens: int) -> tuple[str, ...] | None:
@@ -387,7 +388,7 @@ class ConductorService:
             # its decode instance lost: the prefill did (or will do) its part, the request moves on (a migration)
             await worker.reply(self.nc, request.reply_subject, worker.error_chunk(
                 request.request_id, request.attempt, -1, f"instance {instance_id} {why}", 503, self.cfg.instance_id,
-                retryable=True, stage="decode_lost" if request.decode_id == instance_id else ""))
+                retryable=True, stage="decode_lost" if request.decode_id == instance_id else ""), sender_kind="conductor")
 
 
 async def serve(cfg: ConductorConfig, stop: asyncio.Event) -> bool:

@@ -73,6 +73,7 @@ class Api:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
         self.metrics = Metrics()
+        self.metrics.registry.register(gateway.spoofed)
         self.dashboard = Dashboard(gateway)  # GET /dashboard: the live status page and its collectors
 
     def app(self) -> web.Application:

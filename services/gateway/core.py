@@ -34,6 +34,7 @@ from typing import AsyncIterator
 
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
+from prometheus_client import Counter
 
 from common import bus
 from common.decide.retry import after_failure, spent
@@ -53,12 +54,23 @@ log = logging.getLogger(__name__)
 
 ROUTE_RETRY_S = 0.1  # with no conductor listening, a route is asked again this often until its deadline
 USAGE_EVERY_S = 1.0  # a gateway tells the others its tenants' usage at least this often
+SPOOFERS_LOGGED = 1_000  # senders of dropped chunks logged once each; beyond, only counted
 ENDED_KEPT = 10_000  # ended requests whose late worker reports still count in this gateway's metrics
+
+
+@dataclass(frozen=True)
+class Heard:
+    """A chunk and who sent it, by the subject it came on (which only the sender's credentials may
+    publish on), never by what the chunk says of itself."""
+
+    sender_kind: str  # "worker" | "conductor" (subjects.TOKEN_SENDERS)
+    sender: str
+    chunk: TokenChunk
 
 
 @dataclass
 class RequestState:
-    chunks: asyncio.Queue[TokenChunk | None] = field(default_factory=asyncio.Queue)  # None: probe now
+    chunks: asyncio.Queue[Heard | None] = field(default_factory=asyncio.Queue)  # None: probe now
 
 
 @dataclass
@@ -86,6 +98,7 @@ class Generation:
     key_seed: int = 0  # its cache namespace (tenants.cache_seed)
     prefill_id: str = ""  # where the current attempt was routed
     decode_id: str = ""
+    senders: frozenset[str] = frozenset()  # the instances that may send the current attempt's chunks
     predicted_ttft_s: float = 0.0  # the conductor's prediction for the current attempt (0: none)
     handed_off_unseen: int = 0  # probes in a row where prefill handed it off and decode did not know it
 
@@ -119,11 +132,31 @@ class Gateway:
         self.usage_shared_at, self.usage_changed = 0.0, False  # this gateway's tenants' usage, told the others
         # a prompt this many characters long cannot fit the context, whatever the tokenizer does
         self.max_prompt_chars = 32 * max_context
+        # chunks from senders a request was not routed to (api.Metrics serves it on /metrics)
+        self.spoofed = Counter("moonbus_gateway_spoofed_chunks", "token chunks dropped: their sender was not "
+                               "routed the request (a worker), or sent tokens (a conductor)", ["sender_kind"],
+                               registry=None)
+        self.spoofers: set[str] = set()  # senders already logged (at most SPOOFERS_LOGGED)
 
     async def on_tokens(self, chunk: TokenChunk, msg: Msg) -> None:
         state = self.states.get(chunk.request_id)
         if state is not None:  # else: the request already ended (e.g. client went away)
-            state.chunks.put_nowait(chunk)
+            state.chunks.put_nowait(Heard(*subjects.sender_of(msg.subject), chunk))
+
+    def refused(self, gen: Generation, heard: Heard) -> bool:
+        """Whether a chunk came from someone the request's current attempt was not routed to (a
+        worker may send only its own requests' tokens; a conductor only errors): dropped, counted."""
+        chunk = heard.chunk
+        if heard.sender_kind == "worker" and heard.sender in gen.senders:
+            return False
+        if heard.sender_kind == "conductor" and chunk.error and not chunk.token_ids:
+            return False
+        self.spoofed.labels(heard.sender_kind or "unknown").inc()
+        if heard.sender not in self.spoofers and len(self.spoofers) < SPOOFERS_LOGGED:
+            self.spoofers.add(heard.sender)
+            log.warning("request %s: dropped a chunk from %s %r, which the request was not routed to",
+                        gen.request_id, heard.sender_kind or "an unknown sender", heard.sender)
+        return True
 
     # --- admission ------------------------------------------------------------------------
     def tokenize(self, req: GenerateRequest) -> list[int]:
@@ -226,6 +259,7 @@ class Gateway:
                 msg = await self.nc.request(subjects.CONDUCTOR_ROUTE, payload, timeout=max(0.001, deadline - time.monotonic()))
                 reply = RouteReply.from_bytes(msg.data)
                 gen.prefill_id, gen.decode_id, gen.handed_off_unseen = reply.prefill_id, reply.decode_id, 0
+                gen.senders = frozenset(reply.senders or (reply.prefill_id, reply.decode_id))
                 gen.predicted_ttft_s = reply.predicted_ttft_s
                 return reply
             except NoRespondersError as exc:
@@ -313,10 +347,10 @@ class Gateway:
         while True:
             try:
                 async with asyncio.timeout(self.cfg.probe_after_s):
-                    chunk = await gen.state.chunks.get()
+                    heard = await gen.state.chunks.get()
             except TimeoutError:
-                chunk = None
-            if chunk is None:  # quiet for a while, or the connection just came back: is it still held?
+                heard = None
+            if heard is None:  # quiet for a while, or the connection just came back: is it still held?
                 if time.monotonic() - progress > self.cfg.stall_timeout_s:
                     raise ApiError(504, f"no progress from the cluster for {self.cfg.stall_timeout_s:.0f} s",
                                    code="timeout")
@@ -330,8 +364,11 @@ class Gateway:
                     raise ApiError(503, "request failed: it was lost in transit and could not be resumed",
                                    code="worker_failed", detail={"stage": "transit"})
                 continue
+            chunk = heard.chunk
             if chunk.attempt != gen.attempt:
                 continue  # from an abandoned attempt
+            if self.refused(gen, heard):
+                continue
             if chunk.error and chunk.retryable and await self.resume(gen, chunk):
                 pending.clear()
                 continue

@@ -30,7 +30,7 @@ async def serve(cfg: GatewayConfig, stop: asyncio.Event) -> bool:
     shape = models.read_shape(ref)
     nc = await bus.connect(cfg.nats_url, cfg.instance_id, cfg.nats_auth)
     gateway = Gateway(cfg, nc, tokenizer, ref.name, shape.max_context)
-    await bus.receive(nc, gateway.reply_subject, TokenChunk, gateway.on_tokens)
+    await bus.receive(nc, subjects.tokens_sent_to(gateway.reply_subject), TokenChunk, gateway.on_tokens)
     await bus.receive(nc, subjects.TENANT_USAGE_ALL, TenantUsage, gateway.on_usage, background=True)  # limits over every replica
     nc.on_reconnect(gateway.probe_all)  # chunks may have been lost while the broker was away
     api = Api(gateway)

@@ -21,6 +21,7 @@ from common.audit import Stored
 from schemas import subjects
 from schemas.events import Event
 from tests.integration.conftest import collect_request_events, post, start_cluster
+from tools.moonbus.cluster.security import instance_user
 from tools.moonbus.observe.audit import read_stream
 
 pytestmark = pytest.mark.integration
@@ -160,7 +161,8 @@ async def test_the_stream_shrunk_or_rebuilt_and_a_made_up_request_are_found(audi
     from common.config import NatsAuth
     from common.security import read_secret
 
-    auth = NatsAuth("gateway", str(cluster.secrets.password_file("gateway")))
+    user = instance_user("gateway")
+    auth = NatsAuth(user, str(cluster.secrets.password_file(user)))
     gw = await bus.connect(cluster.spec.nats_addr, "gateway", auth)
     try:
         publisher = bus.EventPublisher(gw, "gateway", "gateway", secret=read_secret(cluster.secrets.cluster_key))

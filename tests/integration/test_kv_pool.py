@@ -104,7 +104,7 @@ async def run_prefill_task(cluster, task_fields: dict, prefill_id: str) -> list[
     """Dispatch a PrefillTask by hand (as the conductor would) and collect its tokens."""
     nc = await bus.connect(cluster.spec.nats_url, "test-dispatch")
     inbox = subjects.gateway_tokens("test-dispatch")  # workers may send tokens only where gateways listen
-    sub = await nc.subscribe(inbox)
+    sub = await nc.subscribe(subjects.tokens_sent_to(inbox))
     try:
         task = PrefillTask(reply_subject=inbox, arrival_ts=time.time(), **task_fields)
         await nc.publish(subjects.prefill_tasks(prefill_id), task.to_bytes())

@@ -89,7 +89,7 @@ async def test_no_key_or_a_wrong_key_is_401_in_the_openai_shape(guarded):
     assert issued["acme"] not in open(key_file).read()  # stored hashed only
 
 
-async def test_a_tenant_sees_nothing_of_another_tenants_cache_unless_both_opt_in(guarded):
+async def test_a_tenant_sees_nothing_of_another_tenants_cache_even_under_the_same_salt(guarded):
     cluster, issued = guarded
     prompt = "the quarterly numbers of acme corporation, strictly confidential " * 6
     await call(cluster, completion(prompt), issued["acme"])
@@ -301,8 +301,12 @@ async def test_the_bus_refuses_strangers_and_keeps_each_role_to_its_subjects(gua
     await admin.subscribe("moonbus.>", cb=record)
     await bus.flush(admin)
     attempts = {  # role -> what it must not publish
-        "gateway": [subjects.worker_heartbeat("decode", "decode-0"), subjects.kv_event("stored", "node-p0"), subjects.gateway_tokens("x")],
-        instance_user("decode-0"): [subjects.request_event("completed", "cmpl-forged"), subjects.kv_event("evicted", "node-d0")],
+        instance_user("gateway"): [subjects.worker_heartbeat("decode", "decode-0"), subjects.kv_event("stored", "node-p0"),
+                                   subjects.tokens_from(subjects.gateway_tokens("x"), "worker", "decode-0"),
+                                   subjects.tenant_usage("gateway-7")],
+        instance_user("decode-0"): [subjects.request_event("completed", "cmpl-forged"), subjects.kv_event("evicted", "node-d0"),
+                                    subjects.tokens_from(subjects.gateway_tokens("gateway"), "worker", "prefill-0"),
+                                    subjects.tokens_from(subjects.gateway_tokens("gateway"), "conductor", "conductor")],
         instance_user("prefill-0"): [subjects.request_event("failed", "cmpl-forged"), subjects.REQUEST_CANCEL],
         "auditor": [subjects.worker_heartbeat("prefill", "prefill-0"), subjects.CONDUCTOR_ROUTE],
     }
@@ -433,7 +437,7 @@ async def test_a_messenger_cannot_make_the_cluster_forget_another_node(guarded):
 async def test_no_worker_can_stretch_an_answer_past_its_max_tokens(guarded):
     """A worker's user once sent 60 tokens with finish_reason stop into a live request that asked
     for 8, and the client got all 60. The gateway now ends a stream at its max_tokens, whatever
-    a worker sends (who may send tokens at all is issue 38's item 2, not done)."""
+    the request's own routed decode instance sends (who else may send them: test_token_senders)."""
     cluster, issued = guarded
     decode = cluster.procs["decode-0"].popen
     user = instance_user("decode-0")
@@ -459,7 +463,8 @@ async def test_no_worker_can_stretch_an_answer_past_its_max_tokens(guarded):
                     finish = choice.get("finish_reason") or finish
                     if len(tokens) == 1 and finish is None:  # the first token: inject the rest, stretched
                         forged = TokenChunk(event["id"], 1, [5] * 60, finish_reason="stop", source="decode-0")
-                        await nc.publish(subjects.gateway_tokens("gateway"), forged.to_bytes())
+                        await nc.publish(subjects.tokens_from(subjects.gateway_tokens("gateway"), "worker", "decode-0"),
+                                         forged.to_bytes())
                         await bus.flush(nc)
                         decode.send_signal(signal.SIGCONT)
     finally:

@@ -50,6 +50,7 @@ def test_the_closed_bus_gives_a_user_to_every_planned_process_that_speaks_for_in
     assert users["prefill-1"] == ("prefill", ("prefill-1",), ())
     assert users["messenger-p1"] == ("messenger", ("messenger-p1",), ("node-p1",))
     assert users["cache_index-1"][1] == ("cache-index-1",)
-    assert "conductor" not in users and "gateway" not in users
+    assert users["gateway"] == ("gateway", ("gateway",), ())  # its tenants' usage only under its own name
+    assert "conductor" not in users
     coupled = Cluster(ClusterSpec(home=tmp_path, auth=False, coupled=1)).planned_instances()
     assert coupled["coupled-0"] == ("coupled", ("coupled-0-prefill", "coupled-0-decode"), ())

@@ -61,7 +61,7 @@ class Planned:
         return tuple(publisher.split("/", 1)[1] for publisher in publishers(self.name, self.kind))
 
 
-OWN_USER_KINDS = ("cache_index", "messenger", "prefill", "decode", "coupled")  # each gets a NATS user of its own
+OWN_USER_KINDS = ("gateway", "cache_index", "messenger", "prefill", "decode", "coupled")  # each gets a NATS user of its own
 
 
 def publishers(name: str, kind: str) -> list[str]:

@@ -6,21 +6,23 @@
 and `nats_config(...)` writes the nats-server configuration that admits exactly those users,
 each with the permissions its role needs (ROLES below). Who may do what on the bus:
 
-  gateway      route, status, cancel, probe; reads its tokens; writes the events it owns
-               (received, first_token, migrated and the terminal ones). No heartbeats, no KV events.
+  gateway      route, status, cancel, probe; reads its own tokens; writes the events it owns
+               (received, first_token, migrated and the terminal ones) and its own tenants' usage.
+               No heartbeats, no KV events.
   conductor    reads heartbeats, progress, cancels, route requests; dispatches prefill tasks;
                answers status; asks the index; creates the events stream; writes routed events;
                for its own copy of the index (--prefix-index local) reads KV events and asks
                messengers for snapshots
   cache_index  reads KV events and heartbeats; answers queries; asks messengers for snapshots
   messenger    the only role that writes KV events; answers its node's pool ops
-  prefill      reads its tasks, cancels, probes; sends tokens, progress, decode tasks, pool ops
-  decode       reads its tasks, cancels, probes; sends tokens, progress, pool ops
+  prefill      reads its tasks, cancels, probes; sends tokens (as itself), progress, decode tasks, pool ops
+  decode       reads its tasks, cancels, probes; sends tokens (as itself), progress, pool ops
   supervisor   writes restart events
   auditor      reads the events stream (JetStream consumers), live or from its start; writes nothing
   admin        everything (operators' tools and tests)
 Workers cannot write terminal events; nobody but a messenger writes a KV event; only the
-gateway reads tokens.
+gateway reads tokens, each sender's on a subject of its own (a conductor's: errors only), so a
+gateway takes a request's tokens only from the instances it was routed to.
 
 A process that speaks for instances (prefill, decode, coupled, messenger, cache index) gets a user
 of its own where its launcher knows it (`moonbus up`: `instance_user(name)`, `processes` of
@@ -59,11 +61,11 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
         ["moonbus.conductor.route", "moonbus.conductor.status", "moonbus.requests.cancel", "moonbus.workers.*.probe",
          "moonbus.messenger.*.status",
          *_events("received", "first_token", "migrated", "completed", "failed", "rejected", "cancelled"),
-         "moonbus.tenants.usage.*"],
-        ["moonbus.tokens.*", *_events("prefilled", "kv_pulled", "routed"), "moonbus.tenants.usage.*"],
+         f"moonbus.tenants.usage.{ID}"],
+        [f"moonbus.tokens.{ID}.*.*", *_events("prefilled", "kv_pulled", "routed"), "moonbus.tenants.usage.*"],
     ),
     "conductor": (
-        ["moonbus.prefill.*.tasks", "moonbus.tokens.*", "moonbus.control.refused.*", "moonbus.index.query",
+        ["moonbus.prefill.*.tasks", "moonbus.tokens.*.conductor.*", "moonbus.control.refused.*", "moonbus.index.query",
          "moonbus.messenger.*.snapshot", *_events("routed", "pipelined"), "moonbus.events.instance.*.*",
          "$JS.API.INFO", "$JS.API.STREAM.CREATE.MOONBUS_EVENTS", "$JS.API.STREAM.INFO.MOONBUS_EVENTS"],
         [_HEARTBEAT, "moonbus.conductor.route", "moonbus.conductor.status", "moonbus.control.progress.*",
@@ -78,7 +80,7 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
         [_HEARTBEAT, f"moonbus.messenger.{NODE}.*", f"moonbus.control.refused.{ID}", "moonbus.control.alive.*"],
     ),
     "prefill": (
-        [_beat("prefill"), "moonbus.tokens.*", "moonbus.decode.*.tasks", "moonbus.messenger.*.lookup",
+        [_beat("prefill"), f"moonbus.tokens.*.worker.{ID}", "moonbus.decode.*.tasks", "moonbus.messenger.*.lookup",
          "moonbus.messenger.*.reserve", "moonbus.messenger.*.commit", "moonbus.messenger.*.release",
          "moonbus.messenger.*.pull", "moonbus.messenger.*.accept", "moonbus.messenger.*.abort",
          f"moonbus.control.progress.{ID}", f"moonbus.control.alive.{ID}",
@@ -87,7 +89,7 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
          f"moonbus.control.refused.{ID}"],
     ),
     "decode": (
-        [_beat("decode"), "moonbus.tokens.*", "moonbus.messenger.*.reserve", "moonbus.messenger.*.commit",
+        [_beat("decode"), f"moonbus.tokens.*.worker.{ID}", "moonbus.messenger.*.reserve", "moonbus.messenger.*.commit",
          "moonbus.messenger.*.release", f"moonbus.control.progress.{ID}", f"moonbus.control.alive.{ID}",
          *_events("decode_finished", "decode_joined", "rejected_late"), _STARTED],
         [f"moonbus.decode.{ID}.tasks", "moonbus.requests.cancel", f"moonbus.workers.{ID}.probe", _HEARTBEAT,
@@ -107,7 +109,7 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
 ROLES["coupled"] = tuple(sorted(set(ROLES["prefill"][i]) | set(ROLES["decode"][i])) for i in range(2))  # type: ignore[assignment]
 SERVICE_ROLES = ("gateway", "conductor", "cache_index", "messenger", "prefill", "decode", "coupled")
 ALL_USERS = (*ROLES, "admin")
-INSTANCE_ROLES = ("cache_index", "messenger", "prefill", "decode", "coupled")  # they speak for an instance
+INSTANCE_ROLES = ("gateway", "cache_index", "messenger", "prefill", "decode", "coupled")  # they speak for an instance
 
 
 def instance_user(name: str) -> str:
