@@ -15,6 +15,14 @@ event must also be signed by its own publisher's key (common/signing.py). `verif
 stream checks it against the auditor's signed checkpoint of the last clean verify and writes a new
 one when it is clean (tools/moonbus/observe/checkpoint.py): a stream rebuilt, rewound, shrunk or
 emptied of chain heads is found there.
+
+A completed request must also have verified events signed by each service that takes part in one
+(TAKE_PART: gateway, conductor, prefill, and decode unless prefill's tokens were all there was):
+by the publisher whose key signed it, not by the service an event names. A story told with one
+stolen key and the cluster secret is MISSING the others. `request` checks its request when the read
+holds its start (its gateway's `received`) or holds the whole stream; `verify` checks each
+completed request whose `received` it read. What an event or the bus chose is printed escaped
+(tools/moonbus/observe/escape.py).
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import json
 import re
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from nats.js.api import ConsumerConfig, DeliverPolicy
@@ -42,11 +50,22 @@ from schemas import subjects
 from schemas.events import TERMINAL_KINDS, Event
 from tools.moonbus.observe import checkpoint
 from tools.moonbus.observe.checkpoint import StreamState
+from tools.moonbus.observe.escape import printable
 from tools.moonbus.observe.tap import default_access, format_event
 
 READ_TIMEOUT_S = 3.0  # no message this long: the read is over (or the window is empty)
 _AGO = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+CREATION = "the stream's creation"  # why a read is complete from the stream's start: it holds every event
+# who must take part in a completed request, and the kinds of its events that show they did: one
+# stolen key (and the cluster secret) cannot tell a whole story (a coupled instance's two halves
+# sign as prefill/<name>-prefill and decode/<name>-decode: tools/moonbus/cluster/processes.py)
+TAKE_PART = (
+    ("gateway", frozenset({"received", "first_token", "completed"})),
+    ("conductor", frozenset({"routed"})),
+    ("prefill", frozenset({"prefilled"})),
+    ("decode", frozenset({"decode_joined", "decode_finished"})),
+)
 
 
 class AuditReadError(RuntimeError):
@@ -84,7 +103,7 @@ def parse_since(text: str, now: float) -> float:
 
 def complete_since(created: float, max_age_s: float, now: float, since: float | None) -> tuple[float, str]:
     """From when on the read must hold every event, and why (the latest bound wins)."""
-    bounds = [(created, "the stream's creation")]
+    bounds = [(created, CREATION)]
     if max_age_s > 0:
         bounds.append((now - max_age_s, f"events older than {max_age_s:g} s expire"))
     if since is not None:
@@ -168,7 +187,7 @@ def print_report(report: Report, read: Read) -> None:
     if report.chains:
         print(f"{'publisher':<48} {'events':>7} {'seqs':>13} {'problems':>8}")
     for c in report.chains:
-        print(f"{c.publisher:<48} {c.events:>7} {f'{c.first_seq}-{c.last_seq}':>13} {c.problems:>8}")
+        print(f"{printable(c.publisher):<48} {c.events:>7} {f'{c.first_seq}-{c.last_seq}':>13} {c.problems:>8}")
     if records and not report.chains:
         print("no event verifies: do the services run with this cluster secret (--cluster-secret-file)?")
     if report.problems:
@@ -180,11 +199,11 @@ def print_report(report: Report, read: Read) -> None:
 
 
 def format_problem(p: Problem) -> str:
-    who = f"{p.publisher} seq {p.seq}" if p.publisher else \
+    who = f"{printable(p.publisher)} seq {p.seq}" if p.publisher else \
         "(the stream)" if p.kind in ("deleted", "rebuilt", "rewound", "shrunk", "forged") and not p.stream_seq or \
         p.kind == "deleted" else "(no publisher)"
-    where = f"stream seq {p.stream_seq}" + (f"  {p.subject}" if p.subject else "")
-    return f"{p.kind.upper():<10} {who}  {where}: {p.detail}"
+    where = f"stream seq {p.stream_seq}" + (f"  {printable(p.subject)}" if p.subject else "")
+    return f"{p.kind.upper():<10} {who}  {where}: {printable(p.detail)}"
 
 
 def _when(ts: float) -> str:
@@ -205,6 +224,49 @@ def request_record(report: Report, records: list[Stored], request_id: str) -> tu
     return mine, around
 
 
+def missing_services(events: list[Event]) -> list[str]:
+    """The services that must have taken part in a completed request and signed none of its
+    `events` (verified ones: `publisher` is whose key signed each). Decode need not take part when
+    the client got no more tokens than prefill made (each prefill yields one: max_tokens 1, an end
+    at the first token)."""
+    signed = {(e.publisher.split("/", 1)[0], e.kind) for e in events}
+    missing = [service for service, kinds in TAKE_PART if not any((service, kind) in signed for kind in kinds)]
+    tokens = [e.data.get("completion_tokens") for e in events if e.kind == "completed"]
+    prefills = sum(1 for e in events if (e.publisher.split("/", 1)[0], e.kind) == ("prefill", "prefilled"))
+    if "decode" in missing and tokens and all(type(t) is int and t <= prefills for t in tokens):
+        missing.remove("decode")
+    return missing
+
+
+def unwitnessed(report: Report, records: list[Stored], whole: bool, request_id: str = "") -> list[Problem]:
+    """A MISSING problem at each completed request's terminal event (of `request_id`'s alone, if
+    given) that a service which must take part signed nothing of. Unless the read is `whole`, a
+    request is checked only if its `received` was read: an older one's events may predate it."""
+    requests: dict[str, list[tuple[Stored, Event]]] = {}
+    for r in records:
+        if report.marks.get(r.stream_seq) != "verified":
+            continue
+        try:
+            event = Event.from_bytes(r.payload)
+        except ValueError:
+            continue
+        if event.request_id and (not request_id or event.request_id == request_id):
+            requests.setdefault(event.request_id, []).append((r, event))
+    problems = []
+    for rid, mine in requests.items():
+        ends = [(r, e) for r, e in mine if e.kind == "completed"]
+        started = any(e.kind == "received" and e.publisher.startswith("gateway/") for _, e in mine)
+        if not ends or not (whole or started):
+            continue
+        missing = missing_services([e for _, e in mine])
+        if missing:
+            r, end = ends[0]
+            problems.append(Problem("missing", end.publisher, end.seq, r.stream_seq, r.subject,
+                                    f"request {rid} completed, but no event of it is signed by "
+                                    f"{' or '.join(missing)}, which must take part"))
+    return problems
+
+
 def _is_of_request(record: Stored, request_id: str) -> bool:
     if record.subject.startswith(subjects.EVENTS_PREFIX + ".request.") and record.subject.endswith("." + request_id):
         return True
@@ -216,7 +278,7 @@ def _is_of_request(record: Stored, request_id: str) -> bool:
 
 
 def print_request(report: Report, mine: list[Stored], around: list[Problem], request_id: str) -> None:
-    print(f"request {request_id}: {len(mine)} events")
+    print(f"request {printable(request_id)}: {len(mine)} events")
     terminal = False
     verified: list[dict] = []
     for r in mine:
@@ -228,11 +290,12 @@ def print_request(report: Report, mine: list[Stored], around: list[Problem], req
             if mark == "verified":
                 verified.append({"kind": event.kind, "ts": event.ts, "data": event.data})
         except ValueError:
-            line = r.payload.decode(errors="replace")
+            line = printable(r.payload.decode(errors="replace"))
         print(f"  {mark.upper() if mark != 'verified' else mark:<10} #{r.stream_seq:<7} {line}")
     if not terminal:
         print("  (no verified terminal event)")
-    rows = timeline.stages(verified)
+    rows = [replace(s, attempt=s.attempt if type(s.attempt) is int else printable(str(s.attempt)),
+                    note=printable(s.note)) for s in timeline.stages(verified)]  # notes quote the events
     if rows:
         print("\nits time, stage by stage, beside the conductor's prediction (verified events only):")
         print("  " + timeline.format_stages(rows).replace("\n", "\n  "))
@@ -265,6 +328,8 @@ async def audit(args: argparse.Namespace) -> int:
         return 2
     report = verify(read.records, secret, read.complete_from, read.stream_seqs, signers)
     if args.audit_command == "verify":
+        report.problems += unwitnessed(report, read.records, whole=False)
+        report.problems.sort(key=lambda p: (p.stream_seq, p.publisher, p.seq))
         if read.stream is not None:  # the stream itself against what the last clean verify saw
             path = args.checkpoint or home / "audit" / "checkpoint.json"
             auditor = signing.new_key(signing.key_file(Path(secret_file).parent, "auditor"))
@@ -287,6 +352,7 @@ async def audit(args: argparse.Namespace) -> int:
             print_report(report, read)
         return 0 if report.ok else 1
     mine, around = request_record(report, read.records, args.request_id)
+    around += unwitnessed(report, mine, read.why == CREATION, args.request_id)
     if args.json:
         print(json.dumps({"request_id": args.request_id, "problems": [asdict(p) for p in around],
                           "events": [{"stream_seq": r.stream_seq, "subject": r.subject,
@@ -294,7 +360,7 @@ async def audit(args: argparse.Namespace) -> int:
                                       "event": json.loads(r.payload) if _is_json(r.payload) else None}
                                      for r in mine]}, indent=1))
     elif not mine:
-        print(f"no events of request {args.request_id} in the stream")
+        print(f"no events of request {printable(args.request_id)} in the stream")
     else:
         print_request(report, mine, around, args.request_id)
     ended = any(report.marks.get(r.stream_seq) == "verified" and _terminal(r) for r in mine)

@@ -22,6 +22,7 @@ from common import bus
 from common.config import default_home
 from schemas import subjects
 from schemas.events import TERMINAL_KINDS, Event
+from tools.moonbus.observe.escape import printable, printable_json
 
 
 def default_access(home=None):
@@ -58,11 +59,12 @@ def filter_subject(args: argparse.Namespace) -> str:
 
 
 def format_event(event: Event) -> str:
+    """One line; whatever its publisher chose is escaped (json.dumps escapes the values already)."""
     ts = datetime.datetime.fromtimestamp(event.ts).strftime("%H:%M:%S.%f")[:-3]
-    who = f"{event.service}/{event.instance_id}"
-    data = " ".join(f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in event.data.items())
-    rid = f" {event.request_id}" if event.request_id else ""
-    return f"{ts} {event.kind:<15} {who:<28}{rid} {data}"
+    who = printable(f"{event.service}/{event.instance_id}")
+    data = " ".join(f"{printable(k)}={json.dumps(v, separators=(',', ':'))}" for k, v in event.data.items())
+    rid = f" {printable(event.request_id)}" if event.request_id else ""
+    return f"{ts} {printable(event.kind):<15} {who:<28}{rid} {data}"
 
 
 DRAIN_S = 2.0  # at exit, how long to wait for the connection to drain
@@ -96,9 +98,9 @@ async def tap(args: argparse.Namespace) -> int:
             try:
                 event = Event.from_bytes(msg.data)
             except ValueError as exc:  # someone published something else on an events subject
-                print(f"(malformed event on {msg.subject}: {exc})", flush=True)
+                print(printable(f"(malformed event on {msg.subject}: {exc})"), flush=True)
                 continue
-            print(msg.data.decode() if args.json else format_event(event), flush=True)
+            print(printable_json(msg.data.decode()) if args.json else format_event(event), flush=True)
             if args.until_terminal and event.kind in TERMINAL_KINDS:
                 break
     finally:
