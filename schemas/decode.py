@@ -20,3 +20,4 @@ class DecodeTask(Wire):
     attempt: int = 0  # see schemas.route.RouteRequest
     num_generated: int = 0  # completion tokens the client had before this attempt's first token
     key_seed: int = 0  # see schemas.route.RouteRequest
+    tenant: str = ""  # see schemas.route.RouteRequest: waiting for KV room, one tenant's does not block another's

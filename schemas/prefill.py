@@ -49,3 +49,4 @@ class PrefillTask(Wire):
     # wall clock (arrival_ts's) by which its first token is due; a prefill that cannot start in time
     # for it is rejected instead of begun (common.decide.admission.late_start). 0: none
     ttft_deadline_ts: float = 0.0
+    tenant: str = ""  # see schemas.route.RouteRequest: the prefill queue serves tenants in turn

@@ -284,7 +284,7 @@ class ConductorService:
                            decision.decode_node, request.arrival_ts,
                            PullSpec(pull.source_node, pull.first_block, pull.num_blocks) if pull else None,
                            attempt=request.attempt, num_generated=request.num_generated, predicted_s=round(work, 6),
-                           key_seed=request.key_seed, ttft_deadline_ts=deadline)
+                           key_seed=request.key_seed, ttft_deadline_ts=deadline, tenant=request.tenant)
         if spec is None:
             sent = await bus.publish(self.nc, subjects.prefill_tasks(decision.prefill_id), task.to_bytes())
         else:

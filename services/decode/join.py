@@ -1,10 +1,11 @@
 """The way into a decode instance's batch: check in, wait for KV room, load, join.
 
 A request whose KV has landed is checked in (the late TBT re-check: reject it now rather than
-break the batch's SLO), waits first come first served for KV room, has its KV read from the
-node's shared memory into the blocks it holds in the batch's pool on a thread beside the running
-steps (LOADS_AT_ONCE at a time, their room held from the start), and joins the batch between two
-steps: a few list operations, so the batch never waits for a file.
+break the batch's SLO), waits first come first served for KV room (but not for long behind another
+tenant's request that does not fit: common/decide/queue_order.py `next_to_admit`), has its KV read
+from the node's shared memory into the blocks it holds in the batch's pool on a thread beside the
+running steps (LOADS_AT_ONCE at a time, their room held from the start), and joins the batch
+between two steps: a few list operations, so the batch never waits for a file.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, Awaitable, Callable, Protocol
 from common import kvfiles, worker
 from common.decide.admission import late_verdict
 from common.decide.learn import Factor
+from common.decide.queue_order import next_to_admit
 from common.engine.batch import BatchEngine, RowKv
 from schemas.decode import DecodeTask
 from services.decode.config import DecodeConfig
@@ -72,6 +74,7 @@ class Joins:
         self.arrived: asyncio.Queue[DecodeTask] = asyncio.Queue()  # not checked in yet
         self.waiting: collections.deque[DecodeTask] = collections.deque()  # passed the TBT check, no KV room yet
         self.loading: dict[str, Loading] = {}  # request_id -> its KV loading, its room held (oldest first)
+        self.passed: dict[str, int] = {}  # request_id -> how often others joined before it, waiting too large
 
     def __len__(self) -> int:
         return self.arrived.qsize() + len(self.waiting) + len(self.loading)
@@ -116,18 +119,31 @@ class Joins:
         return self.service.engine.tokens_needed(len(task.prompt_token_ids), task.sampling, task.num_generated + 1)
 
     async def admit_waiting(self) -> None:
-        """Start loading the KV of the first waiting requests that fit, first come first served:
-        each holds its room from now, and loads on a thread while the batch steps."""
+        """Start loading the KV of the first waiting requests that fit, first come first served,
+        except that a request too large for the room left does not block other tenants' requests
+        that fit (for a while: `next_to_admit`): each holds its room from now, and loads on a
+        thread while the batch steps."""
         engine = self.service.engine
         while self.waiting and len(self.loading) < LOADS_AT_ONCE:
-            task, needed = self.waiting[0], self.needed(self.waiting[0])
-            if not engine.can_admit(needed):
-                return
-            self.waiting.popleft()
+            chosen, passing = next_to_admit(self.waiting, lambda t: t.tenant,
+                                            lambda t: engine.can_admit(self.needed(t)),
+                                            lambda t: self.passed.get(t.request_id, 0))
+            if chosen is None:
+                break
+            for i in passing:
+                rid = self.waiting[i].request_id
+                self.passed[rid] = self.passed.get(rid, 0) + 1
+            task = self.waiting[chosen]
+            del self.waiting[chosen]
+            self.passed.pop(task.request_id, None)
+            needed = self.needed(task)
             engine.reserve(task.request_id, needed, len(task.prompt_token_ids))
             job = asyncio.ensure_future(asyncio.to_thread(self.load, task))
             job.add_done_callback(self.loaded)
             self.loading[task.request_id] = Loading(task, job)
+        if len(self.passed) > len(self.waiting):  # some left otherwise (cancelled, replaced)
+            waiting = {t.request_id for t in self.waiting}
+            self.passed = {rid: n for rid, n in self.passed.items() if rid in waiting}
 
     def load(self, task: DecodeTask) -> RowKv:
         """On a thread: the landed file, checked, in the blocks the request holds in the batch's pool."""
@@ -191,4 +207,5 @@ class Joins:
         while not self.arrived.empty():
             self.arrived.get_nowait()
         self.waiting.clear()
+        self.passed.clear()
         self.loading.clear()

@@ -370,7 +370,8 @@ class PrefillService:
             attempt=task.attempt,
         )
         decode = DecodeTask(rid, task.prompt_token_ids, first, task.sampling, task.reply_subject, handle,
-                            task.arrival_ts, cached, prefill_s, task.attempt, task.num_generated, task.key_seed)
+                            task.arrival_ts, cached, prefill_s, task.attempt, task.num_generated, task.key_seed,
+                            tenant=task.tenant)
         if not await bus.publish(self.nc, subjects.decode_tasks(task.decode_id), decode.to_bytes()):
             await self.fail(task, task.num_generated + 1, f"could not hand the request to {task.decode_id}", 503)
             return "failed"

@@ -1,27 +1,31 @@
 """A prefill instance's queue: the tasks it was given, in the order it will compute them.
 
-The order is the decision floor's (common/decide/queue_order.py), shared with the simulator: by
-their request's arrival at a gateway, so a request re-dispatched after its instance was lost keeps
-its place; the stages of a pipelined prefill (pipeline.py) at the back.
+The order is the decision floor's (common/decide/queue_order.py), shared with the simulator:
+tenants in turn by the prompt tokens each has been served, so one tenant's burst does not hold
+another's small request behind it; within a tenant by their request's arrival at a gateway, so a
+request re-dispatched after its instance was lost keeps its place; the stages of a pipelined
+prefill (pipeline.py) at the back, in the order they came.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from common.decide.queue_order import ArrivalOrder
+from common.decide.queue_order import FairOrder
 from schemas.prefill import PrefillTask
 
 
 class ArrivalQueue(asyncio.Queue):
-    """The prefill tasks in the decision floor's order (`common.decide.queue_order`): by their
-    request's arrival at a gateway, pipeline stages at the back."""
+    """The prefill tasks in the decision floor's order (`common.decide.queue_order`): tenants in
+    turn, each by its requests' arrival at a gateway, pipeline stages at the back."""
 
     def _init(self, maxsize: int) -> None:
-        self._queue: ArrivalOrder[PrefillTask] = ArrivalOrder()
+        self._queue: FairOrder[PrefillTask] = FairOrder()
 
     def _put(self, task: PrefillTask) -> None:
-        self._queue.push(task, task.arrival_ts, last=task.pipeline is not None)
+        stages = len(task.pipeline.stages) if task.pipeline is not None else 1
+        self._queue.push(task, task.arrival_ts, last=task.pipeline is not None, tenant=task.tenant,
+                         cost=max(1, len(task.prompt_token_ids) // stages))  # a stage computes its share
 
     def _get(self) -> PrefillTask:
         return self._queue.pop()

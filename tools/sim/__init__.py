@@ -2,7 +2,7 @@
 
 The conductor's `decide` and `admit` and its load bookkeeping (`ClusterState`), the decode
 instance's late check and KV reservations (`late_verdict`, `kv_reservation`, `has_room`), the
-prefill instance's queue order and report (`ArrivalOrder`, `queue_ends`) and its deadline check
+prefill instance's queue order and report (`FairOrder`, `queue_ends`) and its deadline check
 (`ttft_deadline`, `late_start`), the KV pool (`TieredPool` and its eviction
 policies, and `change_of`/`runs` for its events) and the cache index (`PrefixIndex`) are
 imported, not copied: the simulation schedules, admits and evicts exactly as the live cluster would, and only

@@ -13,7 +13,7 @@ from collections import deque
 
 from common.decide.admission import has_room, kv_reservation
 from common.decide.perf import queue_ends
-from common.decide.queue_order import ArrivalOrder
+from common.decide.queue_order import FairOrder
 from common.decide.pool import TieredPool, change_of, runs
 from schemas.workers import Coming, DecodeReport, Joined, Measured, PrefillReport, WorkerInfo
 from common.decide.index import KvEvent, PrefixIndex
@@ -71,7 +71,7 @@ class PoolNode:
 
 
 class PrefillInstance:
-    """A prefill queue in the live instance's order (`ArrivalOrder`), reporting what it holds the
+    """A prefill queue in the live instance's order (`FairOrder`), reporting what it holds the
     way a live prefill instance does."""
 
     def __init__(self, instance_id: str, pool: PoolNode, nic: Nic) -> None:
@@ -79,7 +79,7 @@ class PrefillInstance:
         self.node = pool.node
         self.pool = pool
         self.nic = nic
-        self.queue: ArrivalOrder[SimRequest] = ArrivalOrder()
+        self.queue: FairOrder[SimRequest] = FairOrder()
         self.current: SimRequest | None = None  # being prefilled
         self.busy = False
         self.busy_s = 0.0  # seconds spent prefilling, for utilisation
