@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import os
@@ -33,23 +34,83 @@ def new_secret_file(path: Path, nbytes: int = 32) -> Path:
 
 
 def write_private(path: Path, data: bytes) -> Path:
-    """Write `data` to a file readable by its owner only (created so: never readable in between)."""
+    """Write `data` to a file readable by its owner only (created so: never readable in between),
+    never through a link planted at its path (`open_own`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = open_own(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     with os.fdopen(fd, "wb") as fh:
         fh.write(data)
     return path
+
+
+class UnsafeFile(PermissionError):
+    """A file the cluster would write or read as its own that is a link, not a plain file, or another user's."""
+
+
+def open_own(path: str | os.PathLike, flags: int, mode: int = 0o600) -> int:
+    """A descriptor of `path` opened without following a link at it (O_NOFOLLOW: a link planted
+    there would send a write, or a read, to a file of the planter's choosing); refused (UnsafeFile,
+    naming the path) where a link, something other than a plain file, or another user's file is
+    there, and, with O_EXCL, where anything is. O_TRUNC is applied only once the file is known to
+    be this user's; a FIFO cannot hold the open (O_NONBLOCK until checked)."""
+    path = os.fspath(path)
+    try:
+        fd = os.open(path, (flags & ~os.O_TRUNC) | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeFile(f"{path} is a link: the cluster opens its files only where they are, never through "
+                             f"a link; remove it") from None
+        if exc.errno == errno.EEXIST and flags & os.O_EXCL:
+            raise UnsafeFile(f"{path} is already there (a link, or a file left behind): the cluster makes this "
+                             f"file new; remove it") from None
+        if exc.errno == errno.ENXIO:  # a FIFO without a reader, a socket
+            raise UnsafeFile(f"{path} is not a plain file: remove it") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafeFile(f"{path} is not a plain file: remove it")
+        if st.st_uid != os.getuid():
+            raise UnsafeFile(f"{path} belongs to uid {st.st_uid}, not to this user ({os.getuid()}): another user "
+                             f"put it there; remove it")
+        os.set_blocking(fd, True)
+        if flags & os.O_TRUNC:
+            os.ftruncate(fd, 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def kept_file(path: Path) -> bool:
+    """Whether a file the cluster made earlier and keeps (a secret) is there; refused (UnsafeFile)
+    where a link, something other than a plain file, or another user's file stands in its place,
+    since it would be read as the cluster's own."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafeFile(f"{path} is not a plain file (a link, or something else): the cluster reads it as its "
+                         f"own; remove it")
+    if st.st_uid != os.getuid():
+        raise UnsafeFile(f"{path} belongs to uid {st.st_uid}, not to this user ({os.getuid()}): remove it")
+    return True
 
 
 class UnsafeDirectory(PermissionError):
     """A directory the cluster would keep its files in, that another user could read or swap."""
 
 
-def private_dir(path: Path) -> Path:
+def private_dir(path: Path, kept: bool = False) -> Path:
     """`path` as a directory only this user can enter: made (with any missing parents) 0700 where
     missing, tightened to 0700 where it is this user's; refused (UnsafeDirectory, saying what is in
     the way) where it is a link or a file, belongs to another user, or sits in a folder another
-    user could rename it out of (theirs, or writable by all without the sticky bit)."""
+    user could rename it out of (theirs, or writable by all without the sticky bit).
+
+    `kept`: the cluster keeps files there and trusts them again (its home, its secrets, the SSD
+    tier): one that others could write (group or all, sticky or not) is refused, not tightened,
+    since whatever they left in it would stay."""
     path = Path(path)
     missing = []
     probe = path
@@ -68,6 +129,10 @@ def private_dir(path: Path) -> Path:
     if st.st_uid != uid:
         raise UnsafeDirectory(f"{path} belongs to uid {st.st_uid}, not to this user ({uid}): another user made it "
                               f"first; remove it, or choose another")
+    if kept and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafeDirectory(f"{path} may be written by other users (mode {stat.S_IMODE(st.st_mode):o}): what they "
+                              f"left there would be kept as the cluster's; check what is in it and chmod 700 it, "
+                              f"or choose another")
     if stat.S_IMODE(st.st_mode) & 0o077:
         os.chmod(path, 0o700)
     for parent in path.parents:

@@ -18,6 +18,9 @@ The file is fully reserved at creation (posix_fallocate) so running out of share
 start, not as a SIGBUS in the middle of serving.
 
 Close: numpy/torch views borrow the mmap; drop them before `close()` (else BufferError).
+
+The file is opened without following links, and only as this user's own (common.security.open_own):
+a link planted at its path is refused, its target untouched.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import struct
 from typing import Any
 
 import numpy as np
+
+from common.security import open_own
 
 MAGIC = b"MBSLAB01"
 HEADER_NBYTES = 4096
@@ -58,12 +63,13 @@ class DramSlab:
 
     @classmethod
     def create(cls, path: str, num_slots: int, slot_nbytes: int) -> "DramSlab":
-        """Create (or replace) the slab file and own its free list."""
+        """Create the slab file, new (anything already at the path, a link included, is refused:
+        the messenger removes its predecessors' first), and own its free list."""
         if num_slots <= 0 or slot_nbytes <= 0:
             raise ValueError(f"num_slots and slot_nbytes must be positive, got {num_slots}, {slot_nbytes}")
         stride = -(-slot_nbytes // _ALIGN) * _ALIGN
         total = HEADER_NBYTES + num_slots * stride
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = open_own(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         try:
             if hasattr(os, "posix_fallocate"):
                 os.posix_fallocate(fd, 0, total)
@@ -82,7 +88,7 @@ class DramSlab:
     def attach(cls, path: str) -> "DramSlab":
         """Map an existing slab created by the node's messenger (no allocation rights)."""
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = open_own(path, os.O_RDWR)  # this user's plain file, not a link to one
         except FileNotFoundError:
             raise SlabError(f"no slab at {path}") from None
         try:

@@ -17,6 +17,9 @@ treat the block as a miss and `delete` it (the pool then `discard`s it).
 The environment is opened with writemap (no extra copy through write()); the file is sparse, so
 the map size costs no disk until used.
 
+The directory is this user's alone (common.security.private_dir, kept: one that others could
+write, or a link, is refused): LMDB opens its files in it as they are, links included.
+
 Durability: with `sync=False` (default) commits are not fsynced; the SSD tier is a cache, losing
 its tail in a crash only costs recomputation. `sync=True` fsyncs every commit.
 """
@@ -24,12 +27,13 @@ its tail in a crash only costs recomputation. `sync=True` fsyncs every commit.
 from __future__ import annotations
 
 import enum
-import os
+from pathlib import Path
 from typing import Iterator
 
 import lmdb
 
 from common.kv.blocks import ChecksumMismatch, checksum as payload_checksum
+from common.security import private_dir
 
 _CHECKSUM_NBYTES = 8
 
@@ -52,7 +56,7 @@ class SsdStore:
     """Block key -> checksummed payload in LMDB."""
 
     def __init__(self, path: str, map_size: int, *, sync: bool = False) -> None:
-        os.makedirs(path, exist_ok=True)
+        private_dir(Path(path), kept=True)
         self.path = path
         self.map_size = map_size
         self._env = lmdb.open(

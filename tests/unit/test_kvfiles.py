@@ -40,11 +40,13 @@ def test_a_decode_instance_sweeps_its_own_old_files_only(tmp_path):
     assert kvfiles.sweep_incoming(tmp_path, "decode-0") == 2  # a restarted decode: the held one and the landing one
 
 
-def test_a_verified_handle_is_read_without_checking_again(tmp_path):
+def test_a_landed_file_is_checked_as_it_is_read_even_when_its_handle_says_verified(tmp_path):
     kv = torch.ones(2, 2, 1, 3, 4)
     handle = kvfiles.write(tmp_path, "n", "in-d__r1-a0.kv", kv)
-    verified = KvHandle(handle.node, handle.name, handle.shape, "float32", 0, verified=True)
+    verified = KvHandle(handle.node, handle.name, handle.shape, "float32", handle.checksum, verified=True)
     assert torch.equal(kvfiles.read(tmp_path, verified), kv)
+    with pytest.raises(kvfiles.KvChecksumError, match="checksum mismatch"):  # the file may have changed since it landed
+        kvfiles.read(tmp_path, KvHandle(handle.node, handle.name, handle.shape, "float32", 0, verified=True))
     with pytest.raises(kvfiles.KvChecksumError):
         kvfiles.read(tmp_path, KvHandle(handle.node, handle.name, handle.shape, "float32", handle.checksum + 1))
 

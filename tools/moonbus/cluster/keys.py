@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from common.config import default_home
-from common.security import hash_key, new_api_key
+from common.security import hash_key, new_api_key, open_own
 
 
 def default_file() -> Path:
@@ -44,14 +44,15 @@ def load(path: Path) -> list[dict]:
 
 def save(path: Path, keys: list[dict]) -> None:
     """Atomically (gateways re-read it when it changes); a new file is readable by its owner only,
-    an existing one keeps its mode (compose's is readable by the containers' user)."""
+    an existing one keeps its mode (compose's is readable by the containers' user). Never through
+    a link: one at the temporary name is refused (open_own), one at the file's is replaced."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    mode = path.stat().st_mode & 0o777 if path.exists() else 0o600
+    mode = os.lstat(path).st_mode & 0o777 if path.is_file() and not path.is_symlink() else 0o600
     tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = open_own(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)  # a file left by a killed `keys`: ours, reused
     with os.fdopen(fd, "w") as fh:
         json.dump({"keys": keys}, fh, indent=1)
-    os.chmod(tmp, mode)
+        os.fchmod(fh.fileno(), mode)
     os.replace(tmp, path)
 
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.bus import inbox_prefix
-from common.security import new_secret_file
+from common.security import kept_file, new_secret_file, private_dir
 
 _HEARTBEAT = "moonbus.workers.heartbeat.*.*"  # every instance's heartbeats (subscribe)
 _STARTED = "moonbus.events.instance.started.{id}"
@@ -138,19 +138,22 @@ class ClusterSecrets:
 
     @classmethod
     def create(cls, directory: Path) -> "ClusterSecrets":
-        """The cluster's secrets, made once and kept (a restarted process finds them again)."""
-        directory.mkdir(parents=True, exist_ok=True)
-        directory.chmod(0o700)
+        """The cluster's secrets, made once and kept (a restarted process finds them again), in a
+        directory, and a home around it, that are this user's alone: one that is a link, another
+        user's, or writable by others is refused (private_dir, kept), as is a link or another
+        user's file in place of a secret (it would be trusted as the cluster's)."""
+        private_dir(directory.parent, kept=True)  # the cluster's home
+        private_dir(directory, kept=True)
         secrets = cls(directory)
         for path in [secrets.cluster_key] + [secrets.password_file(user) for user in ALL_USERS]:
-            if not path.exists():
+            if not kept_file(path):
                 new_secret_file(path, 24)
         return secrets
 
     def ensure_user(self, user: str) -> Path:
         """The password file of a user made after the cluster's (a process's own): made once, then kept."""
         path = self.password_file(user)
-        if not path.exists():
+        if not kept_file(path):
             new_secret_file(path, 24)
         return path
 
