@@ -61,6 +61,19 @@ integration: setup browser docker-tools rdma-tools
 compose-test: setup docker-tools
 	$(PY) -m pytest -q -s -rs -p no:cacheprovider tests/integration/test_compose_e2e.py
 
+.PHONY: images swarm-test
+
+# The images a stack runs (`docker stack deploy` ignores build:), built on the Docker engine that
+# answers: a base image where none is there, then moonbus:latest from docker/Dockerfile (docs/swarm.md).
+images: setup docker-tools
+	$(PY) -m tools.compose_e2e.images
+
+# The stack on a one-node swarm (tests/integration/test_swarm.py): derives it from compose.yaml,
+# deploys it, scales decode 1 -> 2 -> 1 and rolls it while a load runs, checks every request and the
+# audit log, then leaves the swarm and the host as it found them. Skips, saying why, without an engine.
+swarm-test: setup docker-tools
+	$(PY) -m pytest -q -s -rs -p no:cacheprovider tests/integration/test_swarm.py
+
 # What the compose test needs (a Docker engine, compose, debootstrap for a base image without a
 # registry), installed with apt where missing and possible; never fatal: without them it skips.
 DOCKER_PACKAGES := docker.io docker-compose debootstrap

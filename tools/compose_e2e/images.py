@@ -245,3 +245,29 @@ def _check(result: subprocess.CompletedProcess, what: str, log_path: Path) -> No
     if result.returncode != 0:
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
         raise BuildFailed(f"{what} failed (exit {result.returncode}); {log_path} ends:\n{tail}")
+
+
+def main() -> int:
+    """`make images`: the images a stack runs (`docker stack deploy` ignores build:), built on the
+    Docker engine that answers: the base image where none is there, then moonbus:latest."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from tools.compose_e2e.engine import docker_answers
+
+    if not docker_answers():
+        print("images: no Docker engine answers (start dockerd, or run `make compose-test`, which starts its own)",
+              file=sys.stderr)
+        return 1
+    log_path = Path(os.environ.get("MOONBUS_IMAGES_LOG", "/tmp/moonbus-images.log"))
+    try:
+        base = ensure_base_image(log_path)
+        built = build_project_image(Path(__file__).resolve().parents[2], base, log_path)
+    except (BaseImageUnavailable, BuildFailed) as exc:
+        print(f"images: {exc}", file=sys.stderr)
+        return 1
+    print(f"{built.tag} on {built.base} in {built.seconds:.1f} s (torch from {built.torch_wheel or 'the CPU index'}; "
+          f"log {log_path}); a swarm's other nodes need it too (docker save | docker load, or a registry)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
