@@ -10,6 +10,11 @@ What the state holds and where each part comes from:
 - ttft_error: for this gateway's completed requests, actual TTFT over the conductor's prediction,
   the median per second over the same window (`RatioSeries`): prediction error over time.
 
+Who sees what (`scope`): an open gateway and an operator's key see all of the above ("cluster").
+A tenant's key sees its own requests' decisions only ("tenant"), without their candidates: the
+instances, the pools, the requests in flight, the outcomes and the candidates' queues and batches
+count every tenant's traffic, and would tell one tenant how busy the others are (and when).
+
 What must stay true: the handlers never block on a silent cluster. Each NATS request has a
 timeout of `QUERY_TIMEOUT_S` and all of them run concurrently, so a state answers within about
 that long; a conductor or messenger that does not answer is reported as unavailable. Concurrent
@@ -257,12 +262,22 @@ class Dashboard:
     async def state(self, request: web.Request) -> web.Response:
         """The JSON the page polls; with API keys configured it takes one (the page asks for it)."""
         tenant = self.gateway.authenticate(request.headers.get("Authorization"))
-        view = await self.cache.get()
-        now = time.time()
-        decisions = self.decisions.newest_first()
-        if not (self.gateway.keys.open or tenant.operator):  # a tenant sees its own requests' decisions only
-            decisions = [d for d in decisions if d.get("tenant") == tenant.name]
-        body = {"now": now, "gateway": self.gateway.cfg.instance_id, "model": self.gateway.served_model, **view,
-                "decisions": decisions, "outcomes": self.outcomes.series(now), "ttft_error": self.ttft_error.series(now)}
+        if self.gateway.keys.open or tenant.operator:
+            view = await self.cache.get()
+            now = time.time()
+            body = {"scope": "cluster", **view, "decisions": self.decisions.newest_first(),
+                    "outcomes": self.outcomes.series(now), "ttft_error": self.ttft_error.series(now)}
+        else:  # nothing asked of the cluster: a tenant's view holds nothing but its own requests
+            now = time.time()
+            body = {"scope": "tenant", "tenant": tenant.name,
+                    "decisions": [tenant_decision(d) for d in self.decisions.newest_first()
+                                  if d.get("tenant") == tenant.name]}
+        body |= {"now": now, "gateway": self.gateway.cfg.instance_id, "model": self.gateway.served_model}
         return web.Response(body=orjson.dumps(body), content_type="application/json",
                             headers={"Cache-Control": "no-store"})
+
+
+def tenant_decision(record: dict[str, Any]) -> dict[str, Any]:
+    """A decision as its tenant sees it: its own request's predicted costs, not its candidates'
+    (their queues, batches and room are every tenant's load)."""
+    return record | {"prefill_costs": [], "decode_costs": []}

@@ -164,8 +164,8 @@ class _Generate(_Strict):
     return_token_ids: bool | None = Field(
         None, description="Extension (as in vLLM): also return the completion's token ids.")
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = Field(
-        None, description="Extension (as in vLLM): a cache namespace shared by whoever sends the same salt; "
-                          "without it, a tenant's cache is its own.")
+        None, description="Extension (as in vLLM): a cache namespace within the caller's tenant, shared by "
+                          "that tenant's requests with the same salt, never by another tenant's.")
     user: Annotated[str, Field(max_length=MAX_USER_CHARS)] | None = Field(
         None, description="The end user on whose behalf the request is made (OpenAI's field): recorded in the "
                           "request's `received` event, so an operator can find a request by it in the audit log.")
@@ -249,7 +249,7 @@ class GenerateRequest:
     include_usage: bool = False
     ignore_eos: bool = False  # extension (as in vLLM): generate max_tokens even past EOS
     return_token_ids: bool = False  # extension (as in vLLM): also return the completion's token ids
-    cache_salt: str | None = None  # extension (as in vLLM): a cache namespace shared by whoever sends it
+    cache_salt: str | None = None  # extension (as in vLLM): a cache namespace within its tenant's
     user: str = ""  # the client's end user (OpenAI's field): in the received event
     expected_output_tokens: int = 0  # extension: the client's hint of its output length (0: none)
 

@@ -19,9 +19,11 @@ A tenant without its own `max_concurrent` (the default of `moonbus keys add`) ge
 
 Cache namespace: block keys are seeded per tenant ("tenant:<name>"), so equal prompts of two
 tenants never share a block, and neither `cached_tokens` nor TTFT tells one tenant anything
-about another's prompts. A tenant with `shared_cache` uses the common namespace; a request's
-`cache_salt` (as in vLLM) picks the namespace "salt:<value>", shared by whoever sends the same
-salt: deliberate sharing, e.g. of a common system prompt.
+about another's prompts. A tenant with `shared_cache` uses the common namespace (tenants share by
+both opting in, as operators decide). A request's `cache_salt` (as in vLLM) picks a namespace
+within its tenant's: the same tenant with the same salt shares, two tenants never do, whatever
+salt they send (a salt is a guessable string, not a secret). On an open gateway everyone is
+tenant "default", so a salt there still sets its senders apart from those who send another.
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ class KeyFileError(ValueError):
 def cache_seed(tenant: Tenant | None, cache_salt: str | None) -> int:
     """The seed of the request's block keys (its cache namespace)."""
     if cache_salt:
-        return namespace_seed("salt:" + cache_salt)
+        # the name's length first: a name may hold ":", and "a:b" + "c" must not meet "a" + "b:c"
+        name = tenant.name if tenant is not None else OPEN
+        return namespace_seed(f"salt:{len(name)}:{name}:{cache_salt}")
     if tenant is None or tenant.shared_cache:
         return namespace_seed("")
     return namespace_seed("tenant:" + tenant.name)

@@ -3,13 +3,15 @@
 Against a live cluster: the page lists every instance and both nodes' pools, and after requests
 it shows their routing decisions and a higher completed count. Against a bare nats-server with a
 stand-in conductor: a silent conductor, then a silent messenger, are shown as unavailable and the
-page still renders.
+page still renders; with API keys on, a tenant's key shows its own decisions and nothing of the
+cluster, an operator's everything.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import os
 import subprocess
 import time
@@ -20,7 +22,9 @@ import pytest
 from aiohttp import web
 
 from common import bus
+from common.security import hash_key
 from schemas import subjects
+from schemas.events import Event
 from schemas.workers import StatusReply, WorkerInfo
 from services.gateway.dashboard import Dashboard
 from services.gateway.tenants import KeyBook
@@ -240,6 +244,61 @@ async def test_a_silent_conductor_or_messenger_shows_as_unavailable(bare_nats, d
     # the conductor is gone again: so is everything it knew, and the page says so
     await page.wait_for("document.getElementById('conductor').textContent === 'unavailable'", timeout_s=15)
     assert "unavailable" in await page.text("#nodes")
+
+
+@pytest.fixture
+async def keyed_dashboard(bare_nats, tmp_path):
+    """The dashboard's routes over the bare nats-server with API keys on: tenant acme's key, tenant
+    globex's and an operator's. Yields (its URL, the Dashboard)."""
+    key_file = tmp_path / "api-keys.json"
+    key_file.write_text(json.dumps({"keys": [{"hash": hash_key("mb-acme"), "tenant": "acme"},
+                                             {"hash": hash_key("mb-globex"), "tenant": "globex"},
+                                             {"hash": hash_key("mb-ops"), "tenant": "ops", "operator": True}]}))
+    keys = KeyBook(str(key_file))
+    gateway = SimpleNamespace(nc=bare_nats, served_model="tiny-random", cfg=SimpleNamespace(instance_id="gateway-t"),
+                              authenticate=keys.tenant_of, keys=keys)
+    app = web.Application()
+    dashboard = Dashboard(gateway)
+    dashboard.add_routes(app)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    yield f"http://127.0.0.1:{port}", dashboard
+    await runner.cleanup()
+
+
+async def test_a_tenants_page_shows_its_own_decisions_and_nothing_of_the_cluster(keyed_dashboard, page):
+    url, dashboard = keyed_dashboard
+    for rid, tenant in (("req-acme", "acme"), ("req-globex", "globex")):
+        costs = {"prefill_costs": [{"instance_id": "prefill-0", "queue_s": 0.4}],
+                 "decode_costs": [{"instance_id": "decode-0", "num_running": 7}]}
+        dashboard.decisions.add(Event("routed", time.time(), "conductor", "conductor-0", rid,
+                                      {"prefill_id": "prefill-0", "decode_id": "decode-0", "admitted": True,
+                                       "tenant": tenant, **costs}))
+    visible = "[...document.querySelectorAll('.cluster-only')].map(e => e.offsetParent !== null)"
+    try:
+        for key in ("mb-acme", "mb-ops"):
+            await page.open(f"{url}/no-page")  # the origin, without the page: its key goes in first
+            await page.js(f"sessionStorage.setItem('moonbus-key', '{key}')")
+            await page.open(f"{url}/dashboard")
+            await page.wait_for("document.body.dataset.updates >= 1", timeout_s=15)
+            await page.wait_for("document.querySelector('#decisions details')", timeout_s=15)
+            shown = await page.js("[...document.querySelectorAll('#decisions details')].map(e => e.dataset.requestId)")
+            if key == "mb-acme":
+                assert shown == ["req-acme"]
+                assert await page.js(visible) == [False] * 5  # conductor, instances, pools, outcomes, TTFT error
+                assert await page.text("#scope") == "tenant acme: your requests only"
+                await page.js("document.querySelector('#decisions details').open = true")
+                assert await page.js("document.querySelectorAll('#decisions tr').length") == 0
+                assert "operator" in await page.text("#decisions details")
+            else:  # an operator's key: every tenant's decisions and their candidates, and the cluster
+                assert sorted(shown) == ["req-acme", "req-globex"]
+                assert await page.js(visible) == [True] * 5
+                assert await page.js("document.getElementById('scope').offsetParent") is None
+                assert await page.js("document.querySelectorAll('#decisions tr.chosen').length") == 4
+    finally:
+        await page.js("sessionStorage.removeItem('moonbus-key')")
 
 
 async def get_state(url: str) -> dict:

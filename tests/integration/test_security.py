@@ -98,32 +98,45 @@ async def test_a_tenant_sees_nothing_of_another_tenants_cache_even_under_the_sam
     _, other, _ = await call(cluster, completion(prompt), issued["globex"])
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # nothing leaks to globex
     assert other["choices"][0]["text"] == again["choices"][0]["text"]  # the same answer, computed afresh
-    shared = "a common system prompt both companies agreed to share " * 6
-    await call(cluster, completion(shared, cache_salt="partners-v1"), issued["acme"])
-    _, joined, _ = await call(cluster, completion(shared, cache_salt="partners-v1"), issued["globex"])
-    assert joined["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    salted = "a system prompt acme salts, and globex guesses the salt of " * 6
+    await call(cluster, completion(salted, cache_salt="partners-v1"), issued["acme"])
+    _, again, _ = await call(cluster, completion(salted, cache_salt="partners-v1"), issued["acme"])
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # acme's salt, acme's cache
+    _, guessed, _ = await call(cluster, completion(salted, cache_salt="partners-v1"), issued["globex"])
+    assert guessed["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # a salt is scoped to its tenant
 
 
-async def test_the_dashboard_shows_a_tenant_only_its_own_decisions(guarded):
+async def test_the_dashboard_shows_a_tenant_only_its_own_requests_and_nothing_of_the_clusters(guarded):
     cluster, issued = guarded
     status, _, headers = await call(cluster, completion("whose decision is this?"), issued["acme"])
     assert status == 200
     rid = headers["X-Request-Id"]
-    seen = {}
+    states = {}
     async with aiohttp.ClientSession() as session:
         for tenant in ("acme", "globex", "ops"):
             for _ in range(600):  # the routed event reaches the gateway's dashboard shortly after the reply
                 async with session.get(f"{cluster.spec.url}/dashboard/state",
                                        headers={"Authorization": f"Bearer {issued[tenant]}"}) as resp:
                     assert resp.status == 200
-                    decisions = (await resp.json())["decisions"]
-                seen[tenant] = {d["request_id"]: d.get("tenant") for d in decisions}
-                if tenant == "globex" or rid in seen[tenant]:
+                    states[tenant] = await resp.json()
+                seen = {d["request_id"] for d in states[tenant]["decisions"]}
+                if tenant == "globex" or rid in seen:
                     break
                 await asyncio.sleep(0.1)
-    assert seen["acme"][rid] == "acme" and set(seen["acme"].values()) == {"acme"}
-    assert rid not in seen["globex"] and set(seen["globex"].values()) <= {"globex"}
-    assert seen["ops"][rid] == "acme"  # an operator's key sees every tenant's
+    acme, globex, ops = states["acme"], states["globex"], states["ops"]
+    assert rid in {d["request_id"] for d in acme["decisions"]} and {d["tenant"] for d in acme["decisions"]} == {"acme"}
+    assert rid not in {d["request_id"] for d in globex["decisions"]}
+    assert {d.get("tenant") for d in globex["decisions"]} <= {"globex"}
+    # every tenant's traffic: the instances' queues and KV, the pools, the requests in flight, the
+    # outcomes, the candidates' batches; a tenant sees none of it
+    cluster_wide = {"conductor", "instances", "nodes", "outcomes", "ttft_error"}
+    for state in (acme, globex):
+        assert not cluster_wide & set(state) and state["scope"] == "tenant"
+        assert all(d["prefill_costs"] == d["decode_costs"] == [] for d in state["decisions"])
+    assert cluster_wide <= set(ops) and ops["scope"] == "cluster"  # an operator's key sees everything
+    mine = next(d for d in ops["decisions"] if d["request_id"] == rid)
+    assert mine["tenant"] == "acme" and mine["prefill_costs"] and mine["decode_costs"]
+    assert ops["instances"] and ops["outcomes"]["totals"]["completed"] >= 1
 
 
 async def test_with_keys_on_metrics_are_an_operators_and_health_tells_strangers_only_readiness(guarded):

@@ -126,17 +126,29 @@ def test_a_tenant_at_its_limits_is_refused_before_its_prompt_is_tokenized():
     assert limits.precheck(Tenant("free"), now=0.0) == ("", 0.0)
 
 
-def test_equal_prompts_of_two_tenants_never_share_a_block():
+def test_equal_prompts_of_two_tenants_never_share_a_block_even_under_the_same_salt():
     prompt = list(range(64))
-    a, b = Tenant("a"), Tenant("b")
+    a, b, c, d = Tenant("a"), Tenant("b"), Tenant("c", shared_cache=True), Tenant("d", shared_cache=True)
     keys = {name: block_keys(prompt, 16, seed) for name, seed in [
         ("a", cache_seed(a, None)), ("b", cache_seed(b, None)), ("open", cache_seed(None, None)),
         ("salt-a", cache_seed(a, "sys-prompt-v1")), ("salt-b", cache_seed(b, "sys-prompt-v1")),
-        ("shared", cache_seed(Tenant("c", shared_cache=True), None))]}
+        ("salt-c", cache_seed(c, "sys-prompt-v1")), ("salt-d", cache_seed(d, "sys-prompt-v1")),
+        ("shared", cache_seed(c, None))]}
     assert not set(keys["a"]) & set(keys["b"])
-    assert keys["salt-a"] == keys["salt-b"]  # the same salt: deliberate sharing
+    assert not set(keys["salt-a"]) & set(keys["salt-b"])  # a salt is scoped to its tenant: guessing it gains nothing
+    assert not set(keys["salt-c"]) & set(keys["salt-d"])  # shared_cache shares the common namespace, not salts
+    assert keys["salt-a"] == block_keys(prompt, 16, cache_seed(Tenant("a"), "sys-prompt-v1"))  # its own salt: shared
     assert not set(keys["salt-a"]) & set(keys["a"])
     assert keys["open"] == keys["shared"] == block_keys(prompt, 16, DEFAULT_SEED)
+
+
+def test_a_salt_still_parts_the_callers_of_an_open_gateway_and_no_name_borrows_anothers():
+    open_gateway = KeyBook("").tenant_of(None)
+    seeds = {cache_seed(open_gateway, "v1"), cache_seed(open_gateway, "v2"), cache_seed(open_gateway, None)}
+    assert len(seeds) == 3
+    assert cache_seed(open_gateway, "v1") == cache_seed(None, "v1")
+    # a tenant's name may hold ":": "a" salting "b:c" must not land in the namespace of "a:b" salting "c"
+    assert cache_seed(Tenant("a"), "b:c") != cache_seed(Tenant("a:b"), "c")
 
 
 @pytest.mark.parametrize("tenants", [
