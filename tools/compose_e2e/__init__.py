@@ -6,6 +6,8 @@
                    no registry answers, cached by Docker) and the project image (docker/Dockerfile,
                    torch from the local wheel when there is one)
     compose.py     `docker compose` v2 or `docker-compose` v1 (whose missing `up --wait` it emulates)
+    swarm.py       a one-node swarm (made and left here, or the engine's own) and a stack on it
+                   (tests/integration/test_swarm.py, the stack derived by tools/swarm/stack.py)
 
 tests/integration/test_compose_e2e.py drives them (`make compose-test`). Every piece of state
 lives outside the work tree: Docker's data-root (/var/lib/moonbus-docker: images, the base image
