@@ -9,6 +9,7 @@ from pathlib import Path
 from common import models
 from common.config import ServiceConfig, add_common_flags, add_model_flags, boolean, build, flag
 from common.decide.admission import MODES, AdmissionSettings
+from common.decide.planner import PlannerSettings
 from common.decide.policy import POLICIES
 
 PREFIX_INDEXES = ("local", "remote")  # where a route finds who holds its prefix
@@ -38,6 +39,9 @@ class ConductorConfig(ServiceConfig):
     pipeline_group: int  # >= 2: long prompts with no reuse are prefilled by this many instances in a pipeline
     prefill_chunk: int  # the prefill instances' chunk size (a pipeline stage computes whole chunks)
     events_replicas: int  # copies of the events stream on a NATS cluster (1 = a single server)
+    # the planner loop (services/conductor/planner_loop.py): targets per role, published as
+    # `planned` events for a driver; None = off
+    planner: PlannerSettings | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -87,8 +91,29 @@ def load(argv: list[str] | None = None) -> ConductorConfig:
                      "TTFT SLO; predicted TTFTs are judged times that quantile of actual / predicted, learned (0 = off)")
     flag(parser, "--events-replicas", "MOONBUS_EVENTS_REPLICAS", 1, int,
                 help="replicas of the events stream when it is created (<= the NATS cluster's servers)")
+    flag(parser, "--planner", "MOONBUS_PLANNER", False, boolean, nargs="?", const=True,
+                help="decide how many prefill and decode instances the load needs and publish it as `planned` "
+                     "events (moonbus.events.instance.planned.<id>) for a driver; on one conductor only")
+    flag(parser, "--planner-interval", "MOONBUS_PLANNER_INTERVAL", 30.0, float, help="seconds between decisions")
+    flag(parser, "--planner-prefill", "MOONBUS_PLANNER_PREFILL", "1:32", help="MIN:MAX prefill instances")
+    flag(parser, "--planner-decode", "MOONBUS_PLANNER_DECODE", "1:32", help="MIN:MAX decode instances")
+    flag(parser, "--planner-max-total", "MOONBUS_PLANNER_MAX_TOTAL", 0, int,
+                help="cap on prefill + decode instances (0: the roles' maximums only)")
     args = parser.parse_args(argv)
     admission = AdmissionSettings(mode=args.admission, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
                                   ttft_quantile=args.ttft_quantile)
     return build(ConductorConfig, args, home=Path(args.home), admission=admission,
-                        dtype=models.resolve_dtype(args.dtype))
+                        dtype=models.resolve_dtype(args.dtype), planner=planner_settings(args))
+
+
+def planner_settings(args: argparse.Namespace) -> PlannerSettings | None:
+    """--planner's settings, or None when it is off; bounds as MIN:MAX."""
+    if not args.planner:
+        return None
+    try:
+        (pmin, pmax), (dmin, dmax) = (tuple(int(n) for n in text.split(":")) for text in
+                                      (args.planner_prefill, args.planner_decode))
+        return PlannerSettings(min_prefill=pmin, max_prefill=pmax, min_decode=dmin, max_decode=dmax,
+                               max_total=args.planner_max_total or None, interval_s=args.planner_interval)
+    except ValueError as exc:
+        raise SystemExit(f"conductor: refusing to start: planner settings: {exc}") from None

@@ -16,7 +16,8 @@ tell who is alive (a `draining` instance gets nothing new) and whether it agrees
 cluster's model, block size, chunk and KV layout (one that does not is refused). When an instance's heartbeats stop or it leaves, every
 request it held gets a retryable TokenChunk error, so its gateway resumes it elsewhere and no
 client hangs. While the conductor's own broker connection is down, nobody is declared lost: the
-silence is the conductor's, not the instances'.
+silence is the conductor's, not the instances'. With `--planner`, a loop decides how many prefill
+and decode instances the load needs and publishes it for a driver (planner_loop.py).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from schemas.workers import Alive, Exited, Layout, Progress, Refused, StatusRepl
 from common.decide import admission, policy
 from common.decide import route as routing
 from services.conductor.config import ConductorConfig
+from services.conductor.planner_loop import PlannerLoop
 from common.decide.cluster_state import UNHELD_S, ClusterState, Refusal
 
 log = logging.getLogger(__name__)
@@ -113,6 +115,8 @@ class ConductorService:
                                               tbt_slo_s=cfg.admission.tbt_slo_s)
         self.rng = random.Random()
         self.offline = False  # the broker connection was down at the last sweep
+        self.planner = PlannerLoop(cfg.planner, self.state, perf, cfg.admission, self.events, cfg.instance_id,
+                                   self.metrics.registry) if cfg.planner is not None else None
 
     async def on_heartbeat(self, info: WorkerInfo, msg: Msg) -> None:
         if not subjects.speaks_for(msg.subject, info.role, info.instance_id):
@@ -131,8 +135,12 @@ class ConductorService:
             return await self.spoof("progress", msg.subject, progress.info.instance_id)
         await self.heard(progress.info)
         if progress.kind == "prefilled":
+            if self.planner is not None:
+                self.planner.prefilled(self.state.routed.get(progress.request_id), progress.attempt, time.monotonic())
             self.state.prefilled(progress.request_id, progress.attempt, time.monotonic())
         elif progress.kind == "unstarted":
+            if self.planner is not None:
+                self.planner.unstarted()
             self.state.unstarted(progress.request_id, progress.attempt, time.monotonic())
         elif progress.kind in ("finished", "failed"):  # it left the cluster (from decode, or ended at prefill)
             self.state.end(progress.request_id, up_to_attempt=progress.attempt)
@@ -149,9 +157,19 @@ class ConductorService:
         """A supervisor saw the process exit: its requests are handed back now, not after a timeout."""
         for info in self.state.dead(exited.instance_id, time.monotonic()):
             log.warning("instance %s (%s) exited (code %d)", info.instance_id, info.role, exited.exit_code)
+            self.lost(info.role)
             await self.events.instance("lost", info.instance_id, role=info.role, node=info.node, reason="exited",
                                        exit_code=exited.exit_code)
             await self.fail_requests_of(info.instance_id, "exited")
+
+    def lost(self, role: str) -> None:
+        """An instance died: the planner holds its role's target (a death is not load)."""
+        if self.planner is not None:
+            self.planner.lost(role)
+
+    async def plan(self) -> None:
+        if self.planner is not None and self.nc.is_connected:
+            await self.planner.tick()
 
     async def spoof(self, kind: str, subject: str, claimed: str) -> None:
         """A report that speaks for another instance than the one whose subject it came on: ignored,
@@ -179,6 +197,7 @@ class ConductorService:
             await self.events.instance("joined", info.instance_id, role=info.role, node=info.node)
         elif outcome == "restarted":  # its predecessor died: whatever it held went with it
             log.warning("instance %s restarted (a new process); handing back what the old one held", info.instance_id)
+            self.lost(info.role)
             await self.events.instance("lost", info.instance_id, role=info.role, node=info.node, reason="restarted")
             await self.fail_requests_of(info.instance_id, "restarted")
         elif outcome == "left":
@@ -251,6 +270,8 @@ class ConductorService:
             self.follower.index if self.follower is not None else None, self.state, now, self.settings,
             self.cfg.admission, self.perf, self.rng.random(), holders=holders, stages_of=self.pipeline_stages)
         self.metrics.decide_s.observe(time.perf_counter() - decide_started)
+        if self.planner is not None:
+            self.planner.routed(outcome)
         decision = outcome.decision
         if outcome.status == 400:
             self.metrics.decisions.labels("malformed").inc()
@@ -372,6 +393,7 @@ class ConductorService:
             log.info("broker connection back; instance expiry resumes")
         for info in self.state.expire(now):
             log.warning("instance %s (%s) went silent (no report, no liveness beacon)", info.instance_id, info.role)
+            self.lost(info.role)
             await self.events.instance("lost", info.instance_id, role=info.role, node=info.node, reason="silent")
             await self.fail_requests_of(info.instance_id, "stopped responding")
         self.update_gauges()
@@ -411,6 +433,8 @@ async def serve(cfg: ConductorConfig, stop: asyncio.Event) -> bool:
     await bus.receive(nc, subjects.CONTROL_EXITED_ALL, Exited, service.on_exited)
     await bus.receive(nc, subjects.REQUEST_CANCEL, Cancel, service.on_cancel)
     tasks.spawn(runner.every(cfg.sweep_interval_s, stop, service.sweep), "sweep")
+    if service.planner is not None:
+        tasks.spawn(runner.every(cfg.planner.interval_s, stop, service.plan), "planner")
     tasks.spawn(bus.watchdog(nc), "broker-watchdog")
     tasks.spawn(health.beacon(cfg.health_file, nc, stop), "health", essential=False)
     metrics.serve(cfg.metrics_port, service.metrics.registry, cfg.metrics_host)
