@@ -11,8 +11,9 @@ The model is RDMA's (one-sided writes and reads into registered memory); TCP emu
                                                          ch.read(ref, [(offset, into), ...])
 
 - `write` is one-sided: the bytes land at those offsets of the peer's region; nothing answers it.
-  It returns when the pieces may be reused. Every write carries the xxh3-64 of its bytes, which
-  the owner verifies once, on arrival, before `on_write(meta, pieces, None)`; a write that fails
+  It returns when the pieces may be reused. Every write carries a checksum of its bytes (tcp: a
+  keyed MAC of the whole frame by default, see tcp.py; xxh3-64 where TLS or no cluster secret),
+  which the owner verifies once, on arrival, before `on_write(meta, pieces, None)`; a write that fails
   (no such region, out of bounds, checksum mismatch, refused by `on_write`) is reported to the
   owner as `on_write(meta, pieces, error)` and to the writer by its next `call`.
 - `call` is ordered after every write sent before it on the same channel (over all of its
@@ -53,6 +54,9 @@ log = logging.getLogger(__name__)
 
 MODES = ("auto", "tcp", "rdma")
 STRIPE_MIN = 4 << 20  # tcp: bytes from which a write is striped over a channel's connections (see tcp.py)
+SEND_FLOOR_S = 10.0  # tcp: every send (a frame and its payload) is over within max(this, bytes / SEND_MIN_RATE);
+# above the 5 s a pipeline listener may wait for its region before it reads a frame's payload
+SEND_MIN_RATE = 1e6  # bytes/s: a peer reading slower is cut off (tcp.py, _Sending)
 PREFERENCE = ("rdma", "tcp")  # connect() takes the first backend both ends serve
 _BACKENDS = {"tcp": "common.transport.tcp:TcpBackend", "rdma": "common.transport.rdma:RdmaBackend"}
 
@@ -270,10 +274,15 @@ class Transports:
 
     def __init__(self, mode: str = "auto", secret: bytes | None = None, timeout_s: float = 30.0,
                  region_grace_s: float = 0.0, tcp_streams: int = 1, tcp_stripe_min: int = STRIPE_MIN,
-                 tls=None, allow: str = "") -> None:
+                 tls=None, allow: str = "", link_mac: bool = True, send_floor_s: float = SEND_FLOOR_S,
+                 send_min_rate: float = SEND_MIN_RATE) -> None:
         self.mode = mode
         self.secret = secret  # peers prove they hold it (the cluster secret); None: no proof asked
         self.tls = tls  # common.security.LinkTls: tcp connections are TLS with the link CA's certificates; None: plain
+        # tcp without TLS: every frame this process sends on a connection it opens, and every answer,
+        # carries a keyed MAC (tcp.py); False only to measure its cost (moonbus bench transfer)
+        self.link_mac = link_mac
+        self.send_floor_s, self.send_min_rate = send_floor_s, send_min_rate  # tcp: each send's deadline
         self.allow = networks(allow)  # the addresses tcp listeners take connections from (none listed: any)
         self.timeout_s = timeout_s  # connect, and every read of a frame (a deadline: a silent peer cannot hold on)
         self.region_grace_s = region_grace_s  # how long a write may wait for its region to be registered

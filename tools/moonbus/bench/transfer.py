@@ -14,7 +14,12 @@ cases       ours (common/transport over tcp, one row per --streams value), the p
             without it; --require-mooncake makes that an error), each with its integrity work said
             in its row: ours checks xxh3 at both ends (a pull: on arrival, as the messenger does),
             `socket_verified` and `mooncake_te_verified` do the same work, `socket` and
-            `mooncake_te` none (transfer_peers.py).
+            `mooncake_te` none (transfer_peers.py). NOTE: ours without TLS also carries the link's
+            keyed MAC on every frame (common/transport/tcp.py, the default), in place of a write's
+            xxh3; the rows' integrity words are transfer_peers.py's.
+link MAC    ours with the keyed MAC off (`ours_tcp_nomac`: Transports(link_mac=False), xxh3 per
+            write only), measured in turn with the others, apart from the rows: the MAC's cost as
+            ours_tcp's GiB/s over it, per pattern (--no-mac-cost skips it).
 handoff     the tail of the streamed handoff per prompt length (--tail-tokens): the last layer's
 tail        slice written + the completion notice, through the services' own code
             (transfer_tail.py), next to one decoder layer's compute time.
@@ -77,6 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure ours with TLS on the link (--link-cert; row ours_tcp_tls, its cost as a "
                              "ratio to ours_tcp)")
+    parser.add_argument("--mac-cost", action=argparse.BooleanOptionalAction, default=True,
+                        help="also measure ours without the links' keyed MAC (ours_tcp_nomac) and print the MAC's "
+                             "cost as a ratio to it")
     parser.add_argument("--socket-buffer", type=int, default=DEFAULT_BUFFER,
                         help="SO_SNDBUF/SO_RCVBUF of the plain socket at both ends, bytes (0: kernel autotuning)")
     parser.add_argument("--require-mooncake", action="store_true",
@@ -125,7 +133,9 @@ def run(args: argparse.Namespace) -> int:
     repeats = max(1, args.repeats)
     secret = os.urandom(32)  # the cluster-secret handshake runs as in a cluster (once per connection)
     rows, buffers = throughput_rows(patterns, repeats, args.case_seconds, secret, missing, streams, args.socket_buffer,
-                                    args.tls)
+                                    args.tls, args.mac_cost)
+    nomac = [r for r in rows if r["case"] == NO_MAC]  # apart from the rows: their cases are the report's
+    rows = [r for r in rows if r["case"] != NO_MAC]
     if _ints(args.tail_tokens):
         rows += tail_rows(ref, layout, _ints(args.tail_tokens), repeats, secret)
     ours = OursPeer.case_for(streams[0])
@@ -136,11 +146,14 @@ def run(args: argparse.Namespace) -> int:
               "patterns": {p.name: p.label for p in patterns}, "rows": rows,
               "goals": transfer_report.goals(rows, {p.name: p.goal for p in patterns}, ours)}
     result["goals"]["tail_minus_slice_s"] = _tail_minus_slice(rows, ours)
+    if nomac:
+        result["link_mac"] = mac_cost(rows, nomac)
     if args.json:
         sys.stdout.write(orjson.dumps(result).decode() + "\n")
     else:
         transfer_report.print_report(result)
-    return 0 if all(r["intact"] is not False for r in rows) else 1
+        print_mac_cost(result.get("link_mac", []))
+    return 0 if all(r["intact"] is not False for r in rows + nomac) else 1
 
 
 def summary(result: dict) -> list[dict]:
@@ -152,7 +165,8 @@ def summary(result: dict) -> list[dict]:
 
 
 def throughput_rows(patterns: list[Pattern], repeats: int, case_seconds: float, secret: bytes, mooncake: str,
-                    streams: list[int], socket_buffer: int, tls: bool = False) -> tuple[list[dict], dict]:
+                    streams: list[int], socket_buffer: int, tls: bool = False,
+                    mac_cost: bool = False) -> tuple[list[dict], dict]:
     """Every pattern, every case; returns the rows and the socket buffers the kernel granted."""
     if not patterns:
         return [], {}
@@ -164,6 +178,8 @@ def throughput_rows(patterns: list[Pattern], repeats: int, case_seconds: float, 
     tls_dir = tempfile.TemporaryDirectory(prefix="moonbus-bench-link-ca-") if tls else None
     try:
         peers.extend(OursPeer(capacity, SEED, secret, n) for n in streams)
+        if mac_cost:
+            peers.append(NoMacPeer(capacity, SEED, secret))
         if tls_dir is not None:  # both ends' certificates issued here, before either process starts
             for name in ("sender", "receiver"):
                 certs.ensure_cert(Path(tls_dir.name), name)
@@ -190,6 +206,63 @@ def throughput_rows(patterns: list[Pattern], repeats: int, case_seconds: float, 
 
 def _round8(n: int) -> int:
     return max(8, -(-n // 8) * 8)
+
+
+# ---------------------------------------------------------------------------- the link's MAC
+
+NO_MAC = "ours_tcp_nomac"
+
+
+class NoMacPeer(OursPeer):
+    """ours_tcp with the links' keyed MAC off (Transports(link_mac=False): a write carries its xxh3
+    only, nothing else is checked): the baseline of the MAC's cost. The receiver is ours_tcp's: a
+    listener serves whichever the connecting side asks for."""
+
+    def __init__(self, capacity: int, seed: int, secret: bytes) -> None:
+        from common.transport import Transports
+
+        super().__init__(capacity, seed, secret)
+        self.channel.close()
+        self.transports.close()
+        self.name = NO_MAC
+        self.transports = Transports("tcp", secret, link_mac=False)
+        self.channel = self.transports.connect(self.ref.endpoints)
+
+    def cases(self, pattern: Pattern, source: np.ndarray, local: np.ndarray) -> list:
+        cases = super().cases(pattern, source, local)[:1]  # a pull's verified case only: as ours_tcp's
+        for c in cases:
+            c.integrity = "xxh3 both ends" if pattern.kind == "push" else "xxh3 on arrival"
+        return cases
+
+
+def mac_cost(rows: list[dict], nomac: list[dict]) -> list[dict]:
+    """Per pattern: ours_tcp (the MAC on every frame) against ours_tcp_nomac, GiB/s and their ratio."""
+    ours = {r["pattern"]: r for r in rows if r["case"] == OursPeer.case_for(1)}
+    out = []
+    for r in nomac:
+        mine = ours.get(r["pattern"])
+        if mine is None:
+            continue
+        ratio = mine["gib_s"] / r["gib_s"] if mine["gib_s"] and r["gib_s"] else None
+        out.append({"pattern": r["pattern"], "bytes": r["bytes"], "messages": r["messages"],
+                    "mac_gib_s": mine["gib_s"], "nomac_gib_s": r["gib_s"], "ratio": ratio,
+                    "nomac_intact": r["intact"], "nomac_errors": r.get("errors", [])})
+    return out
+
+
+def print_mac_cost(cost: list[dict]) -> None:
+    if not cost:
+        return
+    print(f"\nthe link's keyed MAC (the default without TLS): ours_tcp GiB/s over {NO_MAC}'s (xxh3 per write only), "
+          f"the same pattern, measured in turn")
+    print(f"  {'pattern':<13} {'bytes':>11} {'msgs':>4} {'MAC GiB/s':>10} {'none GiB/s':>10} {'ratio':>6}")
+    for c in cost:
+        if c["ratio"] is None:
+            print(f"  {c['pattern']:<13} {c['bytes']:>11} {c['messages']:>4} not measured: "
+                  f"{'; '.join(c['nomac_errors']) or 'no time'}")
+            continue
+        print(f"  {c['pattern']:<13} {c['bytes']:>11} {c['messages']:>4} {c['mac_gib_s']:>10.2f} "
+              f"{c['nomac_gib_s']:>10.2f} {c['ratio']:>5.2f}x")
 
 
 # ---------------------------------------------------------------------------- handoff tail

@@ -64,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tcp connections per peer a write of 4 MiB or more is striped over (default 1)")
     parser.add_argument("--link-tls", action="store_true",
                         help="TLS on the KV links: every process that opens one gets a certificate of the cluster's "
-                             "link CA (under <home>/secrets); off by default, for a fabric you trust")
+                             "link CA (under <home>/secrets). Off by default: then every frame still carries a keyed "
+                             "MAC of its connection (integrity, not secrecy), at less cost than TLS")
     parser.add_argument("--profile", default="", help="performance profile (default: measured on first start)")
     parser.add_argument("--log-level", default="INFO")
 
@@ -183,7 +184,8 @@ def print_ready(spec: ClusterSpec, model: str, cluster: Cluster) -> None:
                  "(start with --api-keys FILE to require keys)")
         auth = ""
     links = ("TLS, each process with its own certificate of the cluster's link CA" if spec.link_tls else
-             "the cluster secret's handshake, no TLS: a fabric you trust (--link-tls to encrypt them)")
+             "the cluster secret's handshake and a keyed MAC on every frame: none can be rewritten, but they "
+             "travel unencrypted (--link-tls to encrypt them)")
     print(f"""
 moonbus is ready: {spec.url}   (model {model})
   processes: {', '.join(cluster.procs)}
