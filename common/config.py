@@ -157,7 +157,8 @@ def add_transport_flag(parser: argparse.ArgumentParser) -> None:
     flag(parser, "--link-ca", "MOONBUS_LINK_CA", "", help="TLS on the KV links: the cluster's link CA certificate")
     flag(parser, "--link-peers", "MOONBUS_LINK_PEERS", "",
          help="the addresses or networks (CIDR, comma-separated) of the cluster's nodes: the KV listeners close a "
-              "connection from any other at once ('' = any address; the secret and TLS still decide)")
+              "connection from any other at once; 'auto' = the networks this host is on (moonbus up's and compose's "
+              "default); '' = any address (the secret and TLS still decide)")
 
 
 def check_link_secret(cluster_secret_file: str, insecure: bool) -> None:

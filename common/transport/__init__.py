@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import importlib
 import ipaddress
+import socket
 import logging
 import threading
 import time
@@ -229,12 +230,40 @@ def backend_class(name: str) -> type[Backend] | None:
     return getattr(module, cls_name)
 
 
+AUTO_PEERS = "auto"  # --link-peers auto: the networks this host is on (its interfaces', loopback included)
+
+
 def networks(text: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
-    """'10.0.0.0/8,127.0.0.1' as networks; raises ValueError naming what is not one."""
+    """'10.0.0.0/8,127.0.0.1' as networks, `auto` standing for this host's own (local_networks);
+    raises ValueError naming what is not one."""
+    found: list = []
     try:
-        return tuple(ipaddress.ip_network(part.strip(), strict=False) for part in text.split(",") if part.strip())
+        for part in (p.strip() for p in text.split(",")):
+            if part == AUTO_PEERS:
+                found += local_networks()
+            elif part:
+                found.append(ipaddress.ip_network(part, strict=False))
     except ValueError as exc:
-        raise ValueError(f"link peers must be addresses or networks (CIDR), comma-separated: {exc}") from None
+        raise ValueError(f"link peers must be addresses or networks (CIDR) or 'auto', comma-separated: {exc}") from None
+    return tuple(dict.fromkeys(found))
+
+
+def local_networks() -> list:
+    """The networks of this host's interfaces (a container's: its own networks; loopback too): the
+    cluster's nodes on one machine, a compose network or a LAN segment, and no one beyond a router."""
+    import psutil
+
+    found = []
+    for addresses in psutil.net_if_addrs().values():
+        for a in addresses:
+            if a.family not in (socket.AF_INET, socket.AF_INET6) or not a.netmask:
+                continue
+            try:  # an IPv6 netmask is given as an address: its prefix is its count of ones
+                prefix = bin(int(ipaddress.ip_address(a.netmask))).count("1")
+                found.append(ipaddress.ip_network(f"{a.address.split('%')[0]}/{prefix}", strict=False))
+            except ValueError:
+                continue
+    return found
 
 
 def admitted(address: str, allow: Sequence) -> bool:

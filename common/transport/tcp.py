@@ -51,11 +51,14 @@ region, open. At most MAX_CONNECTIONS proven peers' connections are served at on
 closed at once.
 
 The door (`_Door`): a connection that has not proven the cluster secret yet holds no connection
-slot. It has HANDSHAKE_TIMEOUT_S to prove it, and at most MAX_HANDSHAKES such connections wait at
-once, MAX_HANDSHAKES_PER_ADDRESS of them from one address; more are closed at once. So a stranger
-who only reaches the port can neither hold the slots proven peers use nor, from one address, the
-handshakes of peers at other addresses (from one address, it delays them by at most
-HANDSHAKE_TIMEOUT_S per attempt). Where the cluster lists its members' addresses (`Transports.allow`,
+slot. It has HANDSHAKE_TIMEOUT_S for the whole handshake (a timer, not a per-read deadline), and at
+most MAX_HANDSHAKES such connections wait at once, MAX_HANDSHAKES_PER_ADDRESS of them from one
+address. A newcomer beyond either bound takes the place of the oldest one waiting (from its address,
+or of all): a proven peer's handshake takes milliseconds, so connections a stranger opens and holds
+are pushed out by the next peer that comes, where refusing the newcomer had let 16 held connections
+per address block every handoff (the prefill also tries a refused connection again:
+services/prefill/handoff.py). So a stranger who only reaches the port can neither hold the slots
+proven peers use nor, by holding connections, the handshakes of peers. Where the cluster lists its members' addresses (`Transports.allow`,
 --link-peers), a connection from any other is closed at accept, before it reads a byte or takes a
 handshake's place. Refusals are counted (`TcpBackend.refused`, by reason), logged at
 most once per source network every REFUSAL_LOG_S and for at most a few sources in that time, with
@@ -694,12 +697,11 @@ class TcpBackend(Backend):
                 sock.close()
                 self._refuse(addr, "stranger", "not an address the cluster's links are given (--link-peers)")
                 continue
-            if not self.door.enter(addr[0]):  # too many unproven connections: refuse rather than queue
-                sock.close()
-                self._refuse(addr, "handshakes", f"more than {MAX_HANDSHAKES_PER_ADDRESS} from this address or "
-                                                 f"{MAX_HANDSHAKES} in all are proving themselves")
-                continue
-            threading.Thread(target=self._serve, args=(sock, addr), name=f"tcp-peer-{addr[0]}:{addr[1]}",
+            # the whole handshake (TLS and the secret) within HANDSHAKE_TIMEOUT_S: the socket's
+            # deadline is per read, and a peer sending a byte now and then would hold its place for ever
+            cutoff = _Cutoff(sock, HANDSHAKE_TIMEOUT_S)
+            self.door.enter(addr[0], cutoff)  # too many proving themselves: the oldest gives way
+            threading.Thread(target=self._serve, args=(sock, addr, cutoff), name=f"tcp-peer-{addr[0]}:{addr[1]}",
                              daemon=True).start()
 
     def _refuse(self, addr, reason: str, why: str) -> None:
@@ -710,22 +712,20 @@ class TcpBackend(Backend):
         if self.transports.on_refused is not None:
             self.transports.on_refused(f"{addr[0]}:{addr[1]}", why)
 
-    def _serve(self, sock: socket.socket, addr) -> None:
+    def _serve(self, sock: socket.socket, addr, cutoff: "_Cutoff") -> None:
         peer = Peer(f"{addr[0]}:{addr[1]}")
         t = self.transports
         slot = False
-        # the whole handshake (TLS and the secret) within HANDSHAKE_TIMEOUT_S: the socket's
-        # deadline is per read, and a peer sending a byte now and then would hold its place for ever
-        cutoff = _Cutoff(sock, HANDSHAKE_TIMEOUT_S)
         try:
             try:
                 tune(sock, HANDSHAKE_TIMEOUT_S)
                 if t.tls is not None:
                     sock = t.tls.server.wrap_socket(sock, server_side=True)
             except OSError as exc:  # no TLS, or a certificate the cluster's link CA did not issue
-                cutoff.passed()
-                self.door.leave(addr[0])
-                self._refuse(addr, "tls", f"no TLS session with a certificate of the cluster's link CA: {exc}")
+                in_time = cutoff.passed()
+                self.door.leave(cutoff)
+                self._refuse(addr, *((("tls", f"no TLS session with a certificate of the cluster's link CA: {exc}"))
+                                     if in_time else cutoff.why()))
                 return
             try:
                 seals = server_handshake(sock, t.secret)
@@ -733,11 +733,10 @@ class TcpBackend(Backend):
                     raise TransportError(f"the handshake took longer than {HANDSHAKE_TIMEOUT_S:g} s")
             except (TransportError, OSError) as exc:  # a wrong proof, or none within the deadline
                 in_time = cutoff.passed()
-                self._refuse(addr, "secret", (str(exc) or type(exc).__name__) if in_time else
-                             f"the handshake took longer than {HANDSHAKE_TIMEOUT_S:g} s")
+                self._refuse(addr, *(("secret", str(exc) or type(exc).__name__) if in_time else cutoff.why()))
                 return
             finally:
-                self.door.leave(addr[0])
+                self.door.leave(cutoff)
             slot = self._slots.acquire(blocking=False)
             if not slot:
                 self._refuse(addr, "connections", f"{MAX_CONNECTIONS} connections already open")
@@ -757,10 +756,12 @@ class TcpBackend(Backend):
 
 class _Cutoff:
     """Closes a socket whose handshake is not over within `seconds` (a timer thread shuts it down,
-    which ends any read the handshake is blocked in)."""
+    which ends any read the handshake is blocked in), or sooner where the door gives its place to
+    a newer connection (`evict`)."""
 
     def __init__(self, sock: socket.socket, seconds: float) -> None:
         self._sock, self._lock, self._over = sock, threading.Lock(), False
+        self._seconds, self._evicted = seconds, False
         self._timer = threading.Timer(seconds, self._cut)
         self._timer.daemon = True
         self._timer.start()
@@ -775,6 +776,18 @@ class _Cutoff:
         except OSError:
             pass
 
+    def evict(self) -> None:
+        self._evicted = True
+        self._timer.cancel()
+        self._cut()
+
+    def why(self) -> tuple[str, str]:
+        """(refusal reason, words) of a handshake cut off."""
+        if self._evicted:
+            return "handshakes", (f"its place went to a newer connection: more than {MAX_HANDSHAKES_PER_ADDRESS} "
+                                  f"from its address or {MAX_HANDSHAKES} in all were proving themselves")
+        return "secret", f"the handshake took longer than {self._seconds:g} s"
+
     def passed(self) -> bool:
         """The handshake is over: True if it ended before the cutoff (the socket is whole)."""
         self._timer.cancel()
@@ -784,29 +797,47 @@ class _Cutoff:
 
 
 class _Door:
-    """Connections proving themselves, per address, and refusals (counted; logged sparingly)."""
+    """Connections proving themselves, oldest first, per address, and refusals (counted; logged
+    sparingly). Beyond MAX_HANDSHAKES_PER_ADDRESS from one address, or MAX_HANDSHAKES in all, the
+    oldest waiting (of that address, or of all) is cut off to make room: held connections cannot
+    keep a peer out, whose own handshake is over in milliseconds."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._waiting: dict[str, int] = {}
+        self._waiting: dict[str, dict[_Cutoff, None]] = {}  # address -> its handshakes, oldest first
+        self._all: dict[_Cutoff, str] = {}  # every handshake, oldest first -> its address
         self.refused: collections.Counter[str] = collections.Counter()
         self.log = Refusals(REFUSAL_LOG_S)  # which refusals are logged
 
-    def enter(self, address: str) -> bool:
+    def enter(self, address: str, cutoff: _Cutoff) -> None:
+        evicted = []
         with self._lock:
-            here = self._waiting.get(address, 0)
-            if here >= MAX_HANDSHAKES_PER_ADDRESS or sum(self._waiting.values()) >= MAX_HANDSHAKES:
-                return False
-            self._waiting[address] = here + 1
-            return True
+            here = self._waiting.setdefault(address, {})
+            if len(here) >= MAX_HANDSHAKES_PER_ADDRESS:
+                evicted.append(self._drop(next(iter(here))))
+            elif len(self._all) >= MAX_HANDSHAKES:
+                evicted.append(self._drop(next(iter(self._all))))
+            here[cutoff] = None
+            self._all[cutoff] = address
+        for oldest in evicted:
+            oldest.evict()  # its thread refuses it and leaves
 
-    def leave(self, address: str) -> None:
+    def _drop(self, cutoff: _Cutoff) -> _Cutoff:
+        address = self._all.pop(cutoff)
+        here = self._waiting[address]
+        here.pop(cutoff, None)
+        if not here:
+            del self._waiting[address]
+        return cutoff
+
+    def leave(self, cutoff: _Cutoff) -> None:
         with self._lock:
-            left = self._waiting.get(address, 0) - 1
-            if left > 0:
-                self._waiting[address] = left
-            else:
-                self._waiting.pop(address, None)
+            if cutoff in self._all:
+                self._drop(cutoff)
+
+    def waiting(self) -> int:
+        with self._lock:
+            return len(self._all)
 
     def refusal(self, address: str, reason: str) -> Told | None:
         """Count a refusal; what to log of it now, or None."""

@@ -45,11 +45,11 @@ ROLE_ENV = {  # module -> names only that role reads
     "services.conductor": {"MOONBUS_POLICY", "MOONBUS_ADMISSION", "MOONBUS_MODEL", "MOONBUS_DTYPE"},
     "services.cache_index": set(),
     "services.prefill": {"MOONBUS_NODE", "MOONBUS_MODEL", "MOONBUS_DTYPE", "MOONBUS_SHM_DIR", "MOONBUS_STREAM_HOST",
-                         "MOONBUS_LINK_CERT", "MOONBUS_LINK_CA", *WORKER_RUNTIME_ENV},
+                         "MOONBUS_LINK_CERT", "MOONBUS_LINK_CA", "MOONBUS_LINK_PEERS", *WORKER_RUNTIME_ENV},
     "services.decode": {"MOONBUS_NODE", "MOONBUS_MODEL", "MOONBUS_DTYPE", "MOONBUS_SHM_DIR", *WORKER_RUNTIME_ENV},
     "services.messenger": {
         "MOONBUS_MODEL", "MOONBUS_DTYPE", "MOONBUS_NODE", "MOONBUS_SHM_DIR", "MOONBUS_SSD_DIR", "MOONBUS_TRANSFER_HOST",
-        "MOONBUS_TRANSFER_PORT", "MOONBUS_ADVERTISE_HOST", "MOONBUS_LINK_CERT", "MOONBUS_LINK_CA",
+        "MOONBUS_TRANSFER_PORT", "MOONBUS_ADVERTISE_HOST", "MOONBUS_LINK_CERT", "MOONBUS_LINK_CA", "MOONBUS_LINK_PEERS",
     },
 }
 # messenger -> the worker service on the same node

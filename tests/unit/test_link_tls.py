@@ -183,3 +183,18 @@ def test_link_peers_must_be_addresses_or_networks():
     with pytest.raises(ValueError, match="CIDR"):
         config.check_transport("tcp", 1, 2, link_peers="10.0.0.0/8,node-a")
     config.check_transport("tcp", 1, 2, link_peers="10.0.0.0/8, 127.0.0.1, ::1")
+
+
+def test_auto_link_peers_are_the_networks_this_host_is_on(tmp_path):
+    """moonbus up and compose give the KV links `--link-peers auto`: this host's own networks
+    (loopback, a compose network, the LAN segment), so no one beyond a router takes a handshake's
+    place, and every local cluster's processes still reach each other."""
+    from common.transport import admitted, networks
+    from tools.moonbus.cluster.processes import Cluster, ClusterSpec
+
+    auto = networks("auto")
+    assert admitted("127.0.0.1", auto) and admitted("::1", auto) and admitted("::ffff:127.0.0.1", auto)
+    assert not admitted("203.0.113.9", auto)  # TEST-NET-3: no host's own network
+    assert networks("auto, 203.0.113.0/24")[-1].compressed == "203.0.113.0/24"
+    args = Cluster(ClusterSpec(home=tmp_path, auth=False)).transport_args()
+    assert args[args.index("--link-peers") + 1] == "auto"

@@ -205,6 +205,28 @@ def test_a_peer_that_drips_its_handshake_is_cut_off_at_the_handshakes_deadline(m
         owner.transports.close()
 
 
+def test_connections_a_stranger_holds_at_the_peers_own_address_do_not_keep_the_peer_out(owner):
+    """Reproduced: 16 connections held from 127.0.0.1 (where every local peer connects from) made
+    each handoff fail ("peer closed the connection after 0 of 16 bytes"). The door now gives a
+    newcomer the place of the oldest waiting connection: held ones are pushed out, not the peer."""
+    address = tuple(owner.transports.endpoints["tcp"].rsplit(":", 1))
+    held = [socket.create_connection(address, timeout=30) for _ in range(tcp.MAX_HANDSHAKES_PER_ADDRESS * 2)]
+    try:
+        backend = owner.transports.backends["tcp"]
+        until_sync(lambda: backend.door.waiting() == tcp.MAX_HANDSHAKES_PER_ADDRESS, "the door is full of strangers")
+        peer = Transports("tcp", SECRET, 30.0)
+        try:
+            channel = peer.connect(owner.transports.endpoints)
+            assert channel.call("echo", b"abc") == b"cba"
+            channel.close()
+        finally:
+            peer.close()
+        assert backend.refused["handshakes"] >= tcp.MAX_HANDSHAKES_PER_ADDRESS + 1  # the strangers pushed out
+    finally:
+        for sock in held:
+            sock.close()
+
+
 def test_unregister_waits_for_a_write_in_flight(owner):
     region = owner.transports.regions["r1"]
     sock = raw_connection(owner)

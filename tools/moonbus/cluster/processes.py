@@ -159,6 +159,7 @@ class ClusterSpec:
     prefill_chunk: int = 2048
     transport: str = "auto"  # point-to-point KV: auto | tcp | rdma (common/transport)
     tcp_streams: int = 1  # tcp connections per peer a large write is striped over
+    link_peers: str = "auto"  # who the KV links take connections from (auto: this host's networks)
     link_tls: bool = False  # TLS on the KV links: the cluster's link CA issues each process a certificate
     profile: str = ""  # "" = $home/profiles/<model>.json if it exists, else an analytic guess
     log_level: str = "INFO"
@@ -442,7 +443,8 @@ class Cluster:
 
     def transport_args(self) -> list[str]:
         insecure = ["--insecure"] if self.secrets is None else []  # an open cluster (auth off) has no link secret
-        return ["--transport", self.spec.transport, "--tcp-streams", str(self.spec.tcp_streams), *insecure]
+        return ["--transport", self.spec.transport, "--tcp-streams", str(self.spec.tcp_streams), *insecure,
+                "--link-peers", self.spec.link_peers]
 
     def link_tls_args(self, name: str) -> list[str]:
         """The process's own certificate from the cluster's link CA (issued once, then kept)."""

@@ -66,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="TLS on the KV links: every process that opens one gets a certificate of the cluster's "
                              "link CA (under <home>/secrets). Off by default: then every frame still carries a keyed "
                              "MAC of its connection (integrity, not secrecy), at less cost than TLS")
+    parser.add_argument("--link-peers", default="auto",
+                        help="addresses/networks (CIDR) the KV links take connections from; 'auto' (default): the "
+                             "networks this host is on, loopback included; '' = anyone who reaches the port")
     parser.add_argument("--profile", default="", help="performance profile (default: measured on first start)")
     parser.add_argument("--log-level", default="INFO")
 
@@ -94,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
                        block_tokens=args.block_tokens, dtype=dtype, dram_bytes=args.dram_bytes, ssd_bytes=args.ssd_bytes,
                        eviction=args.eviction, profile=args.profile, pipeline_group=args.pipeline_group,
                        prefill_chunk=args.prefill_chunk, transport=args.transport, tcp_streams=args.tcp_streams,
-                       link_tls=args.link_tls)
+                       link_tls=args.link_tls, link_peers=args.link_peers)
     threads = {role: spec.profile_threads("coupled" if args.coupled else role) for role in ("prefill", "decode")}
     if not args.profile:
         done = ensure_profile(profiles.profile_path(home, ref.name, dtype), home, args.model, dtype, threads,
