@@ -20,7 +20,9 @@ levels: one window's spike does not make a trend) times lead_s, since an instanc
 Increases judge max(level, forecast); decreases judge max(level, the last demand) and never the
 trend: a fall anticipated wrongly costs the SLO, one seen late costs only instance-hours.
 
-The rules, per role, with target T and needed = ceil(demand / target):
+The rules, per role, with target count T and needed = ceil(demand / the role's target utilisation)
+(prefill runs hotter than decode: its queue absorbs bursts within the TTFT SLO, while a decode
+instance's KV room is a wall):
 
     up        demand / T above `high` for up_after observations in a row, or the role's rejections
               (TTFT: prefill; TBT and KV room: decode) above reject_share of the arrivals, and
@@ -68,9 +70,16 @@ class PlannerSettings:
     max_decode: int = 32
     max_total: int | None = None  # cap on prefill + decode
     interval_s: float = 30.0  # how often the caller observes and decides
-    target: float = 0.8  # the utilisation a change aims at
-    high: float = 0.9  # above it, more instances (after up_after observations)
-    low: float = 0.55  # below it, fewer (after down_after observations)
+    # prefill: the utilisation a change aims at, and the watermarks (above high: more instances after
+    # up_after observations; below low: fewer after down_after). A prefill queue under a TTFT SLO
+    # of seconds absorbs bursts (and the backlog term catches what it does not): it can run hot
+    target: float = 0.85
+    high: float = 0.95
+    low: float = 0.6
+    # decode: its KV room is a wall (a request without room waits), so it keeps more headroom
+    decode_target: float = 0.7
+    decode_high: float = 0.85
+    decode_low: float = 0.4
     up_after: int = 2
     down_after: int = 4
     up_cooldown_s: float = 60.0  # since the role's last change, before an increase
@@ -90,7 +99,7 @@ class PlannerSettings:
             raise ValueError("planner bounds need 0 <= min <= max per role")
         if self.max_total is not None and self.max_total < self.min_prefill + self.min_decode:
             raise ValueError("planner max_total is below the sum of the minimums")
-        if not 0 < self.low < self.target < self.high:
+        if not (0 < self.low < self.target < self.high and 0 < self.decode_low < self.decode_target < self.decode_high):
             raise ValueError("planner watermarks need 0 < low < target < high")
         if self.up_after < 1 or self.down_after < 1 or self.trend_points < 2 or self.interval_s <= 0:
             raise ValueError("planner streaks need >= 1 observation, the trend >= 2, the interval > 0")
@@ -99,6 +108,12 @@ class PlannerSettings:
 
     def bounds(self, role: str) -> tuple[int, int]:
         return (self.min_prefill, self.max_prefill) if role == "prefill" else (self.min_decode, self.max_decode)
+
+    def watermarks(self, role: str) -> tuple[float, float, float]:
+        """(low, target, high) of a role."""
+        if role == "prefill":
+            return self.low, self.target, self.high
+        return self.decode_low, self.decode_target, self.decode_high
 
 
 @dataclass(frozen=True)
@@ -259,28 +274,29 @@ class Planner:
             rising, falling = max(r.level, forecast), max(r.level, demand)
             judged[role] = rising
             ratios[role] = rising / max(r.target, 1)
+            low, target, high = s.watermarks(role)
             rejected = obs.rejected(role)
             starved = rejected > s.reject_share * max(obs.arrivals, 1)
-            r.above = r.above + 1 if (ratios[role] > s.high or starved) else 0
+            r.above = r.above + 1 if (ratios[role] > high or starved) else 0
             poor = obs.attainment is not None and obs.attainment < s.attainment_goal
-            r.below = r.below + 1 if (falling / max(r.target, 1) < s.low and not rejected and not poor) else 0
+            r.below = r.below + 1 if (falling / max(r.target, 1) < low and not rejected and not poor) else 0
             since = now - r.changed_at
             if r.above >= s.up_after:
                 if since < s.up_cooldown_s:
                     continue
-                needed = math.ceil(rising / s.target - 1e-9)
+                needed = math.ceil(rising / target - 1e-9)
                 new = self._clamp(role, max(needed, r.target + 1))
-                why = (f"rejections {rejected}/{obs.arrivals}" if starved and ratios[role] <= s.high else
-                       f"demand {rising:.2f} is {ratios[role]:.2f} of {r.target} > {s.high:g}")
+                why = (f"rejections {rejected}/{obs.arrivals}" if starved and ratios[role] <= high else
+                       f"demand {rising:.2f} is {ratios[role]:.2f} of {r.target} > {high:g}")
                 self._move(role, new, now, reasons, f"{why} for {r.above} observations")
             elif r.below >= s.down_after:
                 if since < s.down_cooldown_s:
                     continue
-                needed = math.ceil(falling / s.target - 1e-9)
+                needed = math.ceil(falling / target - 1e-9)
                 step = max(1, math.floor(r.target * s.max_step_down))
                 new = self._clamp(role, max(needed, r.target - step))
                 self._move(role, new, now, reasons,
-                           f"demand {falling:.2f} is {falling / max(r.target, 1):.2f} of {r.target} < {s.low:g} "
+                           f"demand {falling:.2f} is {falling / max(r.target, 1):.2f} of {r.target} < {low:g} "
                            f"for {r.below} observations")
         self._attainment(obs, before, held, ratios, reasons)
         self._cap_total(before, reasons)
@@ -309,7 +325,7 @@ class Planner:
         self.starved += 1
         if self.starved < s.up_after:
             return
-        role = max(ratios, key=lambda name: (ratios[name], name == "prefill"))
+        role = max(ratios, key=lambda name: (ratios[name] / s.watermarks(name)[2], name == "prefill"))
         r = self.roles[role]
         if obs.at - r.changed_at < s.up_cooldown_s:
             return

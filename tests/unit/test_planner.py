@@ -19,7 +19,8 @@ from schemas.workers import DecodeReport, PrefillReport, WorkerInfo
 
 WINDOW = 30.0
 SETTINGS = PlannerSettings(min_prefill=1, max_prefill=20, min_decode=1, max_decode=20, up_after=2, down_after=3,
-                           up_cooldown_s=60.0, down_cooldown_s=120.0, lead_s=0.0, interval_s=WINDOW)
+                           up_cooldown_s=60.0, down_cooldown_s=120.0, lead_s=0.0, interval_s=WINDOW,
+                           low=0.55, target=0.8, high=0.9, decode_low=0.55, decode_target=0.8, decode_high=0.9)
 
 
 def obs(at, prefill=4, decode=2, demand=3.2, kv=0.5, lost=(0, 0), rejections=None, arrivals=100,
@@ -68,8 +69,8 @@ def test_a_role_waits_its_cooldown_after_a_change():
 
 
 def test_targets_stay_within_the_bounds_and_the_total_cap():
-    settings = PlannerSettings(min_prefill=2, max_prefill=10, min_decode=2, max_decode=6, max_total=12, up_after=1,
-                               lead_s=0.0)
+    settings = replace(SETTINGS, min_prefill=2, max_prefill=10, min_decode=2, max_decode=6, max_total=12,
+                       up_after=1)
     planner = Planner(settings, 1, 1)
     assert (planner.target("prefill"), planner.target("decode")) == (2, 2)
     plan = planner.decide(obs(30.0, prefill=2, decode=2, demand=50.0, kv=3.0))
@@ -104,8 +105,8 @@ def test_rejections_for_a_roles_capacity_ask_for_more_of_it_and_others_do_not():
 
 
 def test_a_rising_demand_is_followed_ahead_by_its_trend():
-    settings = PlannerSettings(max_prefill=40, up_after=2, lead_s=120.0, interval_s=WINDOW)
-    ahead, behind = Planner(settings, 4, 2), Planner(PlannerSettings(max_prefill=40, up_after=2, lead_s=0.0), 4, 2)
+    settings = replace(SETTINGS, max_prefill=40, lead_s=120.0)
+    ahead, behind = Planner(settings, 4, 2), Planner(replace(settings, lead_s=0.0), 4, 2)
     demands = [3.0, 4.0, 5.0]  # +1 instance's worth every 30 s
     ahead_plans = run(ahead, [obs((i + 1) * WINDOW, demand=d) for i, d in enumerate(demands)])
     behind_plans = run(behind, [obs((i + 1) * WINDOW, demand=d) for i, d in enumerate(demands)])
