@@ -1,6 +1,6 @@
-"""Run one experiment (1-6) or all: each writes N_name.md (table + settings) and N_name.png.
+"""Run one experiment (1-7) or all: each writes N_name.md (table + settings) and N_name.png.
 
-1-5 simulate (tools/sim); 6 starts real clusters on this machine and replays a trace slice.
+1-5 and 7 simulate (tools/sim); 6 starts real clusters on this machine and replays a trace slice.
 
     python -m tools.experiments 1            # scheduling policies
     python -m tools.experiments all --out docs/experiments
@@ -16,7 +16,7 @@ from pathlib import Path
 from tools.experiments import live, runs
 from tools.moonbus.traces.rows import resolve_trace
 
-EXPERIMENTS = {**runs.EXPERIMENTS, "6": live.live}
+EXPERIMENTS = dict(sorted({**runs.EXPERIMENTS, "6": live.live}.items()))
 
 
 def main(argv: list[str] | None = None) -> int:

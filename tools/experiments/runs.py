@@ -1,4 +1,4 @@
-"""The five simulated experiments. Each runs `tools.sim.simulate` and writes a table and a PNG.
+"""The simulated experiments (1-5, 7). Each runs `tools.sim.simulate` and writes a table and a PNG.
 
 Every setting that differs from `moonbus sim`'s defaults is written into the table file, with the
 equivalent `moonbus sim` command line, so each number can be reproduced one run at a time.
@@ -173,4 +173,133 @@ def coupled(args: argparse.Namespace) -> Path:
         ["TBT threshold (s)", "disaggregated", "coupled"], table, fig)
 
 
-EXPERIMENTS = {"1": policies, "2": cache_scope, "3": overload, "4": pd_ratio, "5": coupled}
+DAY_S = 3600.0  # experiment 7: one day, in simulated seconds
+DAY_PEAK, DAY_TROUGH = 8.0, 1.0  # the day's rate at 16:00 and 4:00, times the conversation trace's
+GOAL = 0.9
+
+
+def autoscale(args: argparse.Namespace) -> Path:
+    """7. The planner against the cheapest fixed splits on a day-shaped conversation trace."""
+    from common.decide.planner import PlannerSettings
+    from tools.sim.autoscale import compare, day_curve, day_rate, window_attainment
+
+    trace = _rows(args, "conversation")
+    rows = day_curve(trace, DAY_S, DAY_PEAK, DAY_TROUGH)
+    settings = PlannerSettings(min_prefill=6, max_prefill=56, min_decode=2, max_decode=8, max_total=64)
+    hour = DAY_S / 24
+    result = compare(rows, BASE, settings, GOAL, hour)
+    planner, (overall, hourly) = result.planner, result.searches
+    auto = planner.stats["autoscale"]
+    timeline = auto["timeline"]
+    hours = [row["at"] / hour for row in timeline]
+    fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
+    ax = axes[0]
+    windows = [row for row in timeline if row["arrivals_per_s"] is not None]
+    ax.plot([(row["at"] - settings.interval_s / 2) / hour for row in windows],
+            [row["arrivals_per_s"] for row in windows], lw=1, label="arrivals (per planner window)")
+    base_rate = len(trace) / max(1e-9, (trace[-1].timestamp_ms - trace[0].timestamp_ms) / 1000)
+    curve_h = [h / 10 for h in range(0, 241)]
+    ax.plot(curve_h, [base_rate * day_rate(h, DAY_PEAK, DAY_TROUGH) for h in curve_h], "k--", lw=1,
+            label="the day's rate")
+    ax.set_ylabel("requests / s")
+    ax.legend(fontsize=8)
+    ax.set_title(f"Planner vs fixed splits, conversation trace x{DAY_TROUGH:g}..x{DAY_PEAK:g} over a day of {DAY_S:g} s")
+    ax = axes[1]
+    for role, color in (("prefill", "tab:blue"), ("decode", "tab:orange")):
+        ax.step(hours, [row[role] for row in timeline], where="post", color=color, label=f"planner: {role} serving")
+        ax.step(hours, [row[f"{role}_target"] for row in timeline], where="post", color=color, ls=":", lw=1,
+                label=f"planner: {role} target")
+    for search, style in ((overall, "--"), (hourly, "-.")):
+        if search.best is not None:
+            ax.axhline(search.best[0], color="tab:blue", ls=style, lw=1,
+                       label=f"fixed, {_criterion(search)}: {search.best[0]} prefill")
+            ax.axhline(search.best[1], color="tab:orange", ls=style, lw=1,
+                       label=f"fixed, {_criterion(search)}: {search.best[1]} decode")
+    ax.set_ylabel("instances")
+    ax.legend(fontsize=6.5, ncol=2)
+    ax = axes[2]
+    runs = [("planner", planner.results)] + [(f"fixed {s.best[0]}P{s.best[1]}D ({_criterion(s)})", s.outcome.results)
+                                             for s in (overall, hourly) if s.best is not None]
+    for label, results in runs:
+        points = window_attainment(results, BASE.ttft_slo_s, BASE.tbt_slo_s, hour)
+        ax.plot([(start + hour / 2) / hour for start, _ in points], [a for _, a in points], marker=".", lw=1,
+                label=label)
+    ax.axhline(GOAL, color="gray", ls=":", lw=1)
+    ax.set_ylabel("attainment per hour of arrivals")
+    ax.set_xlabel("hour of the simulated day")
+    ax.set_xticks(range(0, 25, 4))
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(args.out / "7_autoscale.png", dpi=110)
+    plt.close(fig)
+    low_p = min((row["prefill"] for row in timeline), default=0)
+    low_d = min((row["decode"] for row in timeline), default=0)
+    table = [["planner", result.planner_attainment, result.planner_worst_window, f"{result.planner_hours:.2f}",
+              f"{low_p}..{result.peak('prefill')}", f"{low_d}..{result.peak('decode')}",
+              f"{len(auto['plans'])} changes"]]
+    seen = {}
+    for search in (overall, hourly):
+        for split, n in search.runs.items():
+            seen[split] = n
+    for (p, d), n in seen.items():
+        notes = [f"cheapest {_criterion(s)}" for s in (overall, hourly) if s.best == (p, d)]
+        if n["stopped"]:  # what it reached before it stopped is neither its attainment nor its hours
+            where = "overall" if n["stopped_for"] is None else "in an hour"
+            table.append([f"fixed {p}P{d}D", "-", "-", "-", p, d, f"stopped: below {GOAL:g} {where}"])
+            continue
+        table.append([f"fixed {p}P{d}D", n["attainment"], n["worst_window"], f"{n['instance_hours']:.2f}", p, d,
+                      "; ".join(notes) or ("meets both" if n["worst_window"] >= GOAL else
+                                           "overall only" if n["attainment"] >= GOAL else "below the goal")])
+    verdicts = [_verdict(result, search) for search in (overall, hourly)]
+    settings_lines = [
+        *_limit_note(args),
+        f"the conversation trace repeated ({len(rows)} requests; each copy's hash ids moved past the last's) with its "
+        f"arrival rate scaled by a day of {DAY_S:g} simulated s: x{DAY_TROUGH:g} at 4:00, x{DAY_PEAK:g} at 16:00, "
+        "a cosine between (tools/sim/autoscale.py day_curve); an hour of that day is {:g} s".format(hour),
+        "kvcache-centric, baseline admission, SLOs TTFT 30 s and TBT 0.1 s, LLaMA3-70B on 8xA800; attainment = requests "
+        "within both SLOs / all requests (rejections count as misses); worst hour = the lowest attainment of the "
+        "requests arriving in one hour of the day",
+        f"the planner (common/decide/planner.py, default settings) every {settings.interval_s:g} s, prefill "
+        f"{settings.min_prefill}..{settings.max_prefill}, decode {settings.min_decode}..{settings.max_decode} "
+        f"(8 to 64 instances), from 8P+8D; a new instance serves {BASE.startup_s:g} s after it is asked for and "
+        "counts from then; a removed one takes no new work and leaves once what it holds has ended",
+        f"fixed splits in the same bounds, two criteria: attainment >= {GOAL:g} over the day, and >= {GOAL:g} in every "
+        f"hour too; for each, the fewest prefill meeting it with {settings.max_decode} decode (binary search), then the "
+        "fewest decode with those; a run stops once it can no longer meet it. Assumes more instances of a role never "
+        "lower attainment",
+        "instance-hours: every instance from its ask to its leave (fixed: all of them for the whole run)",
+        "command: moonbus sim --trace conversation_trace.jsonl --rate-curve day --autoscale "
+        f"(--day-s {DAY_S:g} --rate-peak {DAY_PEAK:g} --rate-trough {DAY_TROUGH:g} are its defaults)"]
+    lines = ["# Autoscaling: the planner against the best fixed splits", "", *[f"- {x}" for x in settings_lines], "",
+             "| run | attainment | worst hour | instance-hours | prefill | decode | note |",
+             "|---|---|---|---|---|---|---|"]
+    lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in table]
+    lines += ["", *verdicts, "", "![Rate, instances and attainment over the day](7_autoscale.png)", ""]
+    md = args.out / "7_autoscale.md"
+    md.write_text("\n".join(lines))
+    return md
+
+
+def _criterion(search) -> str:
+    return f">= {GOAL:g} overall" if search.window_s is None else f">= {GOAL:g} every hour"
+
+
+def _verdict(result, search) -> str:
+    """One honest sentence per criterion: the numbers, and whether the planner beat the split."""
+    if search.best is None:
+        return (f"No fixed split within the bounds reaches attainment {_criterion(search)}; the planner reaches "
+                f"{result.planner_attainment:.3f} (worst hour {result.planner_worst_window:.3f}) with "
+                f"{result.planner_hours:.2f} instance-hours.")
+    n, ratio = search.runs[search.best], result.ratio(search)
+    kept = result.planner_attainment >= GOAL and (search.window_s is None or result.planner_worst_window >= GOAL)
+    head = (f"{_criterion(search).capitalize()}: the cheapest fixed split is {search.best[0]}P{search.best[1]}D, "
+            f"attainment {n['attainment']:.3f} (worst hour {n['worst_window']:.3f}) with {n['instance_hours']:.2f} "
+            f"instance-hours; the planner's {result.planner_hours:.2f} are {ratio:.3f} of them")
+    if kept and ratio < 1:
+        return head + f": {(1 - ratio) * 100:.0f}% fewer, meeting the same goal."
+    if not kept:
+        return head + ", and the planner does NOT meet this goal."
+    return head + ": the planner does NOT beat this fixed split."
+
+
+EXPERIMENTS = {"1": policies, "2": cache_scope, "3": overload, "4": pd_ratio, "5": coupled, "7": autoscale}

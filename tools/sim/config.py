@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.decide.perf import HARDWARE_PRESETS, MODEL_PRESETS, Profile, analytic_profile
+from common.decide.planner import PlannerSettings
 from common.decide.admission import MODES
 from common.decide.policy import POLICIES
 
@@ -48,6 +49,16 @@ class SimConfig:
     # the conductor learns it (common/decide/learn.py) as the live one does
     speed_factor: float = 1.0
     drift: float = 0.0
+    # autoscaling (tools/sim/autoscale.py): the planner (common/decide/planner.py) sets how many
+    # instances of each role run, starting from prefill/decode; a new one serves startup_s after
+    # it is asked for (and counts from then), a removed one drains
+    autoscale: PlannerSettings | None = None
+    startup_s: float = 60.0
+    # stop once attainment (within both SLOs, rejections as misses) can no longer reach stop_goal
+    # over the whole run, or with stop_window_s in every window of that many seconds of arrivals:
+    # a search that only asks whether a goal is reached need not simulate the rest of a failing run
+    stop_goal: float | None = None
+    stop_window_s: float | None = None
     profile: Profile | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -67,6 +78,10 @@ class SimConfig:
             raise ValueError("speed_factor must be > 0 and drift > -1")
         if self.max_output is not None and self.max_output < 1:
             raise ValueError("max_output must be >= 1")
+        if self.autoscale is not None and self.coupled:
+            raise ValueError("autoscaling drives disaggregated instances, not coupled ones")
+        if self.startup_s < 0:
+            raise ValueError("startup_s must be >= 0")
 
 
 def build_profile(model: str = "llama3-70b", gpu: str = "8xa800", path: str | None = None) -> tuple[Profile, dict]:

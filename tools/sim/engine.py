@@ -18,6 +18,9 @@
     segment end members that produced their last token are done
 
 Coupled instances (coupled.py) prefill and decode on one GPU: a prefill pauses the batch.
+With SimConfig.autoscale, the planner runs every interval and instances come and go (autoscale.py):
+    plan        observe the window (common/decide/planner.py, on the state the router reads), decide,
+                start instances (up after startup_s) or drain some (no new work; gone once idle)
 Ties in time are broken by booking order, so a run is a pure function of (trace, config).
 """
 
@@ -32,7 +35,7 @@ from collections.abc import Mapping
 
 from common.decide.cluster_state import ClusterState
 from common.kv.blocks import block_keys_from_hash_ids
-from tools.moonbus.traces.measures import FAILED, OK, REJECTED_ARRIVAL, REJECTED_LATE, RequestResult, summarize
+from tools.moonbus.traces.measures import FAILED, OK, REJECTED_ARRIVAL, REJECTED_LATE, RequestResult, meets, summarize
 from common.decide.perf import Profile
 from tools.moonbus.traces.rows import TraceRow
 from common.decide.index import PrefixIndex
@@ -45,7 +48,11 @@ from tools.sim.decode import DecodeBatch
 from tools.sim.instances import DecodeInstance, Nic, PoolNode, PrefillInstance, transfer
 from tools.sim.request import SimRequest
 
-PREFILL_DONE, KV_ARRIVE, SEGMENT_END = range(3)
+PREFILL_DONE, KV_ARRIVE, SEGMENT_END, PLAN, INSTANCE_UP = range(5)
+
+
+class GoalMissed(Exception):
+    """Attainment can no longer reach SimConfig.stop_goal: the run stops."""
 
 
 @dataclass
@@ -109,7 +116,7 @@ class Simulator:
                 self.decodes.append(dec)
         self.prefill_by_id = {p.instance_id: p for p in self.prefills}
         self.decode_by_id = {d.instance_id: d for d in self.decodes}
-        self.handlers = (self.on_prefill_done, self.on_kv_arrive, self.on_segment_end)
+        self.handlers = (self.on_prefill_done, self.on_kv_arrive, self.on_segment_end, self.on_plan, self.on_instance_up)
         # the live conductor's bookkeeping; reports are taken, like heartbeats, before each decision
         self.state = ClusterState(float("inf"), float("inf"), perf=profile,
                                   balancing_threshold=cfg.kvcache_balancing_threshold,
@@ -117,6 +124,21 @@ class Simulator:
         self.dirty: set = set(self.prefills) | set(self.decodes)  # instances whose report is due
         for d in self.decodes:
             d.on_change = self.dirty.add
+        self.budget: dict[int, int] = {}  # window of arrivals -> the misses stop_goal allows there
+        self.misses: dict[int, int] = {}
+        if cfg.stop_goal is not None:
+            for r in requests:
+                key = self.window_of(r)
+                self.budget[key] = self.budget.get(key, 0) + 1
+            self.budget = {key: int((1 - cfg.stop_goal) * n + 1e-9) for key, n in self.budget.items()}
+        self.scaler = None
+        if cfg.autoscale is not None:
+            from tools.sim.autoscale import Scaler
+
+            self.scaler = Scaler(self, cfg.autoscale)
+
+    def window_of(self, r: SimRequest) -> int:
+        return int(r.arrival_s // self.cfg.stop_window_s) if self.cfg.stop_window_s else 0
 
     def slowdown(self, t: float) -> float:
         """How much slower than the profile the machine runs at t (SimConfig.speed_factor, drift)."""
@@ -156,6 +178,13 @@ class Simulator:
         r.status, r.end_s, r.error = status, t, error
         self.ended += 1
         self.state.end(str(r.index))
+        if self.scaler is not None:
+            self.scaler.ended(r, t)
+        if self.budget and not meets(r.result(), self.cfg.ttft_slo_s, self.cfg.tbt_slo_s):
+            key = self.window_of(r)
+            self.misses[key] = self.misses.get(key, 0) + 1
+            if self.misses[key] > self.budget[key]:
+                raise GoalMissed()
         if status == OK and r.output_tokens > 1:  # how long requests run: what the conductor learns from
             self.state.completed(r.output_tokens)
 
@@ -191,6 +220,8 @@ class Simulator:
         self.policy = self.state.policy_settings(self.policy)  # with the balancing threshold learned so far
         outcome = route(ToRoute(str(r.index), r.keys, r.input_tokens, r.max_tokens), self.index, self.state, t,
                         self.policy, self.admission, self.perf, self.rng.random(), queued=_NicQueues(self.nics, t))
+        if self.scaler is not None:
+            self.scaler.window.routed(outcome)
         if not outcome.admitted:  # an overload, no instance, or too large: either way, not served
             self.end(r, t, REJECTED_ARRIVAL, outcome.reason)
             return
@@ -207,6 +238,8 @@ class Simulator:
             self.pulled_blocks += decision.pull.num_blocks
         p.queue.push(r, r.arrival_s)
         self.dirty.add(p)
+        if self.scaler is not None:
+            self.scaler.dispatched(r)
         if not p.busy:
             self.start_prefill(p, t)
 
@@ -270,6 +303,8 @@ class Simulator:
             self.push(r.kv_arrival_s, KV_ARRIVE, r)
         if p.queue:
             self.start_prefill(p, t)
+        if p.draining and not p.busy:  # a removed instance that finished its queue
+            self.scaler.idle(p, t)
 
     # --- decode ----------------------------------------------------------------------------------------
 
@@ -294,6 +329,12 @@ class Simulator:
         if not batch.running:  # a request that was waiting for room may have opened it already
             batch.open(t)
 
+    def on_plan(self, scaler, _unused, t: float) -> None:
+        scaler.plan(t)
+
+    def on_instance_up(self, scaler, name: tuple[str, str], t: float) -> None:
+        scaler.up(name, t)
+
 
 def simulate(rows: list[TraceRow], cfg: SimConfig, profile: Profile | None = None) -> SimOutcome:
     """Run the trace through the simulated cluster; results are in trace row order."""
@@ -302,10 +343,16 @@ def simulate(rows: list[TraceRow], cfg: SimConfig, profile: Profile | None = Non
     requests = make_requests(rows, cfg)
     sim = Simulator(requests, cfg, profile)
     started = time.perf_counter()
-    sim.run()
+    stopped = False
+    try:
+        sim.run()
+    except GoalMissed:
+        stopped = True
     wall = time.perf_counter() - started
     for r in requests:
-        if r.end_s is None:  # cannot happen; kept so that a bug shows up as failures, not as a hang
+        if stopped and r.end_s is None:  # not simulated: a miss, as far as the search that stopped it cares
+            r.status, r.end_s, r.error = FAILED, r.arrival_s, "not simulated: the run stopped (goal missed)"
+        elif r.end_s is None:  # cannot happen; kept so that a bug shows up as failures, not as a hang
             sim.end(r, r.arrival_s, FAILED, "never ended")
     results = sorted((r.result() for r in requests), key=lambda x: x.index)
     sim_s = max((r.end_s for r in requests), default=0.0)
@@ -319,6 +366,14 @@ def simulate(rows: list[TraceRow], cfg: SimConfig, profile: Profile | None = Non
         "balancing_threshold": sim.state.threshold.value,  # as learned from pulls' TTFT against recomputes'
 
     }
+    if sim.scaler is not None:
+        stats["autoscale"] = sim.scaler.report(sim_s)
+        stats["instance_hours"] = stats["autoscale"]["instance_hours"]
+    elif not cfg.coupled:
+        stats["instance_hours"] = (cfg.prefill + cfg.decode) * sim_s / 3600.0
+    if stopped:
+        stats["stopped"] = f"attainment can no longer reach {cfg.stop_goal:g}" + \
+            (f" in every {cfg.stop_window_s:g} s of arrivals" if cfg.stop_window_s else "")
     return SimOutcome(results, summarize(results, cfg.ttft_slo_s, cfg.tbt_slo_s), stats)
 
 

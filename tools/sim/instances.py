@@ -74,6 +74,8 @@ class PrefillInstance:
     """A prefill queue in the live instance's order (`FairOrder`), reporting what it holds the
     way a live prefill instance does."""
 
+    draining = False  # an autoscaled cluster's instance being removed: it finishes its queue, takes nothing new
+
     def __init__(self, instance_id: str, pool: PoolNode, nic: Nic) -> None:
         self.instance_id = instance_id
         self.node = pool.node
@@ -95,7 +97,7 @@ class PrefillInstance:
         coming = [Coming(str(r.index), r.decode.instance_id, end, r.input_tokens, r.max_tokens)
                   for r, end in zip(held, ends) if r.output_tokens > 1]
         seq, seconds, tokens, prefix = self.measured
-        return WorkerInfo(self.instance_id, "prefill", self.node, prefill=PrefillReport(
+        return WorkerInfo(self.instance_id, "prefill", self.node, draining=self.draining, prefill=PrefillReport(
             ends[-1] if ends else 0.0, sum(r.input_tokens for r in self.queue.items()),
             self.current.input_tokens if self.current is not None else 0, [str(r.index) for r in held], coming,
             Measured(seq, seconds, tokens, prefix) if seq else None))
@@ -111,6 +113,8 @@ class PrefillInstance:
 class DecodeInstance:
     """A decode batch and the requests whose KV arrived, waiting for room (first come first served);
     what is routed here but not arrived yet is the conductor's to count."""
+
+    draining = False  # as PrefillInstance.draining: it serves what was routed to it, nothing new
 
     def __init__(self, instance_id: str, nic: Nic, batch: DecodeBatch, kv_tokens: int | None, node: str = "") -> None:
         self.instance_id = instance_id
@@ -155,6 +159,6 @@ class DecodeInstance:
         joined += [Joined(str(r.index), 0.0, r.input_tokens, 1, r.max_tokens) for r in self.waiting]
         measured = Measured(b.steps, b.s, b.context, batch=len(b.members)) if b.steps and b.members else None
         reserved = self.reserved()
-        return WorkerInfo(self.instance_id, "decode", self.node, decode=DecodeReport(
+        return WorkerInfo(self.instance_id, "decode", self.node, draining=self.draining, decode=DecodeReport(
             len(b.members), b.context, reserved, None if self.kv_tokens is None else self.kv_tokens - reserved,
             0.0, joined, measured))
