@@ -23,6 +23,7 @@ from common.engine.batch import BatchEngine
 from services.decode.batch_loop import DecodeService
 from services.decode.config import DecodeConfig
 from services.decode.keep import Running
+from schemas import subjects
 from schemas.decode import DecodeTask
 from schemas.route import SamplingParams
 from schemas.tokens import TokenChunk
@@ -73,7 +74,7 @@ class Decode:
     async def errors(self) -> list[TokenChunk]:
         """The error chunks sent so far: they come back over the broker, in the order they were sent
         on the connection, so all of them are back once a chunk sent after them is."""
-        await self.nc.publish(REPLY, END.to_bytes())
+        await self.nc.publish(subjects.tokens_from(REPLY, "worker", "test"), END.to_bytes())
         await until(lambda: END in self.chunks, "a chunk sent after the service's comes back")
         return [c for c in self.chunks if c.error]
 
@@ -96,7 +97,7 @@ async def decode(bare_nats_url, tmp_path):
     async def on_chunk(msg) -> None:
         chunks.append(TokenChunk.from_bytes(msg.data))
 
-    await bus.subscribe(nc, REPLY, on_chunk)
+    await bus.subscribe(nc, subjects.tokens_sent_to(REPLY), on_chunk)  # each sender's, below the request's
     await bus.flush(nc)
     yield Decode(service, nc, chunks)
     await bus.shutdown(nc)
