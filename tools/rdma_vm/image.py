@@ -52,7 +52,7 @@ DISK_HEADROOM_BYTES = 384 << 20  # free space in the guest's root (its writes go
 # the transport, schemas, the messenger service and pytest). Pure Python or cp311 manylinux wheels.
 GUEST_PYTHON_PACKAGES = (
     "nats-py", "orjson", "xxhash", "numpy", "lmdb", "aiohttp", "prometheus-client", "filelock",
-    "uvloop", "msgspec",
+    "uvloop", "msgspec", "cryptography", "psutil",  # the links' keyed MAC; --link-peers auto
     "pytest", "pytest-asyncio", "pytest-timeout",
 )
 
