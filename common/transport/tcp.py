@@ -722,10 +722,10 @@ class TcpBackend(Backend):
                 if t.tls is not None:
                     sock = t.tls.server.wrap_socket(sock, server_side=True)
             except OSError as exc:  # no TLS, or a certificate the cluster's link CA did not issue
-                in_time = cutoff.passed()
+                cutoff.passed()
                 self.door.leave(cutoff)
-                self._refuse(addr, *((("tls", f"no TLS session with a certificate of the cluster's link CA: {exc}"))
-                                     if in_time else cutoff.why()))
+                self._refuse(addr, *(cutoff.why() if cutoff.evicted else
+                                     ("tls", f"no TLS session with a certificate of the cluster's link CA: {exc}")))
                 return
             try:
                 seals = server_handshake(sock, t.secret)
@@ -780,6 +780,10 @@ class _Cutoff:
         self._evicted = True
         self._timer.cancel()
         self._cut()
+
+    @property
+    def evicted(self) -> bool:
+        return self._evicted
 
     def why(self) -> tuple[str, str]:
         """(refusal reason, words) of a handshake cut off."""
