@@ -125,6 +125,11 @@ class EventPublisher:
     async def request(self, kind: str, request_id: str, /, **data: Any) -> None:
         self._publish(subjects.request_event(kind, request_id), kind, request_id, data)
 
+    def queue_request(self, kind: str, request_id: str, data: dict[str, Any]) -> None:
+        """`request`, for a caller that does not await: the conductor's route queues its `routed`
+        event from a callback that runs once the route's reply has been written."""
+        self._publish(subjects.request_event(kind, request_id), kind, request_id, data)
+
     async def instance(self, kind: str, instance_id: str, /, **data: Any) -> None:
         self._publish(subjects.instance_event(kind, instance_id), kind, "", data)
 

@@ -110,6 +110,26 @@ class DecodeLoad:
             raise ValueError(f"DecodeLoad {self.decode_id}: times and contexts differ in length")
         object.__setattr__(self, "_cum", tuple(accumulate(self.leave_context, initial=0)))
 
+    @classmethod
+    def of(cls, decode_id: str, leaves: tuple[float, ...], leave_context: tuple[int, ...], joins: tuple[float, ...],
+           join_leaves: tuple[float, ...], join_context: tuple[int, ...], step_factor: float,
+           leave_room: tuple[int, ...], join_room: tuple[int, ...], cum: tuple[int, ...]) -> DecodeLoad:
+        """One built by a caller that guarantees what __post_init__ checks (the lengths agree) and
+        passes the running sums of leave_context (initial 0) it keeps: the conductor rebuilds a few
+        of these per route (common/decide/cluster_state.py)."""
+        load = _new_object(cls)
+        _set(load, "decode_id", decode_id)
+        _set(load, "leaves", leaves)
+        _set(load, "leave_context", leave_context)
+        _set(load, "joins", joins)
+        _set(load, "join_leaves", join_leaves)
+        _set(load, "join_context", join_context)
+        _set(load, "step_factor", step_factor)
+        _set(load, "leave_room", leave_room)
+        _set(load, "join_room", join_room)
+        _set(load, "_cum", cum)
+        return load
+
     def at(self, t: float, predictive: bool) -> tuple[int, int]:
         """(batch, context tokens) now (predictive=False) or predicted at time t (predictive=True)."""
         cum = self._cum
@@ -134,6 +154,10 @@ class DecodeLoad:
         joined = sorted((leaves, c) for joins, leaves, c in zip(self.joins, self.join_leaves, self.join_context)
                         if joins <= t < leaves)
         return merge(now, joined) if joined else now
+
+
+_new_object = object.__new__
+_set = object.__setattr__
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,11 +201,26 @@ def admit(ttft_s: float, context_tokens: int, load: DecodeLoadSnapshot, settings
     at = load.now + ttft_s if predictive else load.now
     step = perf.decode.step_seconds
     judged = []  # (tbt with this request, decode_id, batch, context, instance)
+    append = judged.append
+    mine = None
     for d in load.decode:
-        batch, context = d.at(at, predictive)
-        judged.append((step(batch + 1, context + context_tokens) * d.step_factor, d.decode_id, batch, context, d))
+        if predictive:  # d.at(at, True), spelled out: this runs for every decode instance per route
+            leaves, cum = d.leaves, d._cum
+            k = bisect_right(leaves, at)  # those gone by then
+            batch, context = len(leaves) - k, cum[-1] - cum[k]
+            if d.joins:
+                for joins, leaves_s, c in zip(d.joins, d.join_leaves, d.join_context):
+                    if joins > at:
+                        break
+                    if leaves_s > at:
+                        batch, context = batch + 1, context + c
+        else:
+            batch, context = len(d.leaves), d._cum[-1]
+        row = (step(batch + 1, context + context_tokens) * d.step_factor, d.decode_id, batch, context, d)
+        append(row)
+        if mine is None and row[1] == chosen:
+            mine = row
     best_tbt, best_id = min(judged, key=_by_tbt_then_id)[:2]
-    mine = next((j for j in judged if j[1] == chosen), None)
     if mine is not None and mine[0] <= settings.tbt_slo_s:
         best_tbt, best_id = mine[:2]
     when = f"at prefill end (+{ttft_s:.3f}s)" if predictive else "now"
@@ -208,9 +247,13 @@ def judge(decision: Decision, context_tokens: int, load: DecodeLoadSnapshot, set
     delay the loss caused, and its stream would end in an error)."""
     if resumed:
         return Verdict(True, "resumed: admitted at its arrival", ttft_s=decision.ttft_s), decision
-    eligible = {c.instance_id for c in decision.decode_costs
-                if c.fits and (not colocate or c.node == decision.prefill_node)}
-    judged = DecodeLoadSnapshot(load.now, tuple(d for d in load.decode if d.decode_id in eligible))
+    costs = decision.decode_costs
+    if not colocate and all([c.fits for c in costs]) and len(costs) == len(load.decode) \
+            and all([c.instance_id == d.decode_id for c, d in zip(costs, load.decode)]):
+        judged = load  # every instance is eligible (the common case: the loads are the costs' instances)
+    else:
+        eligible = {c.instance_id for c in costs if c.fits and (not colocate or c.node == decision.prefill_node)}
+        judged = DecodeLoadSnapshot(load.now, tuple([d for d in load.decode if d.decode_id in eligible]))
     verdict = admit(decision.ttft_s, context_tokens, judged, settings, perf, chosen=decision.decode_id,
                     ttft_margin=ttft_margin)
     if verdict.admit and verdict.decode_id and verdict.decode_id != decision.decode_id:
@@ -276,7 +319,24 @@ def _tbt_retry_after(at: float, context_tokens: int, judged: list, settings: Adm
     step, slo = perf.decode.step_seconds, settings.tbt_slo_s
     best = settings.max_retry_after_s
     for _, _, batch, ctx, d in sorted(judged, key=_by_tbt_then_id):
-        for leave_s, c in d.departures(at, predictive):
+        # d.departures(at, predictive), spelled out: its first departure alone often settles that
+        # this instance cannot beat `best`, before any step is priced
+        leaves = d.leaves
+        k = bisect_right(leaves, at) if predictive else 0
+        joined = sorted([(leaves_s, c) for joins, leaves_s, c in zip(d.joins, d.join_leaves, d.join_context)
+                         if joins <= at < leaves_s]) if predictive and d.joins else None
+        if k < len(leaves):
+            first = leaves[k]  # (a NaN stays first, as merge yields it: never pruned, below)
+            if joined and joined[0][0] < first:  # (joined holds no NaN: `at < NaN` is False)
+                first = joined[0][0]
+        elif joined:
+            first = joined[0][0]
+        else:
+            continue  # nobody leaves
+        if first - at >= best:  # as the loop below would find at its first departure (False for a NaN)
+            continue
+        now = zip(leaves[k:], d.leave_context[k:])
+        for leave_s, c in merge(now, joined) if joined else now:
             if leave_s - at >= best:  # departures only get later: this instance cannot beat `best`
                 break
             batch, ctx = batch - 1, ctx - c

@@ -26,6 +26,7 @@ Pure: the caller passes the clock; no I/O.
 from __future__ import annotations
 
 from collections import deque
+from itertools import accumulate
 from dataclasses import dataclass, field, replace
 from typing import Collection, Iterable
 
@@ -133,8 +134,20 @@ class ClusterState:
         # few decode instances' share: it is kept per decode instance (dropped by `touched`), from
         # two sources kept apart, so that a route does not walk every prefill report again
         self._coming: dict[str, list[tuple[float, int, int, int]]] = {}  # decode_id -> sorted (finish, context, max, hint)
-        # what the prefill reports say, until the next one: decode_id -> entries, and the request ids they hold
-        self._reported_coming: tuple[dict[str, list[tuple[float, int, int, int]]], set[str]] | None = None
+        self._coming_sums: dict[str, tuple[int, int]] = {}  # decode_id -> its coming's (context, room), likewise
+        # what the prefill reports say: decode_id -> reporting instance -> its entries, and the request
+        # ids they hold (-> how many reports hold each). Kept up to date per report: a prefill report
+        # changes only its own instance's share (_reports_stale), not every other's
+        self._reported_coming: dict[str, dict[str, tuple[list[tuple[float, int, int, int]], int, int]]] | None = None
+        self._held_by_prefill: dict[str, int] = {}
+        self._reported_of: dict[str, tuple[tuple[str, ...], list[str]]] = {}  # instance -> its decode ids, request ids
+        self._reports_stale: set[str] = set()  # instances whose prefill report changed since it was read
+        # prefill instance id -> its node, reported queue seconds (None: no report) and when reported:
+        # what its candidate takes of its report, until it is heard again
+        self._prefill_rows: dict[str, tuple[str, float | None, float]] = {}
+        self._capacity: tuple[int | None] | None = None  # the largest decode instance's KV room (beyond_capacity)
+        # decode_id -> from its own report: requests held, their context (waiting ones too), free KV room
+        self._decode_reported: dict[str, tuple[int, int, int | None]] = {}
         self._bound: dict[str, set[str]] | None = None  # decode_id -> our request ids bound there
         self._transit_s: dict[str, float] | None = None  # prefill_id -> predicted work of ours not reported yet
         self._queued_bytes: dict[str, int] | None = None  # node -> bytes our requests in prefill pull from it
@@ -144,7 +157,7 @@ class ClusterState:
         # decode_id -> the tokens each request it reported will still generate (ascending) and their
         # contexts: its admission view's costly part, kept until its own next report
         # decode id -> what each request it reported will still generate, its context, its reserved room
-        self._outputs_of: dict[str, tuple[tuple[float, ...], tuple[int, ...], tuple[int, ...]]] = {}
+        self._outputs_of: dict[str, tuple[tuple[float, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = {}
         # nodes whose messenger stopped heartbeating: their workers can neither send nor receive KV
         # (a messenger that was never heard of, as in the simulator, marks nothing)
         self.lost_nodes: set[str] = set()
@@ -159,14 +172,19 @@ class ClusterState:
     def changed(self) -> None:
         """Every derived view is stale (an instance gone, requests lost: rare)."""
         self._coming = {}
+        self._coming_sums = {}
         self._reported_coming = None
+        self._reports_stale = set()
         self._bound = None
         self._transit_s = None
         self._queued_bytes = None
         self._members = {}
+        self._prefill_rows = {}
+        self._capacity = None
         self._decode_loads = {}
         self._decode_candidates = {}
         self._outputs_of = {}
+        self._decode_reported = {}
 
     def touched(self, decode_ids: Iterable[str]) -> None:
         """A report or one of our requests changed: our work in transit is summed again (one pass
@@ -174,10 +192,12 @@ class ClusterState:
         decode instances it concerns (the costly part: each sorts every request the instance holds)."""
         self._transit_s = None
         self._queued_bytes = None
+        coming, sums, loads, candidates = self._coming, self._coming_sums, self._decode_loads, self._decode_candidates
         for decode_id in decode_ids:
-            self._coming.pop(decode_id, None)
-            self._decode_loads.pop(decode_id, None)
-            self._decode_candidates.pop(decode_id, None)
+            if coming.pop(decode_id, None) is not None:
+                del sums[decode_id]
+            loads.pop(decode_id, None)
+            candidates.pop(decode_id, None)
 
     def _concerns(self, *infos: WorkerInfo | None) -> set[str]:
         """The decode instances whose admission view these reports of one instance shape: its own
@@ -216,10 +236,14 @@ class ClusterState:
         before = known.info if known is not None else None
         self.touched(self._concerns(before, info))
         if info.prefill is not None or (before is not None and before.prefill is not None):
-            self._reported_coming = None
+            self._reports_stale.add(info.instance_id)  # its share of who will join where is read again
+        if info.decode is not None or (before is not None and before.decode is not None):
+            self._capacity = None
+            self._decode_reported.pop(info.instance_id, None)
         if before is None or info.leaving \
                 or (before.role, before.draining, before.node) != (info.role, info.draining, info.node):
             self._members = {}  # who takes new work changed
+        self._prefill_rows.pop(info.instance_id, None)  # its report's queue and time, when it is a prefill instance
         self._outputs_of.pop(info.instance_id, None)
         self.departed.pop(info.instance_id, None)  # back (or leaving on purpose): no longer capacity lost
         if before is not None and before.role == "messenger" and before.node != info.node:
@@ -453,25 +477,47 @@ class ClusterState:
     def _in_transit_s(self) -> dict[str, float]:
         """prefill_id -> predicted work of ours that its report does not hold yet (one pass over our requests)."""
         if self._transit_s is None:
-            transit: dict[str, float] = {}
-            for r in self.routed.values():
-                if not r.prefilled:
-                    for p in r.prefill_ids:
-                        if self._in_transit(r, p):
-                            transit[p] = transit.get(p, 0.0) + r.prefill_s
-            self._transit_s = transit
+            self._walk_routed()
         return self._transit_s
+
+    def _walk_routed(self) -> None:
+        """Our work in transit per prefill instance and the bytes pulled per sender node, in one pass
+        over our requests (both are dropped together, by every report and every request of ours)."""
+        transit: dict[str, float] = {}
+        queued: dict[str, int] = {}
+        for r in self.routed.values():
+            if not r.prefilled:
+                seen_by = r.seen_by
+                for p in r.prefill_ids:
+                    if p not in seen_by:  # in transit: routed there by us, not in its report yet
+                        transit[p] = transit.get(p, 0.0) + r.prefill_s
+                if r.pull_bytes:
+                    queued[r.pull_source] = queued.get(r.pull_source, 0) + r.pull_bytes
+        self._transit_s, self._queued_bytes = transit, queued
 
     def prefill_candidates(self, now: float, avoid: Collection[str] = ()) -> tuple[PrefillCandidate, ...]:
         """`avoid`: instances a request's failed attempts used, left out where others remain.
         (Every route builds every prefill candidate: their queues count down with `now`.)"""
-        factor, transit, instances = self.learned.factor, self._in_transit_s().get, self.instances
-        out = []
+        factor, transit = self.learned.factor, self._in_transit_s().get
+        rows, out = self._prefill_rows, []
+        append = out.append
         for instance_id in self._of_role("prefill"):
-            known = instances[instance_id]
-            queue_s = _reported_queue_s(known, now) + transit(instance_id, 0.0)
-            out.append(_new_row(PrefillCandidate, (instance_id, known.info.node, queue_s, factor(instance_id, "prefill"))))
+            row = rows.get(instance_id)
+            if row is None:
+                row = rows[instance_id] = self._prefill_row(instance_id)
+            node, queue_s, seen_at = row
+            # NOTE: as _reported_queue_s computes it, term by term (the same floats)
+            append(_new_row(PrefillCandidate, (instance_id, node, (0.0 if queue_s is None else
+                                                                   max(0.0, queue_s - (now - seen_at)))
+                                               + transit(instance_id, 0.0), factor(instance_id, "prefill"))))
         return _elsewhere(tuple(out), avoid)
+
+    def _prefill_row(self, instance_id: str) -> tuple[str, float | None, float]:
+        """What a prefill instance's candidate takes of its report: its node, the queue it reported
+        (None: no report) and when."""
+        known = self.instances[instance_id]
+        report = known.info.prefill
+        return known.info.node, report.queue_s if report is not None else None, known.seen_at
 
     def coming_to(self, decode_id: str) -> list[tuple[float, int, int, int]]:
         """(predicted prefill end, context, max tokens, output hint), in time order, of every request that will join
@@ -480,30 +526,84 @@ class ClusterState:
         coming = self._coming.get(decode_id)
         if coming is None:
             reported, held_by_prefill = self._from_prefill_reports()
-            coming = list(reported.get(decode_id, ()))
-            routed = self.routed
-            for rid in self._bound_to().get(decode_id, ()):
-                r = routed[rid]
-                if r.joins_decode and rid not in held_by_prefill and self._in_transit(r, decode_id):
-                    coming.append((r.predicted_prefill_end, r.prompt_tokens, r.max_tokens, r.expected_tokens))
+            coming = []
+            tokens = room = 0  # their context, and the room decode will reserve for them: prompt + max_tokens
+            parts = reported.get(decode_id)
+            if parts:
+                for entries, entries_tokens, entries_room in parts.values():
+                    coming += entries
+                    tokens += entries_tokens
+                    room += entries_room
+            bound = self._bound_to().get(decode_id)
+            if bound:
+                routed = self.routed
+                for rid in bound:
+                    r = routed[rid]
+                    if r.joins_decode and rid not in held_by_prefill and decode_id not in r.seen_by:  # in transit
+                        coming.append((r.routed_at + r.ttft_s, r.prompt_tokens, r.max_tokens, r.expected_tokens))
+                        tokens += r.prompt_tokens
+                        room += r.prompt_tokens + r.max_tokens
             coming.sort()
             self._coming[decode_id] = coming
+            self._coming_sums[decode_id] = tokens, room
         return coming
 
-    def _from_prefill_reports(self) -> tuple[dict[str, list[tuple[float, int, int, int]]], set[str]]:
-        """What every prefill report says will join each decode instance, and the request ids they hold."""
+    def _from_prefill_reports(self) -> tuple[dict[str, dict[str, tuple[list[tuple[float, int, int, int]], int, int]]],
+                                             dict[str, int]]:
+        """What every prefill report says will join each decode instance (decode_id -> reporting
+        instance -> its entries, their context and their room), and the request ids they hold (->
+        how many reports hold each). Only the instances heard since it was last read are read again."""
         if self._reported_coming is None:
-            coming: dict[str, list[tuple[float, int, int, int]]] = {}
-            held_by_prefill: set[str] = set()
-            for known in self.instances.values():
-                report: PrefillReport | None = known.info.prefill
-                if report is not None:
-                    for c in report.coming:
-                        held_by_prefill.add(c.request_id)
-                        coming.setdefault(c.decode_id, []).append((known.seen_at + c.finish_in_s, c.tokens, c.max_tokens,
-                                                                   c.expected_tokens))
-            self._reported_coming = coming, held_by_prefill
-        return self._reported_coming
+            self._reported_coming, self._held_by_prefill, self._reported_of = {}, {}, {}
+            self._reports_stale = set()
+            for instance_id, known in self.instances.items():
+                if known.info.prefill is not None:
+                    self._add_reported(instance_id, known)
+        elif self._reports_stale:
+            for instance_id in self._reports_stale:
+                self._drop_reported(instance_id)
+                known = self.instances.get(instance_id)
+                if known is not None and known.info.prefill is not None:
+                    self._add_reported(instance_id, known)
+            self._reports_stale.clear()
+        return self._reported_coming, self._held_by_prefill
+
+    def _add_reported(self, instance_id: str, known: Instance) -> None:
+        reported, held = self._reported_coming, self._held_by_prefill
+        seen_at = known.seen_at
+        mine: dict[str, list[tuple[float, int, int, int]]] = {}
+        rids = []
+        for c in known.info.prefill.coming:
+            rids.append(c.request_id)
+            held[c.request_id] = held.get(c.request_id, 0) + 1
+            entry = (seen_at + c.finish_in_s, c.tokens, c.max_tokens, c.expected_tokens)
+            entries = mine.get(c.decode_id)
+            if entries is None:
+                mine[c.decode_id] = [entry]
+            else:
+                entries.append(entry)
+        for decode_id, entries in mine.items():
+            tokens = sum([e[1] for e in entries])
+            reported.setdefault(decode_id, {})[instance_id] = entries, tokens, tokens + sum([e[2] for e in entries])
+        self._reported_of[instance_id] = tuple(mine), rids
+
+    def _drop_reported(self, instance_id: str) -> None:
+        gone = self._reported_of.pop(instance_id, None)
+        if gone is None:
+            return
+        reported, held = self._reported_coming, self._held_by_prefill
+        decode_ids, rids = gone
+        for decode_id in decode_ids:
+            of_decode = reported[decode_id]
+            del of_decode[instance_id]
+            if not of_decode:
+                del reported[decode_id]
+        for rid in rids:
+            left = held[rid] - 1
+            if left:
+                held[rid] = left
+            else:
+                del held[rid]
 
     def _bound_to(self) -> dict[str, set[str]]:
         """decode_id -> our requests bound for it (kept up to date by route and end)."""
@@ -526,18 +626,17 @@ class ClusterState:
         return _elsewhere(tuple(out), avoid)
 
     def _build_decode_candidate(self, d: WorkerInfo) -> DecodeCandidate:
-        report: DecodeReport | None = d.decode
-        coming = self.coming_to(d.instance_id)
-        coming_tokens = sum(c[1] for c in coming)
-        coming_room = sum(c[1] + c[2] for c in coming)  # what decode will reserve for them: prompt + max_tokens
-        held, context, kv_free = 0, 0, None
-        if report is not None:  # the batch, then those waiting for room in it
-            held = len(report.joined)
-            context = report.context_tokens + sum(j.tokens for j in report.joined[report.running:])
-            if report.kv_free_tokens is not None:
-                kv_free = report.kv_free_tokens - coming_room
-        return DecodeCandidate(d.instance_id, d.node, held + len(coming), context + coming_tokens, kv_free,
-                               self.learned.factor(d.instance_id, "step"))
+        instance_id = d.instance_id
+        if instance_id not in self._coming:
+            self.coming_to(instance_id)
+        coming_tokens, coming_room = self._coming_sums[instance_id]  # what decode will reserve for them: prompt + max_tokens
+        reported = self._decode_reported.get(instance_id)
+        if reported is None:
+            reported = self._decode_reported[instance_id] = _decode_reported(d.decode)
+        held, context, kv_free = reported
+        return _new_row(DecodeCandidate, (instance_id, d.node, held + len(self._coming[instance_id]),
+                                          context + coming_tokens, kv_free - coming_room if kv_free is not None else None,
+                                          self.learned.factor(instance_id, "step")))
 
     def decode_load(self, decode_id: str, now: float) -> DecodeLoad:
         """Admission's view: who decodes there since when, who will join and when (times are
@@ -550,42 +649,60 @@ class ClusterState:
     def _build_decode_load(self, decode_id: str) -> DecodeLoad:
         """Each request's leave time: now (its report) plus the tokens it will still generate
         (self.outputs) times the instance's step time with everything held and coming in its batch."""
-        info, seen_at = self._report(decode_id)
-        report: DecodeReport | None = info.decode if info is not None else None
-        coming = self.coming_to(decode_id)
-        step_s = self._step_s(decode_id, report, coming)
-        remaining = self.outputs.remaining
-        outputs, contexts, rooms = self._outputs_of.get(decode_id) or self._reported_outputs(decode_id, report)
-        # NOTE: list comprehensions, not generators: this runs for every decode instance a report touches
-        return DecodeLoad(decode_id, tuple([seen_at + step_s * n for n in outputs]), contexts,
-                          tuple([c[0] for c in coming]),
-                          tuple([finish + step_s * (remaining(1, max_tokens, hint) if max_tokens else UNKNOWN_OUTPUT_TOKENS)
-                                 for finish, _, max_tokens, hint in coming]),
-                          tuple([c[1] for c in coming]), self.learned.factor(decode_id, "step"), rooms,
-                          tuple([c[1] + c[2] for c in coming]))  # as decode_candidates counts their room
+        known = self.instances.get(decode_id)
+        seen_at, report = (known.seen_at, known.info.decode) if known is not None else (0.0, None)
+        coming = self._coming.get(decode_id)
+        if coming is None:
+            coming = self.coming_to(decode_id)
+        factor = self.learned.factor(decode_id, "step")
+        step_s = self._step_s(decode_id, report, coming, factor)
+        outputs, contexts, rooms, cum = self._outputs_of.get(decode_id) or self._reported_outputs(decode_id, report)
+        # NOTE: list comprehensions and one loop, not generators: this runs for every decode instance a report touches
+        if coming:
+            remaining = self.outputs.remaining
+            joins, join_context, join_room, join_leaves = [], [], [], []
+            for finish, context, max_tokens, hint in coming:
+                joins.append(finish)
+                join_context.append(context)
+                join_room.append(context + max_tokens)  # as decode_candidates counts their room
+                join_leaves.append(finish + step_s * (remaining(1, max_tokens, hint) if max_tokens
+                                                      else UNKNOWN_OUTPUT_TOKENS))
+            joins, join_context, join_room, join_leaves = (tuple(joins), tuple(join_context), tuple(join_room),
+                                                          tuple(join_leaves))
+        else:
+            joins = join_context = join_room = join_leaves = ()
+        return DecodeLoad.of(decode_id, tuple([seen_at + step_s * n for n in outputs]), contexts, joins, join_leaves,
+                             join_context, factor, rooms, join_room, cum)
 
     def _reported_outputs(self, decode_id: str, report: DecodeReport | None
-                          ) -> tuple[tuple[float, ...], tuple[int, ...], tuple[int, ...]]:
+                          ) -> tuple[tuple[float, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """What each request of the instance's report will still generate, ascending (they leave in
         that order, whatever its step time), their contexts, and the KV room each gives back as it
-        leaves (its reservation: its KV and what it may still generate); waiting ones count as
-        decoding. Kept until the instance's next report: what completed requests teach about output
-        lengths (self.outputs) reaches it then."""
+        leaves (its reservation: its KV and what it may still generate), and the running sums of
+        the contexts (DecodeLoad's); waiting ones count as decoding. Kept until the instance's next
+        report: what completed requests teach about output lengths (self.outputs) reaches it then."""
         remaining = self.outputs.remaining
-        rows = sorted(((remaining(j.generated, j.max_tokens, j.expected_tokens) if j.max_tokens
-                        else UNKNOWN_OUTPUT_TOKENS), j.tokens, j.tokens + max(j.max_tokens - j.generated, 0))
-                      for j in (report.joined if report is not None else ()))
-        kept = self._outputs_of[decode_id] = (tuple(r[0] for r in rows), tuple(r[1] for r in rows),
-                                              tuple(r[2] for r in rows))
+        rows = []
+        append = rows.append
+        for j in (report.joined if report is not None else ()):
+            max_tokens, generated, tokens = j.max_tokens, j.generated, j.tokens
+            append(((remaining(generated, max_tokens, j.expected_tokens) if max_tokens else UNKNOWN_OUTPUT_TOKENS),
+                    tokens, tokens + (max_tokens - generated if max_tokens > generated else 0)))
+        rows.sort()
+        if rows:
+            outputs, contexts, rooms = zip(*rows)
+        else:
+            outputs = contexts = rooms = ()
+        kept = self._outputs_of[decode_id] = (outputs, contexts, rooms, tuple(accumulate(contexts, initial=0)))
         return kept
 
-    def _step_s(self, decode_id: str, report: DecodeReport | None, coming: list) -> float:
-        """One step of the instance with everything it holds and everything coming to it."""
-        batch = (len(report.joined) if report is not None else 0) + len(coming)
-        context = (report.context_tokens if report is not None else 0) + sum(c[1] for c in coming)
+    def _step_s(self, decode_id: str, report: DecodeReport | None, coming: list, factor: float) -> float:
+        """One step of the instance with everything it holds and everything coming to it (`factor`: its learned one)."""
         if self.perf is None:
             return report.predicted_tbt_s if report is not None and report.predicted_tbt_s > 0 else DEFAULT_STEP_S
-        return self.perf.decode.step_seconds(max(1, batch), context) * self.learned.factor(decode_id, "step")
+        batch = (len(report.joined) if report is not None else 0) + len(coming)
+        context = (report.context_tokens if report is not None else 0) + self._coming_sums[decode_id][0]
+        return self.perf.decode.step_seconds(batch if batch > 1 else 1, context) * factor
 
     def completed(self, generated: int) -> None:
         """A request finished after `generated` tokens: it teaches how long requests run."""
@@ -595,16 +712,30 @@ class ClusterState:
         """node -> bytes our requests still in prefill are pulling from it (kept until one of ours
         changes; the caller only reads it)."""
         if self._queued_bytes is None:
-            out: dict[str, int] = {}
-            for r in self.routed.values():
-                if not r.prefilled and r.pull_bytes:
-                    out[r.pull_source] = out.get(r.pull_source, 0) + r.pull_bytes
-            self._queued_bytes = out
+            self._walk_routed()
         return self._queued_bytes
+
+    def largest_decode_room(self) -> int | None:
+        """The most KV tokens any decode instance holds in all (used + free, as it reports them);
+        None when none reports a limit. Kept until a decode instance's report changes."""
+        if self._capacity is None:
+            rooms = [i.info.decode.kv_used_tokens + i.info.decode.kv_free_tokens for i in self.instances.values()
+                     if i.info.decode is not None and i.info.decode.kv_free_tokens is not None]
+            self._capacity = (max(rooms) if rooms else None,)
+        return self._capacity[0]
 
     def decode_running(self, decode_id: str) -> int:
         info, _ = self._report(decode_id)
         return info.decode.running if info is not None and info.decode is not None else 0
+
+
+def _decode_reported(report: DecodeReport | None) -> tuple[int, int, int | None]:
+    """What a decode instance's candidate takes of its report: the requests it holds, their context
+    (the batch's, then those waiting for room in it) and its free KV room."""
+    if report is None:
+        return 0, 0, None
+    joined = report.joined
+    return len(joined), report.context_tokens + sum([j.tokens for j in joined[report.running:]]), report.kv_free_tokens
 
 
 def _reported_queue_s(known: Instance, now: float) -> float:

@@ -201,13 +201,19 @@ class Decision:
 
     def to_event(self) -> dict[str, Any]:
         """JSON-ready data for the `routed` event: the choice, its terms and every candidate."""
-        out = {name: getattr(self, name) for name in self.__slots__ if name not in ("pull", "prefill_costs", "decode_costs")}
+        out = {name: getattr(self, name) for name in _EVENT_FIELDS}
         out["pull"] = None if self.pull is None else {
             "source_node": self.pull.source_node, "first_block": self.pull.first_block,
             "num_blocks": self.pull.num_blocks, "nbytes": self.pull.nbytes}
-        out["prefill_costs"] = [c._asdict() for c in self.prefill_costs]
-        out["decode_costs"] = [c._asdict() for c in self.decode_costs]
+        # NOTE: as each cost's _asdict() would (its fields, in order), without a Python call per candidate
+        out["prefill_costs"] = [dict(zip(_PREFILL_COST_FIELDS, c)) for c in self.prefill_costs]
+        out["decode_costs"] = [dict(zip(_DECODE_COST_FIELDS, c)) for c in self.decode_costs]
         return out
+
+
+_PREFILL_COST_FIELDS = PrefillCost._fields
+_DECODE_COST_FIELDS = DecodeCost._fields
+_EVENT_FIELDS = tuple(name for name in Decision.__slots__ if name not in ("pull", "prefill_costs", "decode_costs"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,22 +306,29 @@ def price_prefill(request: RequestInfo, snapshot: ClusterSnapshot, settings: Pol
     # NOTE: at least the last prompt token is always computed (it yields the first token).
     max_prefix = max(n - 1, 0)
     held = snapshot.holders.get
+    # local blocks -> (prefix blocks, transfer seconds, prefill seconds at the profile's speed): most
+    # candidates' nodes hold the same few prefix lengths (often none), so each is priced once
+    by_local: dict[int, tuple[int, float, float]] = {}
     by_prefix: dict[int, float] = {}  # prefix blocks -> prefill seconds (candidates share prefixes)
     costs = []
     append = costs.append
-    for c in snapshot.prefill:
-        node, queue_s = c.node, c.queue_s
+    for instance_id, node, queue_s, speed in snapshot.prefill:
         local = held(node, 0)
-        if pulls and best_len > local * threshold:
-            prefix, transfer_s = best_len, to_move((best_len - local) * block_nbytes, link, queued)
+        priced = by_local.get(local)
+        if priced is None:
+            if pulls and best_len > local * threshold:
+                prefix, transfer_s = best_len, to_move((best_len - local) * block_nbytes, link, queued)
+            else:
+                prefix, transfer_s = local, 0.0
+            base_s = by_prefix.get(prefix)
+            if base_s is None:
+                base_s = by_prefix[prefix] = prefill_seconds(n, min(prefix * bt, max_prefix))
+            priced = by_local[local] = prefix, transfer_s, base_s
         else:
-            prefix, transfer_s = local, 0.0
-        base_s = by_prefix.get(prefix)
-        if base_s is None:
-            base_s = by_prefix[prefix] = prefill_seconds(n, min(prefix * bt, max_prefix))
-        prefill_s = base_s * c.speed
+            prefix, transfer_s, base_s = priced
+        prefill_s = base_s * speed
         # NOTE: tuple.__new__ skips NamedTuple's Python-level __new__: half the cost on this hot path.
-        append(_new_row(PrefillCost, (c.instance_id, node, queue_s, local, prefix, prefix - local,
+        append(_new_row(PrefillCost, (instance_id, node, queue_s, local, prefix, prefix - local,
                                       prefill_s, transfer_s, queue_s + prefill_s + transfer_s)))
     return tuple(costs)
 
@@ -327,10 +340,9 @@ def price_decode(request: RequestInfo, decode: tuple[DecodeCandidate, ...], perf
     room = request.kv_tokens or n
     costs = []
     append = costs.append
-    for d in decode:
-        running, context, free = d.num_running, d.context_tokens, d.kv_free_tokens
-        append(_new_row(DecodeCost, (d.instance_id, d.node, running, context,
-                                     step(running + 1, context + n) * d.step_factor, free is None or free >= room)))
+    for instance_id, node, running, context, free, factor in decode:
+        append(_new_row(DecodeCost, (instance_id, node, running, context,
+                                     step(running + 1, context + n) * factor, free is None or free >= room)))
     return tuple(costs)
 
 
@@ -338,6 +350,7 @@ def price_decode(request: RequestInfo, decode: tuple[DecodeCandidate, ...], perf
 _by_ttft = itemgetter(PrefillCost._fields.index("ttft_s"), 0)
 _by_queue = itemgetter(PrefillCost._fields.index("queue_s"), 0)
 _by_running = itemgetter(DecodeCost._fields.index("num_running"), DecodeCost._fields.index("tbt_s"), 0)
+_tbt = itemgetter(DecodeCost._fields.index("tbt_s"))
 TBT_TIE = 0.1  # predicted TBTs this close are equal: below what the learned factors can tell apart
 TBT_TIE_OF_SLO = 0.1  # ... and TBTs closer than this share of the TBT SLO: a difference that no SLO feels
 
@@ -349,9 +362,9 @@ def lightest(decode: list[DecodeCost], tie_s: float = 0.0) -> DecodeCost:
     shared, loaded machine), and a model whose step time hardly grows with the batch would
     otherwise send most requests to whichever instance measured fastest, far below the SLO,
     while one that is truly slower by more than the band still gets fewer."""
-    best = min(c.tbt_s for c in decode)
+    best = min(map(_tbt, decode))
     limit = max(best * (1.0 + TBT_TIE), best + tie_s)
-    return min((c for c in decode if c.tbt_s <= limit), key=_by_running)
+    return min([c for c in decode if c.tbt_s <= limit], key=_by_running)
 
 
 def _random_pick(draw: float, prefill: tuple[PrefillCost, ...], decode: list[DecodeCost],

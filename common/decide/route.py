@@ -125,12 +125,11 @@ def route(request: ToRoute, index: PrefixIndex | None, state: ClusterState, now:
 def beyond_capacity(state: ClusterState, prompt_tokens: int, max_tokens: int) -> str:
     """Why no decode instance could ever hold this request's KV (prompt and every token it may
     generate), or "" (a 400: waiting would not help). Unknown capacities count as room."""
-    capacities = [i.info.decode.kv_used_tokens + i.info.decode.kv_free_tokens for i in state.instances.values()
-                  if i.info.decode is not None and i.info.decode.kv_free_tokens is not None]
+    largest = state.largest_decode_room()
     need = prompt_tokens + max_tokens
-    if capacities and need > max(capacities):
+    if largest is not None and need > largest:
         return (f"the request needs {need} KV tokens ({prompt_tokens} prompt + {max_tokens} max_tokens); the largest "
-                f"decode instance holds {max(capacities)}: lower max_tokens or shorten the prompt")
+                f"decode instance holds {largest}: lower max_tokens or shorten the prompt")
     return ""
 
 

@@ -26,6 +26,7 @@ import asyncio
 import logging
 import random
 import time
+from typing import Callable
 
 import msgspec
 from nats.aio.msg import Msg
@@ -114,6 +115,7 @@ class ConductorService:
                                               cfg.block_tokens, kv_bytes_per_token, cfg.colocate,
                                               tbt_slo_s=cfg.admission.tbt_slo_s)
         self.rng = random.Random()
+        self.outcome_counts: dict[str, Counter] = {}  # the route counter's child per outcome (count)
         self.offline = False  # the broker connection was down at the last sweep
         self.planner = PlannerLoop(cfg.planner, self.state, perf, cfg.admission, self.events, cfg.instance_id,
                                    self.metrics.registry) if cfg.planner is not None else None
@@ -229,32 +231,57 @@ class ConductorService:
 
     async def on_route(self, msg: Msg) -> None:
         started = time.perf_counter()
+        events: list[tuple[str, str, Callable[[], dict]]] = []  # the route's events, queued once its reply is out
         try:
             request = RouteRequest.from_bytes(msg.data)
         except ValueError as exc:
             reply = RouteReply(False, 400, f"malformed route request: {exc}")
-            self.metrics.decisions.labels("malformed").inc()
+            self.count("malformed")
         else:
             try:
-                reply = await self.route(request)
+                reply = await self.route(request, events)
             except Exception as exc:  # answered, never a hang
                 log.exception("request %s: routing failed", request.request_id)
                 reply = RouteReply(False, 500, f"routing failed: {exc}")
-                self.metrics.decisions.labels("error").inc()
+                self.count("error")
             self.metrics.route_s.observe(time.perf_counter() - started)
         if msg.reply:
             await bus.publish(self.nc, msg.reply, reply.to_bytes())
+        if events:
+            # NOTE: after the flusher, which the reply's publish woke first: the reply (and the
+            # prefill task) are written before the event is built and sealed (JSON, HMAC)
+            asyncio.get_running_loop().call_soon(self.queue_events, events)
+
+    def queue_events(self, events: list[tuple[str, str, Callable[[], dict]]]) -> None:
+        for kind, request_id, data in events:
+            self.events.queue_request(kind, request_id, data())
+
+    async def event(self, later: list | None, kind: str, request_id: str, data: Callable[[], dict]) -> None:
+        """A request event: queued now, or (`later`, a route's list) once the route's reply is out."""
+        if later is None:
+            await self.events.request(kind, request_id, **data())
+        else:
+            later.append((kind, request_id, data))
+
+    def count(self, outcome: str) -> None:
+        """One more route decided with `outcome` (its counter's child kept: labels() takes a lock and a lookup)."""
+        child = self.outcome_counts.get(outcome)
+        if child is None:
+            child = self.outcome_counts[outcome] = self.metrics.decisions.labels(outcome)
+        child.inc()
 
     async def on_cancel(self, cancel: Cancel, msg: Msg) -> None:
         """The gateway gave up on attempts of a request (client gone, resumed elsewhere): their load ends."""
         self.state.end(cancel.request_id, up_to_attempt=cancel.attempt)
 
-    async def route(self, request: RouteRequest) -> RouteReply:
-        """The pure route (common/decide/route.py) of a request, its `routed` event, and its dispatch."""
+    async def route(self, request: RouteRequest, later: list | None = None) -> RouteReply:
+        """The pure route (common/decide/route.py) of a request, its `routed` event, and its dispatch.
+        `later`: a list the request's events go to, to be queued once the reply is out (on_route);
+        None: queued at once."""
         rid, ids = request.request_id, request.prompt_token_ids
         if request.deadline_ts and time.time() > request.deadline_ts:  # the gateway stopped waiting: not dispatched
             log.warning("request %s: route request arrived after its gateway gave up; dropped", rid)
-            self.metrics.decisions.labels("expired").inc()
+            self.count("expired")
             return RouteReply(False, 503, "the route request expired before it was served", retry_after_s=1.0)
         # the blocks a prefill instance could reuse: all full blocks but the prompt's last token
         keys = block_keys(ids[:-1], self.cfg.block_tokens, request.key_seed or DEFAULT_SEED)
@@ -274,26 +301,32 @@ class ConductorService:
             self.planner.routed(outcome)
         decision = outcome.decision
         if outcome.status == 400:
-            self.metrics.decisions.labels("malformed").inc()
+            self.count("malformed")
             return RouteReply(False, 400, outcome.reason)
         if decision is None:  # no route: an overload (429) or no instance of a kind (503)
-            await self.events.request("routed", rid, admitted=False, reason=outcome.reason.removeprefix(
-                "rejected at arrival: "), policy=self.cfg.policy, policy_version=POLICY_VERSION,
-                retry_after_s=outcome.retry_after_s)
-            self.metrics.decisions.labels("rejected" if outcome.status == 429 else "unavailable").inc()
+            reason, policy_name, retry_after_s = outcome.reason.removeprefix("rejected at arrival: "), self.cfg.policy, \
+                outcome.retry_after_s
+            await self.event(later, "routed", rid, lambda: dict(
+                admitted=False, reason=reason, policy=policy_name, policy_version=POLICY_VERSION,
+                retry_after_s=retry_after_s))
+            self.count("rejected" if outcome.status == 429 else "unavailable")
             return RouteReply(False, outcome.status, outcome.reason, retry_after_s=outcome.retry_after_s)
         verdict = outcome.verdict
-        self.metrics.decisions.labels("admitted" if outcome.admitted else "rejected").inc()
-        terms = decision.to_event()
-        terms.pop("request_id")
-        await self.events.request(
-            "routed", rid, **terms, admitted=outcome.admitted, admission=self.cfg.admission.mode,
-            verdict=verdict.reason, predicted_tbt_s=verdict.tbt_s, retry_after_s=verdict.retry_after_s,
-            policy_version=POLICY_VERSION, prompt_blocks=len(keys), attempt=request.attempt,
-            resumed_tokens=request.num_generated, tenant=request.tenant,
-            balancing_threshold=self.settings.kvcache_balancing_threshold,
-            ttft_margin=self.state.ttft_margin.value,
-        )
+        self.count("admitted" if outcome.admitted else "rejected")
+        # NOTE: what the event says is taken now (the threshold and the margin may move before it is built)
+        admitted, mode, num_keys = outcome.admitted, self.cfg.admission.mode, len(keys)
+        threshold, margin = self.settings.kvcache_balancing_threshold, self.state.ttft_margin.value
+
+        def routed() -> dict:
+            terms = decision.to_event()
+            del terms["request_id"]
+            return dict(
+                terms, admitted=admitted, admission=mode, verdict=verdict.reason, predicted_tbt_s=verdict.tbt_s,
+                retry_after_s=verdict.retry_after_s, policy_version=POLICY_VERSION, prompt_blocks=num_keys,
+                attempt=request.attempt, resumed_tokens=request.num_generated, tenant=request.tenant,
+                balancing_threshold=threshold, ttft_margin=margin)
+
+        await self.event(later, "routed", rid, routed)
         if not outcome.admitted:
             return RouteReply(False, 429, outcome.reason, retry_after_s=outcome.retry_after_s)
         pull = decision.pull
@@ -309,7 +342,8 @@ class ConductorService:
         if spec is None:
             sent = await bus.publish(self.nc, subjects.prefill_tasks(decision.prefill_id), task.to_bytes())
         else:
-            await self.events.request("pipelined", rid, stages=spec.stages, chunk_tokens=spec.chunk_tokens)
+            stages, chunk_tokens = list(spec.stages), spec.chunk_tokens
+            await self.event(later, "pipelined", rid, lambda: dict(stages=stages, chunk_tokens=chunk_tokens))
             sent = True
             for stage, instance_id in enumerate(spec.stages):
                 staged = msgspec.structs.replace(task, pipeline=spec, stage=stage)

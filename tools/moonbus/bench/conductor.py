@@ -39,7 +39,11 @@ Then, unless --no-live, the live-route rows (tools/moonbus/bench/route.py): a ro
 end to end through a real nats-server, a real cache index holding 200k blocks and 1, then 3, real
 conductor processes, 16P+16D fake instances; p50/p99 with one route in flight, routes/s with many;
 conductors with their own copy of the prefix index side by side with conductors that ask the
-cache index per route.
+cache index per route. Their goals (`live.goals` in the JSON), judged on one conductor with our
+prefix index: its p99 within GOAL_ABOVE_ECHO_US of the bus alone's (the echo row of the same
+run), and routes per conductor CPU-second (1e6 / the conductors' CPU microseconds per route while
+--live-concurrency are in flight) at least GOAL_CPU_RATIO times before's (BEFORE_CPU_US_PER_ROUTE);
+every row's routes per conductor CPU-second is printed.
 """
 
 from __future__ import annotations
@@ -68,6 +72,11 @@ from tools.moonbus.bench import route as bench_route
 from tools.moonbus.bench import route_report as bench_route_report
 
 GOAL_P99_US = 200.0
+# the live route's goals (issue: "the route in one hop"): its p99 within this of the bus alone's (the
+# echo row), and routes per conductor CPU-second at least GOAL_CPU_RATIO times what they were
+GOAL_ABOVE_ECHO_US = 300.0
+BEFORE_CPU_US_PER_ROUTE = 480.0  # one conductor, local index, 32 in flight, before (2,083 routes per CPU-second)
+GOAL_CPU_RATIO = 2.0
 NUM_PREFILL = NUM_DECODE = 16
 PREFILL_NODES = tuple(f"node-{i:02d}" for i in range(NUM_PREFILL))
 DECODE_NODES = tuple(f"node-{i:02d}" for i in range(NUM_PREFILL, NUM_PREFILL + NUM_DECODE))
@@ -158,13 +167,55 @@ def run(args: argparse.Namespace) -> int:
             report["live"] = bench_route.run_live(bench_route.LiveConfig.from_args(args), rows)
         except (bench_route.LiveBenchError, ValueError) as exc:
             report["live"], status = {"error": str(exc)}, 1
+    if report["live"] is not None and "error" not in report["live"]:
+        report["live"]["goals"] = live_goals(report["live"])
     if args.json:
         sys.stdout.write(orjson.dumps(report).decode() + "\n")
     else:
         _print_table(report, policies)
         if report["live"] is not None:
             bench_route_report.print_rows(report["live"])
+            if "goals" in report["live"]:
+                _print_live_goals(report["live"]["goals"])
     return status
+
+
+def routes_per_cpu_s(row: dict) -> float:
+    """Routes per second of conductor CPU (every conductor's, user + system) while --live-concurrency
+    were in flight: 1e6 / the conductors' CPU microseconds per route."""
+    us = row["cpu_us_per_route"].get("conductor", 0.0)
+    return 1e6 / us if us > 0 else float("nan")
+
+
+def live_goals(live: dict) -> dict:
+    """The live route's goals, judged on our first row (one conductor, our prefix index): its p99 over
+    the bus alone's (the echo row, same run), and its routes per conductor CPU-second over before's."""
+    first, echo = live["rows"][0], live["echo"]
+    per_cpu_s = routes_per_cpu_s(first)
+    before = 1e6 / BEFORE_CPU_US_PER_ROUTE
+    return {
+        "conductors": first["conductors"], "prefix_index": first["prefix_index"],
+        "p99_us": first["p99_us"], "echo_p99_us": echo["p99_us"], "above_echo_p99_us": first["p99_us"] - echo["p99_us"],
+        "goal_above_echo_us": GOAL_ABOVE_ECHO_US, "above_echo_met": first["p99_us"] - echo["p99_us"] <= GOAL_ABOVE_ECHO_US,
+        "conductor_cpu_us_per_route": first["cpu_us_per_route"].get("conductor", 0.0),
+        "routes_per_conductor_cpu_s": per_cpu_s, "before_routes_per_conductor_cpu_s": before,
+        "cpu_ratio": per_cpu_s / before, "goal_cpu_ratio": GOAL_CPU_RATIO, "cpu_met": per_cpu_s / before >= GOAL_CPU_RATIO,
+        "routes_per_conductor_cpu_s_by_row": {f"{r['conductors']} {r['prefix_index']}": routes_per_cpu_s(r)
+                                              for r in [*live["rows"], *(r for c in live["compared"].values()
+                                                                           for r in c["rows"])]},
+    }
+
+
+def _print_live_goals(g: dict) -> None:
+    by_row = ", ".join(f"{k}: {v:,.0f}" for k, v in g["routes_per_conductor_cpu_s_by_row"].items())
+    print(f"  routes per conductor CPU-second (32 in flight): {by_row}")
+    print(f"  goal live p99 within {g['goal_above_echo_us']:.0f} us of the bus alone's ({g['conductors']} conductor, "
+          f"{g['prefix_index']} index): {'MET' if g['above_echo_met'] else 'NOT MET'} ({g['p99_us']:.0f} us against "
+          f"{g['echo_p99_us']:.0f} us: +{g['above_echo_p99_us']:.0f} us)")
+    print(f"  goal routes per conductor CPU-second >= {g['goal_cpu_ratio']:g}x before's "
+          f"{g['before_routes_per_conductor_cpu_s']:,.0f}: {'MET' if g['cpu_met'] else 'NOT MET'} "
+          f"({g['routes_per_conductor_cpu_s']:,.0f}, {g['conductor_cpu_us_per_route']:.0f} us per route: "
+          f"x{g['cpu_ratio']:.2f})")
 
 
 def summary(report: dict) -> list[dict]:
@@ -189,6 +240,16 @@ def summary(report: dict) -> list[dict]:
             rows.append({"row": f"live route p99, {r['conductors']} conductor(s), {r['prefix_index']} vs {mode} "
                                 f"prefix index", "ours": f"{r['p99_us']:.0f} us", "baseline": f"{theirs['p99_us']:.0f} us",
                          "ratio": v["ratio_p99"], "goal": None, "met": None})
+    goals = live.get("goals")
+    if goals:
+        rows.append({"row": f"live route p99 over the bus alone's, {goals['conductors']} conductor, "
+                            f"{goals['prefix_index']} index", "ours": f"+{goals['above_echo_p99_us']:.0f} us",
+                     "baseline": f"{goals['echo_p99_us']:.0f} us", "ratio": None,
+                     "goal": f"<= +{goals['goal_above_echo_us']:.0f} us", "met": goals["above_echo_met"]})
+        rows.append({"row": "routes per conductor CPU-second, 1 conductor, 32 in flight",
+                     "ours": f"{goals['routes_per_conductor_cpu_s']:,.0f}",
+                     "baseline": f"{goals['before_routes_per_conductor_cpu_s']:,.0f} (before)",
+                     "ratio": goals["cpu_ratio"], "goal": f">= {goals['goal_cpu_ratio']:g}x", "met": goals["cpu_met"]})
     if live.get("rows"):
         first, last = live["rows"][0], live["rows"][-1]
         rows.append({"row": f"live routes/s, {live['ratio_of']}", "ours": f"{last['routes_per_s']:.0f}/s",
