@@ -135,12 +135,12 @@ class ClusterState:
         # two sources kept apart, so that a route does not walk every prefill report again
         self._coming: dict[str, list[tuple[float, int, int, int]]] = {}  # decode_id -> sorted (finish, context, max, hint)
         self._coming_sums: dict[str, tuple[int, int]] = {}  # decode_id -> its coming's (context, room), likewise
-        # what the prefill reports say: decode_id -> reporting instance -> its entries, and the request
-        # ids they hold (-> how many reports hold each). Kept up to date per report: a prefill report
-        # changes only its own instance's share (_reports_stale), not every other's
-        self._reported_coming: dict[str, dict[str, tuple[list[tuple[float, int, int, int]], int, int]]] | None = None
+        # what the prefill reports say: decode_id -> their entries, and the request ids they hold (->
+        # how many reports hold each). Kept up to date per report: a prefill report changes only its
+        # own instance's entries (_reports_stale), not every other's
+        self._reported_coming: dict[str, list[tuple[float, int, int, int]]] | None = None
         self._held_by_prefill: dict[str, int] = {}
-        self._reported_of: dict[str, tuple[tuple[str, ...], list[str]]] = {}  # instance -> its decode ids, request ids
+        self._reported_of: dict[str, list[tuple[str, str, tuple]]] = {}  # instance -> its (decode id, request id, entry)
         self._reports_stale: set[str] = set()  # instances whose prefill report changed since it was read
         # prefill instance id -> its node, reported queue seconds (None: no report) and when reported:
         # what its candidate takes of its report, until it is heard again
@@ -526,14 +526,11 @@ class ClusterState:
         coming = self._coming.get(decode_id)
         if coming is None:
             reported, held_by_prefill = self._from_prefill_reports()
-            coming = []
+            coming = list(reported.get(decode_id, ()))
             tokens = room = 0  # their context, and the room decode will reserve for them: prompt + max_tokens
-            parts = reported.get(decode_id)
-            if parts:
-                for entries, entries_tokens, entries_room in parts.values():
-                    coming += entries
-                    tokens += entries_tokens
-                    room += entries_room
+            for _, context, max_tokens, _ in coming:
+                tokens += context
+                room += context + max_tokens
             bound = self._bound_to().get(decode_id)
             if bound:
                 routed = self.routed
@@ -548,11 +545,10 @@ class ClusterState:
             self._coming_sums[decode_id] = tokens, room
         return coming
 
-    def _from_prefill_reports(self) -> tuple[dict[str, dict[str, tuple[list[tuple[float, int, int, int]], int, int]]],
-                                             dict[str, int]]:
-        """What every prefill report says will join each decode instance (decode_id -> reporting
-        instance -> its entries, their context and their room), and the request ids they hold (->
-        how many reports hold each). Only the instances heard since it was last read are read again."""
+    def _from_prefill_reports(self) -> tuple[dict[str, list[tuple[float, int, int, int]]], dict[str, int]]:
+        """What every prefill report says will join each decode instance (decode_id -> entries, in
+        no order), and the request ids they hold (-> how many reports hold each). Only the instances
+        heard since it was last read are read again: their entries out, their new ones in."""
         if self._reported_coming is None:
             self._reported_coming, self._held_by_prefill, self._reported_of = {}, {}, {}
             self._reports_stale = set()
@@ -571,34 +567,31 @@ class ClusterState:
     def _add_reported(self, instance_id: str, known: Instance) -> None:
         reported, held = self._reported_coming, self._held_by_prefill
         seen_at = known.seen_at
-        mine: dict[str, list[tuple[float, int, int, int]]] = {}
-        rids = []
+        mine = []
         for c in known.info.prefill.coming:
-            rids.append(c.request_id)
             held[c.request_id] = held.get(c.request_id, 0) + 1
             entry = (seen_at + c.finish_in_s, c.tokens, c.max_tokens, c.expected_tokens)
-            entries = mine.get(c.decode_id)
+            mine.append((c.decode_id, c.request_id, entry))
+            entries = reported.get(c.decode_id)
             if entries is None:
-                mine[c.decode_id] = [entry]
+                reported[c.decode_id] = [entry]
             else:
                 entries.append(entry)
-        for decode_id, entries in mine.items():
-            tokens = sum([e[1] for e in entries])
-            reported.setdefault(decode_id, {})[instance_id] = entries, tokens, tokens + sum([e[2] for e in entries])
-        self._reported_of[instance_id] = tuple(mine), rids
+        self._reported_of[instance_id] = mine
 
     def _drop_reported(self, instance_id: str) -> None:
+        """Its entries out (each list is a multiset: an equal entry of another instance's may go in
+        its place, which leaves the same values)."""
         gone = self._reported_of.pop(instance_id, None)
-        if gone is None:
+        if not gone:
             return
         reported, held = self._reported_coming, self._held_by_prefill
-        decode_ids, rids = gone
-        for decode_id in decode_ids:
-            of_decode = reported[decode_id]
-            del of_decode[instance_id]
-            if not of_decode:
+        for decode_id, rid, entry in gone:
+            entries = reported[decode_id]
+            if len(entries) == 1:
                 del reported[decode_id]
-        for rid in rids:
+            else:
+                entries.remove(entry)
             left = held[rid] - 1
             if left:
                 held[rid] = left
