@@ -56,8 +56,7 @@ most MAX_HANDSHAKES such connections wait at once, MAX_HANDSHAKES_PER_ADDRESS of
 address. A newcomer beyond either bound takes the place of the oldest one waiting (from its address,
 or of all): a proven peer's handshake takes milliseconds, so connections a stranger opens and holds
 are pushed out by the next peer that comes, where refusing the newcomer had let 16 held connections
-per address block every handoff (the prefill also tries a refused connection again:
-services/prefill/handoff.py). So a stranger who only reaches the port can neither hold the slots
+per address block every handoff. So a stranger who only reaches the port can neither hold the slots
 proven peers use nor, by holding connections, the handshakes of peers. Where the cluster lists its members' addresses (`Transports.allow`,
 --link-peers), a connection from any other is closed at accept, before it reads a byte or takes a
 handshake's place. Refusals are counted (`TcpBackend.refused`, by reason), logged at

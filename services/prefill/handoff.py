@@ -36,7 +36,6 @@ from schemas.transfer import AbortKv, AcceptKv, AcceptKvReply, CompleteKv, Compl
 from common.engine.layerwise import FileSink
 
 log = logging.getLogger(__name__)
-CONNECT_RETRY_S = (0.05, 0.25, 1.0)  # pauses before each new try of a refused KV link (then the handoff fails)
 MESSENGER_RESTART_S = 5.0  # a decode node's messenger that is not there is asked again this long (a restart takes 1-3 s)
 
 
@@ -110,19 +109,11 @@ class Handoff:
             raise HandoffFailed(f"node {t.decode_node} refused to reserve {len(t.prompt_token_ids)} tokens of KV: "
                                 f"{reply.error}")
         self.region = reply.region
-        for attempt, pause_s in enumerate(CONNECT_RETRY_S + (None,)):
-            try:
-                self.channel = await asyncio.to_thread(self.transports.connect, reply.region.endpoints, self.timeout_s)
-                break
-            except TransportError as exc:
-                if pause_s is None:
-                    await self.abort()
-                    raise HandoffFailed(f"cannot reach the KV destination on node {t.decode_node} "
-                                        f"({attempt + 1} tries): {exc}") from exc
-                # a crowded door (strangers' connections) or a restarting listener: a moment, then again
-                log.warning("request %s: KV destination on node %s refused the link (%s); trying again",
-                            t.request_id, t.decode_node, exc)
-                await asyncio.sleep(pause_s)
+        try:
+            self.channel = await asyncio.to_thread(self.transports.connect, reply.region.endpoints, self.timeout_s)
+        except TransportError as exc:
+            await self.abort()
+            raise HandoffFailed(f"cannot reach the KV destination on node {t.decode_node}: {exc}") from exc
         self.transport = self.channel.transport
         self.sink = StreamSink(self.channel, reply.region, SliceGeometry(self.shape, self.layout.itemsize))
 
