@@ -24,7 +24,7 @@ Workers cannot write terminal events; nobody but a messenger writes a KV event; 
 gateway reads tokens, each sender's on a subject of its own (a conductor's: errors only), so a
 gateway takes a request's tokens only from the instances it was routed to.
 
-A process that speaks for instances (prefill, decode, coupled, messenger, cache index) gets a user
+A process that speaks for instances (gateway, prefill, decode, coupled, messenger, cache index) gets a user
 of its own where its launcher knows it (`moonbus up`: `instance_user(name)`, `processes` of
 `nats_config`): its role's permissions, with heartbeats, progress, liveness and instance events
 allowed only on its own instances' subjects (`{id}` in ROLES). A role's shared user (compose) has
