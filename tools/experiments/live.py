@@ -70,10 +70,12 @@ def replay_flags(trace: Path, limit: int, url: str) -> list[str]:
 
 def ensure_profile(home: Path) -> Path:
     """The model's measured profile, made once as `moonbus up` makes it; both clusters load this file."""
-    path = profiles.profile_path(home, models.prepare(MODEL, home).name)
+    dtype = models.resolve_dtype("auto")  # what the clusters' workers run (ClusterSpec's dtype)
+    path = profiles.profile_path(home, models.prepare(MODEL, home).name, dtype)
     if not path.exists():
         subprocess.run([sys.executable, "-m", "tools.moonbus.cli", "profile", "--quick", "--model", MODEL,
-                        "--home", str(home), "--threads", "1", "--max-input", str(MAX_INPUT)], check=True)
+                        "--home", str(home), "--threads", "1", "--max-input", str(MAX_INPUT), "--dtype", dtype],
+                       check=True)
     return path
 
 
