@@ -22,13 +22,16 @@ pytestmark = pytest.mark.integration
 KV_TOKENS = 2400  # the decode instance's budget
 MAX_BATCH = 4
 LONG_OUTPUT = 2000  # the first request reserves 200 + 2000 of the 2400 tokens
+TTFT_SLO_S = 600.0  # past any prediction of the first request's 2,000 steps here (the client waits 300 s)
 
 
 @pytest.fixture(scope="module")
 def small_room(tmp_path_factory, tiny_profile):
     # the pool: the budget in blocks, plus a block of slack per row (common/engine/batch.py)
     kv_bytes = (KV_TOKENS // BLOCK + MAX_BATCH) * BLOCK * tiny_kv_bytes_per_token(AUTO_DTYPE)
-    cluster = start_cluster(tmp_path_factory.mktemp("kvroom"), profile=tiny_profile,
+    # the second request waits for the first's 2,000 tokens: its TTFT SLO is set long enough that
+    # the predicted wait falls within it on a machine of any speed (the profile measures this one)
+    cluster = start_cluster(tmp_path_factory.mktemp("kvroom"), profile=tiny_profile, ttft_slo_s=TTFT_SLO_S,
                             service_args={"decode": ["--kv-cache-bytes", str(kv_bytes), "--max-batch", str(MAX_BATCH)]})
     yield cluster
     cluster.stop()
