@@ -74,3 +74,4 @@ class Planned(Wire):
     lost_prefill: NonNegative = 0  # lost in the window: replace them, the target stays
     lost_decode: NonNegative = 0
     attainment: float | None = None  # in the window, as the conductor knows it (None: unknown)
+    slack: float = 1.0  # prefill's target utilisation is times this: how hot the attainment lets it run

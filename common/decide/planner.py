@@ -11,14 +11,20 @@ starting nor those lost move it:
     prefill   the predicted work of every request priced in the window (routed or rejected:
               rejected demand is demand) / window  +  the predicted queue beyond
               queue_share x TTFT SLO, at every instance, drained within drain_s
-    decode    max(KV room reserved, TBT headroom used) x the decode instances, where the headroom
-              used = (predicted TBT - an empty batch's step) / (TBT SLO - that step): the part of
-              a step that load adds, which is what more instances spread
+    decode    max(KV room held, KV room the window's admissions hold on average, TBT headroom
+              used) x the decode instances. The second is Little's law on the arrivals: each
+              admitted request holds its reservation (prompt + max_tokens) for its expected output
+              (the conductor's learned lengths) times the step time; unlike the room held now it
+              is not hidden by a prefill backlog, nor capped by a full cache. The headroom used =
+              (predicted TBT - an empty batch's step) / (TBT SLO - that step): the part of a step
+              that load adds, which is what more instances spread
 
 Forecast: a level (exponential smoothing) plus its trend (the least-squares slope of the last
-levels: one window's spike does not make a trend) times lead_s, since an instance asked for now serves only once it has started.
-Increases judge max(level, forecast); decreases judge max(level, the last demand) and never the
-trend: a fall anticipated wrongly costs the SLO, one seen late costs only instance-hours.
+levels: one window's spike does not make a trend) times lead_s, since an instance asked for now
+serves only once it has started. Increases judge max(level, forecast); decreases judge the
+largest of the level, the last demand and the forecast: a falling trend is never anticipated (a
+fall anticipated wrongly costs the SLO, one seen late only instance-hours), and a rising one
+keeps what it will need. The defaults were chosen on the day of docs/experiments/7_autoscale.md.
 
 The rules, per role, with target count T and needed = ceil(demand / the role's target utilisation)
 (prefill runs hotter than decode: its queue absorbs bursts within the TTFT SLO, while a decode
@@ -27,9 +33,10 @@ instance's KV room is a wall):
     up        demand / T above `high` for up_after observations in a row, or the role's rejections
               (TTFT: prefill; TBT and KV room: decode) above reject_share of the arrivals, and
               up_cooldown_s since the role's last change: T = max(needed, T + 1)
-    down      demand / T below `low` for down_after observations in a row, with no rejection of the
-              role's kind and attainment not below its goal, and down_cooldown_s since the role's
-              last change: T = max(needed, T - max_step_down x T), at least one less
+    down      demand / T below `low` for down_after observations in a row, with the role's
+              rejections not above reject_share and attainment not below its goal, and
+              down_cooldown_s since the role's last change: T = max(needed, T - max_step_down x T),
+              at least one less; decode one at a time (a few instances, each a big share of the room)
     lost      an instance of the role lost (died, went silent) in the window, or within lost_hold_s
               of one: T is held (its driver replaces the instance) and the role's streaks restart.
               A death is not load: the survivors' queues grow with the requests handed back, and
@@ -37,6 +44,11 @@ instance's KV room is a wall):
               Rejections while an instance is being restarted are counted apart ("recovering").
     attainment  below attainment_goal while neither role asks for more: the role nearer its high
               watermark goes up by one (after up_after such observations)
+    slack     the goal is the SLO attainment, not a utilisation: while attainment stays at or above
+              attainment_goal + slack_margin, prefill's target and watermarks rise by slack_step
+              (times, up to max_slack); below the goal they fall back twice as fast (not under 1).
+              So the planner runs as hot as the goal allows, and prefill's rejections ask for
+              more only while attainment is below its goal (within it, they are the misses it allows)
     bounds    min/max per role; max_total caps the sum (an increase is cut to fit)
 
 Pure: the caller passes the time; no I/O.
@@ -75,16 +87,16 @@ class PlannerSettings:
     # of seconds absorbs bursts (and the backlog term catches what it does not): it can run hot
     target: float = 0.85
     high: float = 0.95
-    low: float = 0.6
+    low: float = 0.72
     # decode: its KV room is a wall (a request without room waits), so it keeps more headroom
     decode_target: float = 0.7
     decode_high: float = 0.85
     decode_low: float = 0.4
     up_after: int = 2
-    down_after: int = 4
+    down_after: int = 3
     up_cooldown_s: float = 60.0  # since the role's last change, before an increase
-    down_cooldown_s: float = 180.0  # since the role's last change, before a decrease
-    max_step_down: float = 0.25  # a decrease removes at most this share of the target
+    down_cooldown_s: float = 90.0  # since the role's last change, before a decrease
+    max_step_down: float = 0.5  # a decrease removes at most this share of the (prefill) target
     lead_s: float = 120.0  # how far ahead the trend is followed: an instance's start, and a little more
     smoothing: float = 0.5  # weight of the newest demand in the level
     trend_points: int = 6  # observations the trend is fitted over
@@ -92,6 +104,10 @@ class PlannerSettings:
     drain_s: float = 60.0  # backlog beyond it is drained within this long
     reject_share: float = 0.01  # a role's rejections above this share of arrivals ask for more of it
     attainment_goal: float = 0.95
+    slack_margin: float = 0.02  # attainment this far above its goal lets prefill run hotter ...
+    slack_step: float = 0.02  # ... by this much (its target and watermarks times 1 + step) per observation
+    max_slack: float = 4.0  # a bound for safety: the attainment feedback is what holds it
+    slack_min_ended: int = 20  # a window judging fewer requests than this moves no slack
     lost_hold_s: float = 60.0  # after a loss, the role's target is held this long
 
     def __post_init__(self) -> None:
@@ -105,14 +121,16 @@ class PlannerSettings:
             raise ValueError("planner streaks need >= 1 observation, the trend >= 2, the interval > 0")
         if not 0 < self.smoothing <= 1 or not 0 < self.max_step_down <= 1:
             raise ValueError("planner smoothing and max_step_down must be in (0, 1]")
+        if self.max_slack < 1 or self.slack_step < 0:
+            raise ValueError("planner max_slack must be >= 1 and slack_step >= 0")
 
     def bounds(self, role: str) -> tuple[int, int]:
         return (self.min_prefill, self.max_prefill) if role == "prefill" else (self.min_decode, self.max_decode)
 
-    def watermarks(self, role: str) -> tuple[float, float, float]:
-        """(low, target, high) of a role."""
+    def watermarks(self, role: str, slack: float = 1.0) -> tuple[float, float, float]:
+        """(low, target, high) of a role; prefill's times the slack the attainment allows."""
         if role == "prefill":
-            return self.low, self.target, self.high
+            return self.low * slack, self.target * slack, self.high * slack
         return self.decode_low, self.decode_target, self.decode_high
 
 
@@ -140,7 +158,8 @@ class Observation:
     queue_s: float = 0.0  # mean predicted queue at the prefill instance each priced request was given
     ttft_s: float = 0.0  # their mean predicted TTFT
     ttft_slo_s: float = 30.0
-    kv_used: float | None = None  # share of the decode instances' KV room reserved or promised now
+    kv_used: float | None = None  # share of the decode instances' KV room their requests hold now
+    kv_flow: float | None = None  # share the window's admissions hold on average (Little's law)
     tbt_s: float = 0.0  # mean predicted TBT of the priced requests on their decode instance
     tbt_floor_s: float = 0.0  # an empty batch's step (the weights read): what no instance count removes
     tbt_slo_s: float = 0.1
@@ -162,7 +181,7 @@ class Observation:
         tbt = 0.0
         if self.tbt_s > 0 and self.tbt_slo_s > self.tbt_floor_s:
             tbt = max(0.0, self.tbt_s - self.tbt_floor_s) / (self.tbt_slo_s - self.tbt_floor_s)
-        return max(self.kv_used or 0.0, tbt)
+        return max(self.kv_used or 0.0, self.kv_flow or 0.0, tbt)
 
     def demand(self, role: str) -> float:
         """Instances' worth of work (see the module's docstring)."""
@@ -193,6 +212,7 @@ class Plan:
     lost_prefill: int = 0  # lost in the window: the driver replaces them; the target does not move
     lost_decode: int = 0
     attainment: float | None = None
+    slack: float = 1.0  # prefill's target and watermarks are times this
 
     @property
     def changed(self) -> bool:
@@ -213,7 +233,8 @@ class Plan:
                 "utilization_prefill": round(self.utilization_prefill, 4),
                 "utilization_decode": round(self.utilization_decode, 4),
                 "lost_prefill": self.lost_prefill, "lost_decode": self.lost_decode,
-                "attainment": None if self.attainment is None else round(self.attainment, 4)}
+                "attainment": None if self.attainment is None else round(self.attainment, 4),
+                "slack": round(self.slack, 4)}
 
 
 @dataclass
@@ -235,6 +256,7 @@ class Planner:
         self.roles = {role: _Role(self._clamp(role, n), now - max(settings.up_cooldown_s, settings.down_cooldown_s))
                       for role, n in (("prefill", prefill), ("decode", decode))}
         self.starved = 0  # observations in a row below the attainment goal
+        self.slack = 1.0  # prefill's target and watermarks are times this (see the module's docstring)
 
     def _clamp(self, role: str, n: int) -> int:
         lo, hi = self.settings.bounds(role)
@@ -250,6 +272,13 @@ class Planner:
         judged: dict[str, float] = {}
         ratios: dict[str, float] = {}
         held = set()
+        poor = obs.attainment is not None and obs.attainment < s.attainment_goal
+        if obs.attainment is not None and obs.ended >= s.slack_min_ended \
+                and not any(obs.role(role).lost for role in ROLES):
+            if poor:
+                self.slack = max(1.0, self.slack * (1 - 2 * s.slack_step))
+            elif obs.attainment >= s.attainment_goal + s.slack_margin:
+                self.slack = min(s.max_slack, self.slack * (1 + s.slack_step))
         for role in ROLES:
             r = self.roles[role]
             lost = obs.role(role).lost
@@ -271,39 +300,41 @@ class Planner:
             while len(r.history) > s.trend_points:
                 r.history.popleft()
             forecast = max(0.0, r.level + _slope(r.history) * s.lead_s)
-            rising, falling = max(r.level, forecast), max(r.level, demand)
+            rising, falling = max(r.level, forecast), max(r.level, demand, forecast)
             judged[role] = rising
             ratios[role] = rising / max(r.target, 1)
-            low, target, high = s.watermarks(role)
+            low, target, high = s.watermarks(role, self.slack)
+            ratios[role] /= high  # how near its high watermark, for the attainment rule
             rejected = obs.rejected(role)
-            starved = rejected > s.reject_share * max(obs.arrivals, 1)
-            r.above = r.above + 1 if (ratios[role] > high or starved) else 0
-            poor = obs.attainment is not None and obs.attainment < s.attainment_goal
-            r.below = r.below + 1 if (falling / max(r.target, 1) < low and not rejected and not poor) else 0
+            starved = rejected > s.reject_share * max(obs.arrivals, 1) and (poor or obs.attainment is None
+                                                                          or role == "decode")
+            r.above = r.above + 1 if (rising / max(r.target, 1) > high or starved) else 0
+            r.below = r.below + 1 if (falling / max(r.target, 1) < low and not starved and not poor) else 0
             since = now - r.changed_at
             if r.above >= s.up_after:
                 if since < s.up_cooldown_s:
                     continue
                 needed = math.ceil(rising / target - 1e-9)
                 new = self._clamp(role, max(needed, r.target + 1))
-                why = (f"rejections {rejected}/{obs.arrivals}" if starved and ratios[role] <= high else
-                       f"demand {rising:.2f} is {ratios[role]:.2f} of {r.target} > {high:g}")
+                ratio = rising / max(r.target, 1)
+                why = (f"rejections {rejected}/{obs.arrivals}" if starved and ratio <= high else
+                       f"demand {rising:.2f} is {ratio:.2f} of {r.target} > {high:.3g}")
                 self._move(role, new, now, reasons, f"{why} for {r.above} observations")
             elif r.below >= s.down_after:
                 if since < s.down_cooldown_s:
                     continue
                 needed = math.ceil(falling / target - 1e-9)
-                step = max(1, math.floor(r.target * s.max_step_down))
+                step = max(1, math.floor(r.target * s.max_step_down)) if role == "prefill" else 1
                 new = self._clamp(role, max(needed, r.target - step))
                 self._move(role, new, now, reasons,
-                           f"demand {falling:.2f} is {falling / max(r.target, 1):.2f} of {r.target} < {low:g} "
+                           f"demand {falling:.2f} is {falling / max(r.target, 1):.2f} of {r.target} < {low:.3g} "
                            f"for {r.below} observations")
         self._attainment(obs, before, held, ratios, reasons)
         self._cap_total(before, reasons)
         return Plan(now, self.roles["prefill"].target, self.roles["decode"].target, before["prefill"],
                     before["decode"], tuple(reasons), judged.get("prefill", 0.0), judged.get("decode", 0.0),
                     obs.utilization("prefill"), obs.utilization("decode"), obs.prefill.lost, obs.decode.lost,
-                    obs.attainment)
+                    obs.attainment, self.slack)
 
     def _move(self, role: str, new: int, now: float, reasons: list[str], why: str) -> None:
         r = self.roles[role]
@@ -325,7 +356,7 @@ class Planner:
         self.starved += 1
         if self.starved < s.up_after:
             return
-        role = max(ratios, key=lambda name: (ratios[name] / s.watermarks(name)[2], name == "prefill"))
+        role = max(ratios, key=lambda name: (ratios[name], name == "prefill"))
         r = self.roles[role]
         if obs.at - r.changed_at < s.up_cooldown_s:
             return
@@ -393,12 +424,14 @@ class PlannerWindow:
         self.arrivals = self.routed_count = self.priced = 0
         self.offered_s = self.routed_s = self.queue_sum = self.ttft_sum = self.tbt_sum = 0.0
         self.tbt_priced = 0
+        self.joining: list[tuple[int, int, int]] = []  # admitted ones that will decode: (reservation, max, hint)
         self.rejections: dict[str, int] = {}
         self.met = self.ended_count = 0
         self.lost_count = {role: 0 for role in ROLES}
 
-    def routed(self, outcome) -> None:
-        """A route's outcome (common.decide.route.RouteOutcome), admitted or not."""
+    def routed(self, outcome, prompt_tokens: int = 0, max_tokens: int = 0, expected_tokens: int = 0) -> None:
+        """A route's outcome (common.decide.route.RouteOutcome), admitted or not, and its request's
+        prompt, max_tokens and output hint (for the KV room it will hold at decode)."""
         self.arrivals += 1
         decision = outcome.decision
         if decision is not None and not outcome.admitted \
@@ -420,6 +453,8 @@ class PlannerWindow:
                 self.routed_s += work
         if outcome.admitted:
             self.routed_count += 1
+            if max_tokens > 1:
+                self.joining.append((prompt_tokens + max_tokens, max_tokens, expected_tokens))
         else:
             self.reject(reason_kind(outcome.status, outcome.reason))
 
@@ -444,28 +479,34 @@ class PlannerWindow:
         for known in state.instances.values():
             if known.info.role in counts and known.info.draining:
                 counts[known.info.role][1] += 1
+        # KV room as the decode instances report it, held (what routed requests will reserve when
+        # their prefill ends is not counted: a prefill backlog would look like decode load)
         used = room = 0
         candidates = state.decode_candidates(now)
         for c in candidates:
             report = state.get(c.instance_id).decode
-            if report is None or report.kv_free_tokens is None or c.kv_free_tokens is None:
+            if report is None or report.kv_free_tokens is None:
                 continue
-            capacity = report.kv_used_tokens + report.kv_free_tokens
-            room += capacity
-            used += capacity - max(0, c.kv_free_tokens)
+            room += report.kv_used_tokens + report.kv_free_tokens
+            used += report.kv_used_tokens
         tbt = self.tbt_sum / self.tbt_priced if self.tbt_priced else 0.0
         if not self.tbt_priced and candidates:  # nothing priced: the batches as they are
             tbt = sum(perf.decode.step_seconds(max(1, c.num_running), c.context_tokens) * c.step_factor
                       for c in candidates) / len(candidates)
+        window_s = max(now - self.start, 1e-9)
+        remaining = state.outputs.remaining
+        step_s = max(tbt, perf.decode.step_seconds(1, 0))
+        token_s = sum(room * remaining(1, most, hint) * step_s for room, most, hint in self.joining)
         rejected = sum(self.rejections.values())
         judged = self.ended_count + rejected
         obs = Observation(
-            now, max(now - self.start, 1e-9),
+            now, window_s,
             RoleCount(counts["prefill"][0], counts["prefill"][1], self.lost_count["prefill"]),
             RoleCount(counts["decode"][0], counts["decode"][1], self.lost_count["decode"]),
             self.arrivals, self.routed_count, self.offered_s, self.routed_s,
             self.queue_sum / self.priced if self.priced else 0.0, self.ttft_sum / self.priced if self.priced else 0.0,
-            admit.ttft_slo_s, used / room if room else None, tbt, perf.decode.step_seconds(1, 0), admit.tbt_slo_s,
+            admit.ttft_slo_s, used / room if room else None, token_s / window_s / room if room else None, tbt,
+            perf.decode.step_seconds(1, 0), admit.tbt_slo_s,
             dict(self.rejections), self.met / judged if judged > 0 else None, judged)
         self.start = now
         self._reset()

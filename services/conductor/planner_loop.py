@@ -60,8 +60,8 @@ class PlannerLoop:
 
     # --- what the conductor tells it, as it happens --------------------------------------------------
 
-    def routed(self, outcome) -> None:
-        self.window.routed(outcome)
+    def routed(self, outcome, prompt_tokens: int = 0, max_tokens: int = 0, expected_tokens: int = 0) -> None:
+        self.window.routed(outcome, prompt_tokens, max_tokens, expected_tokens)
 
     def lost(self, role: str) -> None:
         self.window.lost(role)

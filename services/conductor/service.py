@@ -298,7 +298,7 @@ class ConductorService:
             self.cfg.admission, self.perf, self.rng.random(), holders=holders, stages_of=self.pipeline_stages)
         self.metrics.decide_s.observe(time.perf_counter() - decide_started)
         if self.planner is not None:
-            self.planner.routed(outcome)
+            self.planner.routed(outcome, len(ids), sampling.max_tokens, sampling.expected_tokens)
         decision = outcome.decision
         if outcome.status == 400:
             self.count("malformed")

@@ -20,15 +20,17 @@ from schemas.workers import DecodeReport, PrefillReport, WorkerInfo
 WINDOW = 30.0
 SETTINGS = PlannerSettings(min_prefill=1, max_prefill=20, min_decode=1, max_decode=20, up_after=2, down_after=3,
                            up_cooldown_s=60.0, down_cooldown_s=120.0, lead_s=0.0, interval_s=WINDOW,
-                           low=0.55, target=0.8, high=0.9, decode_low=0.55, decode_target=0.8, decode_high=0.9)
+                           low=0.55, target=0.8, high=0.9, decode_low=0.55, decode_target=0.8, decode_high=0.9,
+                           max_step_down=0.25)
 
 
 def obs(at, prefill=4, decode=2, demand=3.2, kv=0.5, lost=(0, 0), rejections=None, arrivals=100,
         attainment=None, queue_s=0.0) -> Observation:
     """An observation whose prefill demand is `demand` instances' worth and decode KV use `kv`."""
     return Observation(at, WINDOW, RoleCount(prefill, lost=lost[0]), RoleCount(decode, lost=lost[1]), arrivals,
-                       arrivals, demand * WINDOW, demand * WINDOW, queue_s, 1.0, 30.0, kv, 0.0, 0.011, 0.1,
-                       rejections or {}, attainment)
+                       arrivals, demand * WINDOW, demand * WINDOW, queue_s=queue_s, ttft_s=1.0, ttft_slo_s=30.0,
+                       kv_used=kv, tbt_s=0.0, tbt_floor_s=0.011, tbt_slo_s=0.1, rejections=rejections or {},
+                       attainment=attainment, ended=arrivals)
 
 
 def run(planner, observations) -> list[Plan]:
@@ -171,9 +173,10 @@ PERF = analytic_profile(MODEL_PRESETS["llama3-70b"], HARDWARE_PRESETS["8xA800"])
 
 
 class _Decision:
-    def __init__(self, prefill_s, queue_s, tbt_s=0.02):
+    def __init__(self, prefill_s, queue_s, tbt_s=0.02, reason="kvcache-centric"):
         self.prefill_s, self.transfer_s, self.queue_s, self.ttft_s, self.tbt_s = prefill_s, 0.0, queue_s, \
             queue_s + prefill_s, tbt_s
+        self.reason = reason
 
 
 def outcome(status=200, reason="ok", prefill_s=1.0, queue_s=2.0, priced=True) -> RouteOutcome:
@@ -190,11 +193,11 @@ def test_the_observation_is_built_from_the_cluster_state_and_the_windows_routes(
     state.heard(WorkerInfo("p2", "prefill", "n2", draining=True, prefill=PrefillReport(0.0, 0, 0)), 0.0)
     state.heard(WorkerInfo("d0", "decode", "n3", decode=DecodeReport(0, 0, 300, 700, 0.01)), 0.0)
     state.heard(WorkerInfo("d1", "decode", "n4", decode=DecodeReport(0, 0, 100, 900, 0.01)), 0.0)
-    # one of our requests is on its way to d1: the room it will reserve counts as used
+    # one of our requests is on its way to d1: the room it will reserve is not decode's load yet
     state.route(Routed("r9", ("p0",), "d1", "reply", 150, 0.0, 1.0, 3.0, max_tokens=50))
     window = PlannerWindow(0.0, AdmissionSettings("predictive", 30.0, 0.1))
-    window.routed(outcome(prefill_s=1.5, queue_s=2.0))
-    window.routed(outcome(prefill_s=0.5, queue_s=4.0))
+    window.routed(outcome(prefill_s=1.5, queue_s=2.0), 100, 50)  # it will hold 150 tokens for 49 steps
+    window.routed(outcome(prefill_s=0.5, queue_s=4.0), 100, 1)  # it ends with its first token
     window.routed(outcome(429, "rejected at arrival: ttft 31s > slo 30s", prefill_s=2.0, queue_s=29.0))
     window.routed(outcome(429, "rejected at arrival: ttft 45s > slo 30s", prefill_s=45.0, queue_s=0.0))
     window.routed(outcome(503, "no decode instance is available", priced=False))
@@ -208,7 +211,8 @@ def test_the_observation_is_built_from_the_cluster_state_and_the_windows_routes(
     assert o.routed_work_s == pytest.approx(2.0)
     assert o.queue_s == pytest.approx((2.0 + 4.0 + 29.0) / 3)
     assert o.rejections == {"ttft": 1, "too long": 1, "no decode": 1}
-    assert o.kv_used == pytest.approx((300 + 100 + 200) / 2000)
+    assert o.kv_used == pytest.approx((300 + 100) / 2000)
+    assert o.kv_flow == pytest.approx(150 * 49 * 0.03 / 10.0 / 2000)  # Little's law: held for 49 steps of 30 ms
     assert o.tbt_s == pytest.approx(0.03)
     assert o.attainment == pytest.approx(1 / 5)  # 1 met of 2 ended and 3 rejected
     assert o.utilization("prefill") == pytest.approx(2.0 / (10.0 * 2))
@@ -255,3 +259,30 @@ def test_the_conductors_loop_publishes_a_planned_event_when_a_target_changes_and
     plan = asyncio.run(loop.tick(60.0))
     assert not plan.changed and plan.lost_decode == 1 and len(events.published) == 2
     assert asyncio.run(loop.tick(90.0)).restores is False and len(events.published) == 2
+
+
+def test_while_attainment_stays_above_its_goal_prefill_runs_hotter_and_below_it_backs_off():
+    planner = Planner(SETTINGS, 4, 2)
+    plans = run(planner, [obs(t * WINDOW, demand=3.0, attainment=0.99) for t in range(1, 40)])
+    assert plans[0].slack == pytest.approx(1.02) and plans[-1].slack > 1.5
+    assert plans[-1].prefill < 4  # the same demand, served hotter
+    assert plans[-1].decode == 2  # decode's KV room is a wall: no slack there
+    slack, serving = plans[-1].slack, plans[-1].prefill
+    poor = run(planner, [obs(t * WINDOW, prefill=serving, demand=3.0, attainment=0.9) for t in range(40, 43)])
+    assert poor[0].slack == pytest.approx(slack * 0.96) and poor[-1].slack < poor[0].slack
+    assert all(p.prefill >= serving for p in poor)  # and a poor attainment never lets a role shrink
+
+
+def test_a_decrease_keeps_what_a_rising_trend_will_need():
+    settings = replace(SETTINGS, lead_s=120.0, max_step_down=1.0)
+    rising, flat = Planner(settings, 16, 2), Planner(settings, 16, 2)
+    up = run(rising, [obs(t * WINDOW, prefill=16, demand=d) for t, d in ((1, 4.0), (2, 5.0), (3, 6.0))])
+    level = run(flat, [obs(t * WINDOW, prefill=16, demand=6.0) for t in (1, 2, 3)])
+    assert level[-1].prefill == 8  # ceil(6 / 0.8)
+    assert up[-1].prefill == 10  # the level (5.25) and its trend 120 s ahead (7.75): ceil(7.75 / 0.8)
+
+
+def test_decode_gives_back_one_instance_at_a_time():
+    planner = Planner(SETTINGS, 4, 8)
+    plans = run(planner, [obs(t * WINDOW, decode=8, demand=3.2, kv=0.05) for t in range(1, 4)])
+    assert [p.decode for p in plans] == [8, 8, 7]

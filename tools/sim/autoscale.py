@@ -107,7 +107,9 @@ class Scaler:
                "attainment": obs.attainment if obs else None}
         if plan is not None:
             row |= {"demand_prefill": plan.demand_prefill, "demand_decode": plan.demand_decode,
-                    "utilization_prefill": plan.utilization_prefill, "utilization_decode": plan.utilization_decode}
+                    "utilization_prefill": plan.utilization_prefill, "utilization_decode": plan.utilization_decode,
+                    "slack": plan.slack, "rejections": dict(obs.rejections), "queue_s": obs.queue_s,
+                    "kv_used": obs.kv_used, "tbt_s": obs.tbt_s}
         for role in ROLES:
             serving = [i for i in self.live[role] if not i.draining]
             row[role] = len(serving)

@@ -221,7 +221,7 @@ class Simulator:
         outcome = route(ToRoute(str(r.index), r.keys, r.input_tokens, r.max_tokens), self.index, self.state, t,
                         self.policy, self.admission, self.perf, self.rng.random(), queued=_NicQueues(self.nics, t))
         if self.scaler is not None:
-            self.scaler.window.routed(outcome)
+            self.scaler.window.routed(outcome, r.input_tokens, r.max_tokens)
         if not outcome.admitted:  # an overload, no instance, or too large: either way, not served
             self.end(r, t, REJECTED_ARRIVAL, outcome.reason)
             return

@@ -59,6 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-decode", type=int, default=8, metavar="N")
     parser.add_argument("--plan-every", type=float, default=30.0, metavar="S", help="the planner's interval")
     parser.add_argument("--startup", type=float, default=60.0, metavar="S", help="seconds before a new instance serves")
+    parser.add_argument("--attainment-goal", type=float, default=0.95,
+                        help="the planner's SLO attainment goal (PlannerSettings.attainment_goal)")
     parser.add_argument("--goal", type=float, default=0.9, help="the attainment a fixed split must reach")
     parser.add_argument("--goal-window", type=float, default=None, metavar="S",
                         help="and, in the second search, in every S seconds of arrivals (default: --day-s / 24, an hour of the day)")
@@ -80,7 +82,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
 def planner_settings(args: argparse.Namespace) -> PlannerSettings:
     return PlannerSettings(min_prefill=args.min_prefill, max_prefill=args.max_prefill, min_decode=args.min_decode,
                            max_decode=args.max_decode, max_total=args.max_prefill + args.max_decode,
-                           interval_s=args.plan_every)
+                           interval_s=args.plan_every, attainment_goal=args.attainment_goal)
 
 
 def trace_rows(args: argparse.Namespace) -> list:
