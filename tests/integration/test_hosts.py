@@ -15,6 +15,7 @@ MOONBUS_EVENTS each) and outcomes are printed (completed / 429 / 503 / failed).
 from __future__ import annotations
 
 import asyncio
+import collections
 import random
 import subprocess
 import time
@@ -155,6 +156,10 @@ def judge(title: str, results: list[tuple[float, RequestResult]], log: sv.EventL
     twice, never = sv.exactly_once([r for _, r in results], outcomes, log.terminal)
     print(f"\n{title}: {len(results)} requests: " + ", ".join(f"{k} {v}" for k, v in counts.items())
           + f"; ended twice {len(twice)}, never ended {len(never)}; migrated {sum(log.migrated.values())}")
+    refusals = collections.Counter(f"{o.kind}: {r.error}" for (_, r), o in zip(results, outcomes)
+                                   if o.kind in (sv.REJECTED_429, sv.UNAVAILABLE_503))
+    for why, n in refusals.most_common():
+        print(f"  {n} x {why}")
     for (sent, r), o in zip(results, outcomes):
         if o.kind == sv.FAILED:
             print(f"  failed: sent at {sent:.1f} s, {r.request_id or '(no id)'}: {o.reason}")

@@ -21,7 +21,9 @@ def test_a_cluster_server_has_authenticated_routes_and_the_same_users(tmp_path):
     secrets = ClusterSecrets.create(tmp_path / "secrets")
     routes = NatsRoutes("moonbus", "10.0.0.11", 6222, ("nats://10.0.0.12:6222",), "pw")
     config = json.loads(nats_config(secrets, "10.0.0.11", 4222, tmp_path / "js", "nats-a", routes=routes))
+    # a silent route is dropped in seconds, as a client drops a silent server (common.bus)
     assert config["cluster"] == {"name": "moonbus", "host": "10.0.0.11", "port": 6222,
+                                 "ping_interval": "2s", "ping_max": 2,
                                  "authorization": {"user": "route", "password": "pw"},
                                  "routes": ["nats://route:pw@10.0.0.12:6222"]}
     single = json.loads(nats_config(secrets, "10.0.0.11", 4222, tmp_path / "js", "nats-a"))

@@ -187,10 +187,17 @@ class NatsRoutes:
     password: str = ""  # the routes' shared secret ("" = routes unauthenticated)
 
     USER = "route"
+    # A server whose route went silent (its host's cable pulled) is dropped after PING_MAX unanswered
+    # pings, and with it the subscriptions it held: until then the others still send it requests
+    # for queue groups whose members moved on (a conductor failed over, say), and those are lost.
+    # nats-server's default is 2 minutes times 2; this is what the clients use (common.bus).
+    PING_INTERVAL = "2s"
+    PING_MAX = 2
 
     def block(self) -> dict:
         routes = list(self.routes)
-        block: dict = {"name": self.name, "host": self.host, "port": self.port}
+        block: dict = {"name": self.name, "host": self.host, "port": self.port,
+                       "ping_interval": self.PING_INTERVAL, "ping_max": self.PING_MAX}
         if self.password:
             block["authorization"] = {"user": self.USER, "password": self.password}
             routes = [r.replace("://", f"://{self.USER}:{self.password}@", 1) for r in routes]
