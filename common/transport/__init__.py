@@ -76,6 +76,13 @@ class TransportRefused(TransportError):
     """Raised when a peer does not prove that it holds the cluster secret."""
 
 
+class TransportTurnedAway(TransportError):
+    """Raised when a listener took the connection and closed it before the handshake ended: its
+    door was crowded (tcp.py's `_Door` lets the oldest waiting handshake give way to a newcomer),
+    it is going away, or it refused this end's secret (it does not say which: a stranger learns
+    nothing). Unlike a port no one listens on, trying again may succeed."""
+
+
 class RegionBusy(TransportError):
     """Raised by `unregister` when operations on the region did not end within the timeout."""
 

@@ -56,7 +56,8 @@ most MAX_HANDSHAKES such connections wait at once, MAX_HANDSHAKES_PER_ADDRESS of
 address. A newcomer beyond either bound takes the place of the oldest one waiting (from its address,
 or of all): a proven peer's handshake takes milliseconds, so connections a stranger opens and holds
 are pushed out by the next peer that comes, where refusing the newcomer had let 16 held connections
-per address block every handoff. So a stranger who only reaches the port can neither hold the slots
+per address block every handoff (and a connection pushed out is tried again by the prefill,
+TransportTurnedAway: services/prefill/handoff.py). So a stranger who only reaches the port can neither hold the slots
 proven peers use nor, by holding connections, the handshakes of peers. Where the cluster lists its members' addresses (`Transports.allow`,
 --link-peers), a connection from any other is closed at accept, before it reads a byte or takes a
 handshake's place. Refusals are counted (`TcpBackend.refused`, by reason), logged at
@@ -98,7 +99,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from common.security import LINK_NONCE_BYTES, link_proof, proofs_match
 from common.transport.refusals import Refusals, Told
 from common.transport import (SEND_FLOOR_S, SEND_MIN_RATE, STRIPE_MIN, Backend, Channel, Peer, Pieces, Region,
-                              TransportError, TransportRefused, admitted)
+                              TransportError, TransportRefused, TransportTurnedAway, admitted)
 from schemas.codec import WireError
 from schemas.transfer import MAX_STRIPES, CallFrame, ReadFrame, RegionRef, ReplyFrame, WriteFrame
 
@@ -160,6 +161,10 @@ def deadline_of(sock: socket.socket) -> float:
     return sec + usec / 1e6
 
 
+class PeerClosed(TransportError):
+    """The peer closed its end before all the bytes awaited came."""
+
+
 def recv_into(sock: socket.socket, buf: memoryview, hasher=None) -> None:
     """Fill `buf` exactly, hashing each part as it arrives (in cache) when given a hasher."""
     got, n = 0, buf.nbytes
@@ -171,7 +176,7 @@ def recv_into(sock: socket.socket, buf: memoryview, hasher=None) -> None:
         except OSError as exc:
             raise TransportError(f"connection broke: {exc}") from exc
         if not k:
-            raise TransportError(f"peer closed the connection after {got} of {n} bytes")
+            raise PeerClosed(f"peer closed the connection after {got} of {n} bytes")
         if hasher is not None:
             hasher.update(buf[got:got + k])
         got += k
@@ -533,6 +538,9 @@ class TcpChannel(Channel):
         except ssl.SSLError as exc:
             sock.close()
             raise TransportRefused(f"TLS with {self.locator} failed: {exc}") from exc
+        except PeerClosed as exc:
+            sock.close()
+            raise TransportTurnedAway(f"{self.locator} closed the connection during the handshake ({exc})") from exc
         except BaseException:
             sock.close()
             raise

@@ -253,7 +253,8 @@ class PrefillService:
 
     def new_handoff(self, task: PrefillTask) -> Handoff:
         return Handoff(self.nc, self.transports, task, self.cfg.node, self.cfg.shm_dir, self.layout,
-                       f"{self.cfg.instance_id}:{self.incarnation}", self.cfg.transfer_timeout_s)
+                       f"{self.cfg.instance_id}:{self.incarnation}", self.cfg.transfer_timeout_s,
+                       cancelled=lambda: self.cancelled.covers(task.request_id, task.attempt))
 
     async def prepare(self, task: PrefillTask, handoff: Handoff | None) -> Prefix:
         """The reusable prefix and the handoff's destination, at once. A destination that cannot be

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Callable
 
 import torch
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
@@ -28,7 +29,7 @@ from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 from common import bus, kvfiles
 from common.kv.blocks import KvLayout
 from common.kv.slices import SliceGeometry, meta
-from common.transport import Channel, TransportError, Transports
+from common.transport import Channel, TransportError, Transports, TransportTurnedAway
 from schemas import subjects
 from schemas.codec import WireError
 from schemas.prefill import PrefillTask
@@ -37,6 +38,9 @@ from common.engine.layerwise import FileSink
 
 log = logging.getLogger(__name__)
 MESSENGER_RESTART_S = 5.0  # a decode node's messenger that is not there is asked again this long (a restart takes 1-3 s)
+# pauses before each new try of a KV link whose listener turned it away during the handshake (a
+# crowded door: strangers' connections pushed it out); all tries within the handoff's one timeout
+CONNECT_RETRY_S = (0.05, 0.2, 0.5, 1.0)
 
 
 class HandoffFailed(RuntimeError):
@@ -68,8 +72,9 @@ class Handoff:
     """One request's KV on its way from this prefill instance to its decode node."""
 
     def __init__(self, nc, transports: Transports, task: PrefillTask, node: str, shm_dir, layout: KvLayout,
-                 holder: str, timeout_s: float) -> None:
+                 holder: str, timeout_s: float, cancelled: Callable[[], bool] = lambda: False) -> None:
         self.nc = nc
+        self.cancelled = cancelled  # the request's attempt was called off: no new try of its link
         self.transports = transports
         self.task = task
         self.node = node
@@ -110,12 +115,32 @@ class Handoff:
                                 f"{reply.error}")
         self.region = reply.region
         try:
-            self.channel = await asyncio.to_thread(self.transports.connect, reply.region.endpoints, self.timeout_s)
+            self.channel = await self.connect(reply.region)
         except TransportError as exc:
             await self.abort()
             raise HandoffFailed(f"cannot reach the KV destination on node {t.decode_node}: {exc}") from exc
         self.transport = self.channel.transport
         self.sink = StreamSink(self.channel, reply.region, SliceGeometry(self.shape, self.layout.itemsize))
+
+    async def connect(self, region: RegionRef) -> Channel:
+        """A channel to the reserved region. A listener that turns the link away during the
+        handshake is tried again after a pause (CONNECT_RETRY_S), while the handoff's timeout lasts
+        and the attempt is not called off (a refusal of this prefill's secret looks the same, so it
+        too is tried again, as often); any other failure (no one listens, a failed TLS, a silent
+        peer) is final at once: the request moves on rather than waiting on a node that is gone."""
+        deadline = time.monotonic() + self.timeout_s
+        pauses = iter(CONNECT_RETRY_S)
+        while True:
+            try:
+                return await asyncio.to_thread(self.transports.connect, region.endpoints,
+                                               max(0.1, deadline - time.monotonic()))
+            except TransportTurnedAway as exc:
+                pause = next(pauses, None)
+                if pause is None or self.cancelled() or time.monotonic() + pause >= deadline:
+                    raise
+                log.warning("request %s: the KV destination on node %s turned the link away (%s); trying again",
+                            self.task.request_id, self.task.decode_node, exc)
+                await asyncio.sleep(pause)
 
     def write_all(self, kv: torch.Tensor) -> None:
         """The whole KV at once, a layer per write (a pipeline's last stage; worker thread)."""

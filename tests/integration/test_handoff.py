@@ -113,9 +113,13 @@ class Relay:
         while True:
             try:
                 client, _ = self.listener.accept()
-                server = socket.create_connection(self.upstream)
             except OSError:
-                return
+                return  # closed
+            try:
+                server = socket.create_connection(self.upstream)
+            except OSError:  # the node's listener is down (its messenger restarting): this one connection fails
+                client.close()
+                continue
             threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
             threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
 

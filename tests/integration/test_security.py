@@ -616,7 +616,7 @@ async def test_a_stranger_holding_the_kv_door_delays_no_one_and_floods_no_log(gu
     """Reproduced: holding the KV listener's 64 slots from one address made every handoff fail
     (500 "cannot reach the KV destination") and wrote a log line per refusal; so did holding 16
     from 127.0.0.1, the address the cluster's own prefill connects from (the door now gives a
-    newcomer the oldest waiting connection's place)."""
+    newcomer the oldest waiting connection's place, and the prefill tries a link turned away again)."""
     cluster, issued = guarded
     messenger = await heartbeat_of(cluster, "messenger", "messenger-d0")  # where every handoff lands
     host, port = messenger.transfer_addr.rsplit(":", 1)
