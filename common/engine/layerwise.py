@@ -39,7 +39,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from common import kvfiles
+from common import kvfiles, security
 from common.cores import CoreShare, helper_thread
 from common.engine.llama import KvWriter, Llama
 from common.kvfiles import checksum
@@ -147,8 +147,12 @@ class FileSink:
         self.shape = tuple(shape)
         self.dtype = dtype
         self.tmp = self.path.with_name(f".{self.path.name}.tmp")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.array = np.memmap(self.tmp, kvfiles.numpy_dtype(dtype), "w+", shape=self.shape)
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = security.open_own(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL)  # new: never through a planted link
+        np_dtype = kvfiles.numpy_dtype(dtype)
+        with open(fd, "r+b") as f:
+            f.truncate(int(np.prod(self.shape)) * np_dtype.itemsize)
+            self.array = np.memmap(f, np_dtype, "r+", shape=self.shape)  # the mapping outlives the file object
         self._checksum: int | None = None
 
     def write_layer(self, layer: int, start: int, kv: torch.Tensor) -> None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from common import kvfiles, security
+from common.engine.layerwise import FileSink
 from common.kv.blocks import KvLayout
 from common.kv.slab import DramSlab, SlabError
 from common.security import UnsafeDirectory, UnsafeFile
@@ -64,6 +65,16 @@ def test_a_link_at_a_kv_files_temporary_name_is_refused_and_its_target_untouched
     plant(shm / f".{name}.tmp", target)
     with pytest.raises(UnsafeFile, match=rf"\.{name}\.tmp is already there"):
         kvfiles.write(shm, "n", name, torch.ones(2, 2, 1, 3, 4))
+    assert not (shm / name).exists()
+
+
+def test_a_link_at_a_streamed_kv_files_temporary_name_is_refused_and_its_target_untouched(tmp_path, target):
+    """A coupled instance's prefill streams its KV into a node-local file (FileSink) layer by layer."""
+    shm = tmp_path / "shm"
+    name = kvfiles.outgoing_name("r2", 0)
+    plant(shm / f".{name}.tmp", target)
+    with pytest.raises(UnsafeFile, match=rf"\.{name}\.tmp is already there"):
+        FileSink(shm / name, (2, 2, 1, 3, 4), "float32")
     assert not (shm / name).exists()
 
 
