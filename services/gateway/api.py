@@ -116,9 +116,9 @@ class Api:
             self.metrics.requests.labels(kind, str(err.status)).inc()
             if err.status == 429:
                 self.metrics.rejections.labels("arrival").inc()
-                self.dashboard.record("rejected_arrival")
+                self.dashboard.record("rejected_arrival", tenant.name)
             elif err.status >= 500:
-                self.dashboard.record("failed")
+                self.dashboard.record("failed", tenant.name)
             raise
         if req.stream:
             return await self.stream(request, gen)
@@ -201,14 +201,14 @@ class Api:
         kind = "rejected" if err.status == 429 else "failed"
         if kind == "rejected":
             self.metrics.rejections.labels(err.detail.get("stage", "decode")).inc()
-        self.dashboard.record("rejected_late" if kind == "rejected" else "failed")
+        self.dashboard.record("rejected_late" if kind == "rejected" else "failed", gen.tenant.name)
         await self.gateway.end(gen, kind, status=err.status, reason=err.message, **err.detail)
         self.metrics.requests.labels(gen.request.kind, str(err.status)).inc()
 
     async def finish_ok(self, gen: Generation) -> None:
         await self.gateway.end(gen, "completed", finish_reason=gen.finish_reason)
         self.metrics.requests.labels(gen.request.kind, "200").inc()
-        self.dashboard.record("completed")
+        self.dashboard.record("completed", gen.tenant.name)
         self.metrics.tokens.inc(gen.completion_tokens)
         if gen.ttft_s is not None:
             self.metrics.ttft.observe(gen.ttft_s)

@@ -11,9 +11,10 @@ What the state holds and where each part comes from:
   the median per second over the same window (`RatioSeries`): prediction error over time.
 
 Who sees what (`scope`): an open gateway and an operator's key see all of the above ("cluster").
-A tenant's key sees its own requests' decisions only ("tenant"), without their candidates: the
-instances, the pools, the requests in flight, the outcomes and the candidates' queues and batches
-count every tenant's traffic, and would tell one tenant how busy the others are (and when).
+A tenant's key sees its own requests only ("tenant"): their decisions, without their candidates,
+and their outcomes at this gateway (`tenant_outcomes`); the instances, the pools, the requests in
+flight, every tenant's outcomes, the prediction error and the candidates' queues and batches count
+every tenant's traffic, and would tell one tenant how busy the others are (and when).
 
 What must stay true: the handlers never block on a silent cluster. Each NATS request has a
 timeout of `QUERY_TIMEOUT_S` and all of them run concurrently, so a state answers within about
@@ -235,6 +236,7 @@ class Dashboard:
         self.gateway = gateway
         self.decisions = RecentDecisions(decisions)
         self.outcomes = OutcomeSeries(window_s)
+        self.tenant_outcomes: dict[str, OutcomeSeries] = {}  # each key book tenant's own, as it first ends a request
         self.ttft_error = RatioSeries(window_s)
         self.cache = StateCache(lambda: cluster_view(self.gateway.nc))
         self._page: bytes | None = None  # the HTML, read once
@@ -243,8 +245,14 @@ class Dashboard:
         app.router.add_get("/dashboard", self.page)
         app.router.add_get("/dashboard/state", self.state)
 
-    def record(self, outcome: str) -> None:
-        self.outcomes.record(outcome, time.time())
+    def record(self, outcome: str, tenant: str = "") -> None:
+        """A request of `tenant` ("" where the gateway is open: no tenant's own view) ended so."""
+        now = time.time()
+        self.outcomes.record(outcome, now)
+        if tenant:
+            if tenant not in self.tenant_outcomes:
+                self.tenant_outcomes[tenant] = OutcomeSeries(self.outcomes.window_s)
+            self.tenant_outcomes[tenant].record(outcome, now)
 
     def record_ttft(self, actual_s: float, predicted_s: float) -> None:
         self.ttft_error.record(actual_s / predicted_s, time.time())
@@ -269,7 +277,8 @@ class Dashboard:
                     "outcomes": self.outcomes.series(now), "ttft_error": self.ttft_error.series(now)}
         else:  # nothing asked of the cluster: a tenant's view holds nothing but its own requests
             now = time.time()
-            body = {"scope": "tenant", "tenant": tenant.name,
+            own = self.tenant_outcomes.get(tenant.name) or OutcomeSeries(self.outcomes.window_s)
+            body = {"scope": "tenant", "tenant": tenant.name, "outcomes": own.series(now),
                     "decisions": [tenant_decision(d) for d in self.decisions.newest_first()
                                   if d.get("tenant") == tenant.name]}
         body |= {"now": now, "gateway": self.gateway.cfg.instance_id, "model": self.gateway.served_model}

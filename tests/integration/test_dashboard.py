@@ -276,6 +276,9 @@ async def test_a_tenants_page_shows_its_own_decisions_and_nothing_of_the_cluster
         dashboard.decisions.add(Event("routed", time.time(), "conductor", "conductor-0", rid,
                                       {"prefill_id": "prefill-0", "decode_id": "decode-0", "admitted": True,
                                        "tenant": tenant, **costs}))
+    for outcome, tenant, times in (("completed", "acme", 2), ("failed", "globex", 3), ("completed", "globex", 5)):
+        for _ in range(times):
+            dashboard.record(outcome, tenant)
     visible = "[...document.querySelectorAll('.cluster-only')].map(e => e.offsetParent !== null)"
     try:
         for key in ("mb-acme", "mb-ops"):
@@ -287,14 +290,18 @@ async def test_a_tenants_page_shows_its_own_decisions_and_nothing_of_the_cluster
             shown = await page.js("[...document.querySelectorAll('#decisions details')].map(e => e.dataset.requestId)")
             if key == "mb-acme":
                 assert shown == ["req-acme"]
-                assert await page.js(visible) == [False] * 5  # conductor, instances, pools, outcomes, TTFT error
+                assert await page.js(visible) == [False] * 4  # conductor, instances, pools, TTFT error
                 assert await page.text("#scope") == "tenant acme: your requests only"
+                # its own outcomes, not globex's
+                assert await page.text("#outcomes-whose") == "Outcomes of your requests at this gateway"
+                assert [await page.text(f"#count-{o}") for o in ("completed", "failed")] == ["2", "0"]
                 await page.js("document.querySelector('#decisions details').open = true")
                 assert await page.js("document.querySelectorAll('#decisions tr').length") == 0
                 assert "operator" in await page.text("#decisions details")
             else:  # an operator's key: every tenant's decisions and their candidates, and the cluster
                 assert sorted(shown) == ["req-acme", "req-globex"]
-                assert await page.js(visible) == [True] * 5
+                assert await page.js(visible) == [True] * 4
+                assert [await page.text(f"#count-{o}") for o in ("completed", "failed")] == ["7", "3"]  # every tenant's
                 assert await page.js("document.getElementById('scope').offsetParent") is None
                 assert await page.js("document.querySelectorAll('#decisions tr.chosen').length") == 4
     finally:

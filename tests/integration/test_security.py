@@ -128,12 +128,14 @@ async def test_the_dashboard_shows_a_tenant_only_its_own_requests_and_nothing_of
     assert rid not in {d["request_id"] for d in globex["decisions"]}
     assert {d.get("tenant") for d in globex["decisions"]} <= {"globex"}
     # every tenant's traffic: the instances' queues and KV, the pools, the requests in flight, the
-    # outcomes, the candidates' batches; a tenant sees none of it
-    cluster_wide = {"conductor", "instances", "nodes", "outcomes", "ttft_error"}
+    # prediction error, the candidates' batches; a tenant sees none of it, and its own outcomes only
+    cluster_wide = {"conductor", "instances", "nodes", "ttft_error"}
     for state in (acme, globex):
         assert not cluster_wide & set(state) and state["scope"] == "tenant"
         assert all(d["prefill_costs"] == d["decode_costs"] == [] for d in state["decisions"])
-    assert cluster_wide <= set(ops) and ops["scope"] == "cluster"  # an operator's key sees everything
+    completed = {t: s["outcomes"]["totals"]["completed"] for t, s in states.items()}
+    assert completed["acme"] >= 1 and completed["acme"] + completed["globex"] <= completed["ops"]
+    assert cluster_wide | {"outcomes"} <= set(ops) and ops["scope"] == "cluster"  # an operator's key sees everything
     mine = next(d for d in ops["decisions"] if d["request_id"] == rid)
     assert mine["tenant"] == "acme" and mine["prefill_costs"] and mine["decode_costs"]
     assert ops["instances"] and ops["outcomes"]["totals"]["completed"] >= 1
