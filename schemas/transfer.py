@@ -14,7 +14,9 @@ Block pulls, messenger -> messenger (services/messenger/pulls.py):
                                 for this connection, with their offsets in its slab region
   reads                         one-sided reads of those offsets into the puller's reserved slots
   UnpinBlocks                   transport call "unpin" (naming the blocks that failed their checksum)
-The TCP backend's frames (common/transport/tcp.py): WriteFrame, ReadFrame, CallFrame, ReplyFrame.
+The TCP backend's frames (common/transport/tcp.py): WriteFrame, ReadFrame, CallFrame, ReplyFrame;
+on a keyed link (the default) every frame ends with its MAC, else a write's payload with its xxh3.
+RDMA writes and reads carry their own keyed MAC in the calls around them (common/transport/rdma.py).
 """
 
 from __future__ import annotations

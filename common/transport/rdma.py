@@ -6,11 +6,20 @@
     QP connect (RTR, RTS)                           (one QP per pair of processes, made lazily, reused
                                                     by every later channel between them)
     write: RDMA WRITE of the pieces straight into the region (addr, rkey from its RegionRef, which
-           travels over NATS), then call "rdma-landed" {region, pieces, meta, xxh3} without waiting
-           for its reply:                       -> verify the xxh3 over the landed bytes, on_write()
+           travels over NATS), then call "rdma-landed" {region, pieces, meta, nonce, mac} without
+           waiting for its reply:               -> verify the MAC over the landed bytes, on_write()
     call:  the replies of those notices first (a failed one fails the call, as over TCP), then the
            call itself on the control connection
-    read:  RDMA READ from the region into the caller's buffers
+    read:  RDMA READ from the region into the caller's buffers, then call "rdma-mac" {region,
+           pieces, nonce}                       -> the MAC of those bytes there, checked here
+
+Integrity. The control connection is the TCP backend's, with its keyed MAC on every frame (or TLS)
+as the Transports are configured. The bytes RDMA moves pass no frame, so each write and each read
+carries its own GMAC under a key of the cluster secret (tcp.derived_seal, a random nonce each):
+bytes changed on the wire or in memory on the way, by a fault or by someone without the secret,
+fail the write (the next call raises, as over TCP) or the read. With `link_mac=False` (to measure
+its cost) a write carries the xxh3 of its bytes instead, and a read nothing; an owner that keys its
+links refuses an unkeyed notice.
 
 Memory is registered once: every region `expose`d (a slab, a handoff region) is one memory region;
 a piece whose memory lies in a registered region moves zero-copy, any other piece through a
@@ -35,6 +44,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import hmac
 import json
 import logging
 import os
@@ -44,12 +54,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import xxhash
-
-from common.transport import Backend, Channel, Peer, Pieces, Region, TransportError
+from common.transport import Backend, Channel, Peer, Pieces, Region, TransportError, checksum
 from common.transport.rdma_verbs import QpEndpoint, RcQp, RdmaDevice, RdmaError, RdmaUnavailable, RemoteRegion, buffer_address
-from common.transport.tcp import OP_CALL, TcpBackend, TcpChannel, frame, read_header, recv_exactly, send_all
-from schemas.transfer import CallFrame, RegionRef, ReplyFrame
+from common.transport.tcp import TcpBackend, TcpChannel, derived_seal, mac_of
+from schemas.transfer import RegionRef
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +65,8 @@ STAGING_BYTES = 16 << 20  # per staging slot; two halves in flight
 STAGING_SLOTS = 4  # channels copying through staging at once (more wait for a slot)
 FAILOVER_S = 30.0  # after a failure, a peer is reached over TCP for this long, then RDMA is tried again
 MAX_UNANSWERED = 256  # landed notices sent before their replies are read
-OP_QP, OP_LANDED = "rdma-qp", "rdma-landed"
+OP_QP, OP_LANDED, OP_MAC = "rdma-qp", "rdma-landed", "rdma-mac"
+NONCE_BYTES = 12
 SYSFS = Path("/sys/class/infiniband")
 
 
@@ -108,6 +117,9 @@ class RdmaBackend(Backend):
         self.num_staging = 0  # allocated so far (at most STAGING_SLOTS, on demand)
         self._lock = threading.Lock()
         self._setup = threading.Lock()
+        # the keyed MAC of the bytes each write and read moves (None: their xxh3, a write's only)
+        keyed = transports.secret is not None and transports.link_mac
+        self.seal = derived_seal(transports.secret, b"rdma bytes") if keyed else None
 
     @classmethod
     def available(cls) -> bool:
@@ -130,6 +142,7 @@ class RdmaBackend(Backend):
         self._open()
         self.transports.handle(OP_QP, self._on_qp)  # served by every listener of the process
         self.transports.handle(OP_LANDED, self._on_landed)
+        self.transports.handle(OP_MAC, self._on_mac)
         return self.control.listen(host, port, advertise)
 
     def _open(self) -> None:
@@ -259,17 +272,17 @@ class RdmaBackend(Backend):
     def _on_landed(self, body: bytes, peer: Peer) -> bytes:
         """An RDMA WRITE into one of our regions has completed: verify it, then tell the owner."""
         note = json.loads(body)
-        region = self.transports.region(note["region"])
-        spans = [(int(o), int(n)) for o, n in note["pieces"]]
+        region, spans = self._entered(note)
         meta = note.get("meta") or {}
-        error = f"no region {note['region']}" if region is None else region.bounds_error(spans)
-        if error or not region.enter():
-            raise TransportError(error or f"region {note['region']} is being unregistered")
+        error = ""
         try:
-            h = xxhash.xxh3_64()
-            for off, n in spans:
-                h.update(region.buf[off:off + n])
-            if h.intdigest() != int(note["sum"]):
+            views = [region.buf[off:off + n] for off, n in spans]
+            if "mac" in note:
+                if not hmac.compare_digest(bytes.fromhex(note["mac"]), self._mac(note, views)):
+                    error = f"write {meta or ''} to region {region.id} failed its checksum (the link's keyed MAC)"
+            elif self.seal is not None:  # no one may turn the keyed MAC off for this node's regions
+                error = f"write {meta or ''} to region {region.id} came without the keyed MAC this node's links require"
+            elif checksum(views) != int(note["sum"]):
                 error = f"write {meta or ''} to region {region.id} failed its checksum"
             if region.on_write is not None:
                 try:
@@ -282,6 +295,32 @@ class RdmaBackend(Backend):
             raise TransportError(error)
         return b""
 
+    def _on_mac(self, body: bytes, peer: Peer) -> bytes:
+        """The MAC of bytes of one of our regions that a peer has just read by RDMA."""
+        note = json.loads(body)
+        region, spans = self._entered(note)
+        try:
+            return self._mac(note, [region.buf[off:off + n] for off, n in spans])
+        finally:
+            region.leave()
+
+    def _entered(self, note: dict) -> tuple[Region, list[tuple[int, int]]]:
+        """The region a notice names, entered (the caller leaves it), and its spans, in bounds."""
+        region = self.transports.region(note["region"])
+        spans = [(int(o), int(n)) for o, n in note["pieces"]]
+        error = f"no region {note['region']}" if region is None else region.bounds_error(spans)
+        if error or not region.enter():
+            raise TransportError(error or f"region {note['region']} is being unregistered")
+        return region, spans
+
+    def _mac(self, note: dict, views) -> bytes:
+        if self.seal is None:
+            raise TransportError("this node's links carry no keyed MAC (link_mac off)")
+        nonce = bytes.fromhex(note["nonce"])
+        if len(nonce) != NONCE_BYTES:
+            raise TransportError(f"a nonce of {len(nonce)} bytes, not {NONCE_BYTES}")
+        return mac_of(self.seal, nonce, views)
+
 
 class RdmaChannel(Channel):
     """A channel to one peer: bytes by RDMA, control (and the fallback) on its TCP connection."""
@@ -292,7 +331,8 @@ class RdmaChannel(Channel):
         self.backend = backend
         self.peer = peer
         self.timeout_s = timeout_s
-        self.control = TcpChannel(peer, backend.transports.secret, timeout_s)
+        # the TCP backend's channel, keyed (or TLS) as the Transports are: the notices and the fallback
+        self.control: TcpChannel = backend.control.connect(peer, timeout_s)
         self.unanswered = 0  # landed notices whose replies are not read yet
         self.failed = ""  # the first failed notice since the last call
         self.qp: RcQp | None = None
@@ -313,11 +353,11 @@ class RdmaChannel(Channel):
         remote = _remote(dest)
         if self.qp is not None and remote is not None:
             try:
-                digest = self._rdma(self.qp.write, remote, pieces, to_remote=True)
+                proof = self._rdma(self.qp.write, remote, pieces, to_remote=True)
             except RdmaError as exc:
                 self._fall_back(str(exc))
             else:
-                self._notice(dest, pieces, meta, digest)
+                self._notice(dest, pieces, meta, proof)
                 return
         self.control.write(dest, pieces, meta)
 
@@ -326,9 +366,11 @@ class RdmaChannel(Channel):
         if self.qp is not None and remote is not None:
             try:
                 self._rdma(self.qp.read, remote, pieces, to_remote=False)
-                return
             except RdmaError as exc:
                 self._fall_back(str(exc))
+            else:
+                self._check_read(src, pieces)
+                return
         self._collect()
         self.control.read(src, pieces)
 
@@ -343,11 +385,21 @@ class RdmaChannel(Channel):
         self.control.close()
 
     # --- internals ---------------------------------------------------------------------------------------
-    def _rdma(self, op, remote: RemoteRegion, pieces: Pieces, to_remote: bool) -> int:
-        """Move every piece (zero-copy where its memory is registered, else through staging); the
-        xxh3 of the bytes written (0 for reads)."""
+    def _check_read(self, src: RegionRef, pieces: Pieces) -> None:
+        """Bytes read by RDMA are what the owner holds: its MAC of them against ours."""
+        if self.backend.seal is None:
+            return
+        nonce = os.urandom(NONCE_BYTES)
+        spans = [[off, memoryview(buf).nbytes] for off, buf in pieces]
+        theirs = self.call(OP_MAC, json.dumps({"region": src.region, "pieces": spans, "nonce": nonce.hex()}).encode())
+        if not hmac.compare_digest(theirs, mac_of(self.backend.seal, nonce, [memoryview(b).cast("B") for _, b in pieces])):
+            raise TransportError(f"{self.peer}: a read of region {src.region} failed its checksum (the link's keyed MAC)")
+
+    def _rdma(self, op, remote: RemoteRegion, pieces: Pieces, to_remote: bool) -> dict:
+        """Move every piece (zero-copy where its memory is registered, else through staging); for a
+        write, what proves its bytes: {nonce, mac} (keyed) or {sum} (xxh3)."""
         backend = self.backend
-        h = xxhash.xxh3_64()
+        moved: list[memoryview] = []
         in_flight: list[concurrent.futures.Future] = []
         slot = None
         try:
@@ -356,8 +408,7 @@ class RdmaChannel(Channel):
                 if offset < 0 or offset + view.nbytes > remote.length:
                     raise TransportError(f"[{offset}, {offset + view.nbytes}) is outside the peer's region "
                                          f"of {remote.length} bytes")
-                if to_remote:
-                    h.update(view)
+                moved.append(view)
                 if not view.nbytes:
                     continue
                 local = backend.device.find(buffer_address(view), view.nbytes, local_write=not to_remote)
@@ -375,7 +426,12 @@ class RdmaChannel(Channel):
             concurrent.futures.wait(in_flight, timeout=self.timeout_s + 10)  # nothing outlives its buffers
             if slot is not None:
                 backend.staging.put(slot)
-        return h.intdigest()
+        if not to_remote:
+            return {}
+        if backend.seal is None:
+            return {"sum": checksum(moved)}
+        nonce = os.urandom(NONCE_BYTES)
+        return {"nonce": nonce.hex(), "mac": mac_of(backend.seal, nonce, moved).hex()}
 
     def _staged(self, op, slot, remote: RemoteRegion, offset: int, view: memoryview, to_remote: bool,
                 in_flight: list) -> None:
@@ -412,11 +468,10 @@ class RdmaChannel(Channel):
             if exc is not None:
                 raise exc if isinstance(exc, RdmaError) else RdmaError(str(exc))
 
-    def _notice(self, dest: RegionRef, pieces: Pieces, meta: dict | None, digest: int) -> None:
+    def _notice(self, dest: RegionRef, pieces: Pieces, meta: dict | None, proof: dict) -> None:
         """Tell the owner what landed (its reply is read later: writes stay one-sided)."""
         spans = [[off, memoryview(buf).nbytes] for off, buf in pieces]
-        body = json.dumps({"region": dest.region, "pieces": spans, "meta": meta or {}, "sum": digest}).encode()
-        send_all(self.control.sock, [frame(OP_CALL, CallFrame(OP_LANDED, len(body)).to_bytes()), body])
+        self.control.post(OP_LANDED, json.dumps({"region": dest.region, "pieces": spans, "meta": meta or {}} | proof).encode())
         self.unanswered += 1
         if self.unanswered >= MAX_UNANSWERED:
             self._collect()
@@ -424,10 +479,8 @@ class RdmaChannel(Channel):
     def _collect(self) -> None:
         """Read the replies to the landed notices sent so far (in order: the peer serves them in order)."""
         while self.unanswered:
-            reply = ReplyFrame.from_bytes(read_header(self.control.sock))
+            reply, _ = self.control.answer()
             self.unanswered -= 1
-            if reply.nbytes:
-                recv_exactly(self.control.sock, reply.nbytes)
             if not reply.ok and not self.failed:
                 self.failed = reply.error
 

@@ -363,6 +363,21 @@ class _Seal:
         return _Mac(self, _NONCE.pack(self._frames))
 
 
+def derived_seal(secret: bytes, purpose: bytes) -> _Seal:
+    """A seal under a key of the cluster secret for `purpose`, for bytes that move outside this
+    protocol's frames (an RDMA write or read lands in memory with no byte stream to seal:
+    common/transport/rdma.py); each message's nonce is the caller's (random, sent beside its tag)."""
+    return _Seal(hmac.new(secret, b"link mac|" + purpose, hashlib.sha256).digest()[:16])
+
+
+def mac_of(seal: _Seal, nonce: bytes, pieces) -> bytes:
+    """The GMAC of the pieces' bytes, in order, under `seal` and `nonce` (12 bytes)."""
+    mac = _Mac(seal, nonce)
+    for piece in pieces:
+        mac.update(piece)
+    return mac.tag()
+
+
 @dataclass
 class Seals:
     """A MAC'd connection's two directions, from this end: what it sends, what it receives."""
@@ -597,18 +612,34 @@ class TcpChannel(Channel):
         return self._call(self.sock, op, body)
 
     def _call(self, sock: socket.socket, op: str, body: bytes) -> bytes:
+        self._post(sock, op, body)
+        reply, out = self._answer(sock)
+        if not reply.ok:
+            raise TransportError(f"{self.locator}: {reply.error}")
+        return out
+
+    def post(self, op: str, body: bytes = b"") -> None:
+        """Send a call without waiting for its answer; the peer answers calls in order (`answer`)."""
+        self._post(self.sock, op, body)
+
+    def answer(self) -> tuple[ReplyFrame, bytes]:
+        """The answer to the oldest call `post`ed and not answered yet: its reply (ok or not) and body."""
+        return self._answer(self.sock)
+
+    def _post(self, sock: socket.socket, op: str, body: bytes) -> None:
         send_sealed(sock, frame(OP_CALL, CallFrame(op, len(body)).to_bytes()), [memoryview(body).cast("B")],
                     self._tx(sock), self.pace)
+
+    def _answer(self, sock: socket.socket) -> tuple[ReplyFrame, bytes]:
+        """The next reply on `sock` and its body (a failed reply has none), its MAC checked."""
         reply, mac = self._reply(sock)
-        if mac is None:
-            self._check(sock, reply, None)
-            return recv_exactly(sock, reply.nbytes)
         n = reply.nbytes if reply.ok else 0
-        got = recv_exactly(sock, n + MAC_BYTES)  # the body and its tag in one read
+        got = recv_exactly(sock, n + (MAC_BYTES if mac is not None else 0))  # the body and its tag in one read
         out = got[:n]
-        mac.update(out)
-        self._check(sock, reply, mac, got[n:])
-        return out
+        if mac is not None:
+            mac.update(out)
+            self._check(sock, ReplyFrame(True), mac, got[n:])
+        return reply, out
 
     def _reply(self, sock: socket.socket) -> tuple[ReplyFrame, _Mac | None]:
         """A reply's header, and its MAC so far (None: a plain connection), its payload still to read."""

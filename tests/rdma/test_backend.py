@@ -67,6 +67,9 @@ def test_write_read_and_call_byte_for_byte(owner, writer):
     writer.register("src", registered)
     with writer.connect(owner.ref.endpoints) as ch:
         assert ch.transport == "rdma"
+        # the bytes each write and read moves carry a keyed MAC (tests/unit/test_rdma_integrity.py),
+        # the control connection a MAC on every frame
+        assert writer.backends["rdma"].seal is not None and ch.control.mac
         ch.write(owner.ref, [(0, staged), (8 * MiB, memoryview(registered))], {"layer": 3})
         ch.write(owner.ref, [(12 * MiB, b"tail")], {"layer": 4})
         assert ch.call("echo", b"abc") == b"cba"  # ordered after both writes: both have landed
