@@ -35,6 +35,7 @@ from schemas.workers import StatusReply
 from tests.integration.conftest import (AUTO_DTYPE, KV_DTYPES, collect_request_events, free_port, post,
                                         assert_greedy, start_cluster, tiny_kv_bytes_per_token)
 from tests.integration.test_kv_pool import text_of
+from tests.relay import pump
 from tests.wait import until
 
 pytestmark = pytest.mark.integration
@@ -124,21 +125,14 @@ class Relay:
             threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket, outbound: bool) -> None:
-        try:
-            if outbound:
-                self._first_frame(src, dst)
-            while data := src.recv(1 << 16):
-                if outbound:
-                    self.gate.pass_towards(self.node)
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for sock in (src, dst):
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+        if outbound:
+            pump(src, dst, self._towards_node, first=self._first_frame)
+        else:
+            pump(src, dst)
+
+    def _towards_node(self, data: bytes) -> bytes:
+        self.gate.pass_towards(self.node)
+        return data
 
     def _first_frame(self, src: socket.socket, dst: socket.socket) -> None:
         handshake = recv_exactly(src, self.HANDSHAKE)

@@ -15,6 +15,7 @@ import pytest
 from common.transport import TransportError, Transports, TransportTurnedAway
 from services.prefill import handoff
 from services.prefill.handoff import Handoff
+from tests.relay import pump
 from tests.unit.test_transport import SECRET, Owner
 
 
@@ -45,21 +46,7 @@ class TurningAway:
             up = socket.create_connection(self.upstream)
             self.socks += [sock, up]
             for a, b in ((sock, up), (up, sock)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(1 << 16):
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+                threading.Thread(target=pump, args=(a, b), daemon=True).start()
 
     def close(self) -> None:
         self.listener.close()

@@ -18,6 +18,7 @@ from common.security import LINK_NONCE_BYTES
 from common.transport import TransportError, Transports
 from common.transport import tcp
 from schemas.transfer import ReadFrame, RegionRef, WriteFrame
+from tests.relay import pump
 from tests.wait import until_sync
 
 SECRET = b"s" * 32
@@ -87,21 +88,13 @@ class Relay:
 
     @staticmethod
     def _pump(src: socket.socket, dst: socket.socket, handshake: list[int], tamper) -> None:
-        try:
+        def first(src: socket.socket, dst: socket.socket) -> None:
             for n in handshake:
                 dst.sendall(tcp.recv_exactly(src, n))
             if tamper is not None:
                 tamper(src, dst)
-            while data := src.recv(1 << 16):
-                dst.sendall(data)
-        except (OSError, TransportError):
-            pass
-        finally:
-            for sock in (src, dst):
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+
+        pump(src, dst, first=first)
 
 
 def flip_and_fix_xxh3(src: socket.socket, dst: socket.socket) -> None:

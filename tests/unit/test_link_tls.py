@@ -13,6 +13,7 @@ import pytest
 from common import config
 from common.security import SecretError, link_tls
 from common.transport import TransportError, Transports
+from tests.relay import pump
 from tools.moonbus.cluster import certs
 
 SECRET = b"s" * 32
@@ -101,23 +102,15 @@ class Relay:
         self.pipe(client, server, True)
 
     def pipe(self, src: socket.socket, dst: socket.socket, to_owner: bool) -> None:
-        try:
-            while data := src.recv(1 << 16):
-                if to_owner:
-                    start = len(self.seen)
-                    self.seen += data
-                    if self.flip_at is not None and start <= self.flip_at < len(self.seen):
-                        data = bytearray(data)
-                        data[self.flip_at - start] ^= 0x01
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+        pump(src, dst, self.towards_owner if to_owner else None)
+
+    def towards_owner(self, data: bytes) -> bytes:
+        start = len(self.seen)
+        self.seen += data
+        if self.flip_at is not None and start <= self.flip_at < len(self.seen):
+            data = bytearray(data)
+            data[self.flip_at - start] ^= 0x01
+        return data
 
 
 def test_a_relay_on_the_path_sees_no_kv_and_cannot_rewrite_it(owner, cluster_dir):
