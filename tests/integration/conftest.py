@@ -158,6 +158,31 @@ async def stream_events(url: str, body: dict, timeout_s: float = 120) -> list[di
     return events
 
 
+async def stream_tokens(url: str, body: dict, api_key: str | None = None,
+                        on_first_token=None) -> tuple[list[int], str | None]:
+    """POST a streamed completion (`body` asks for token ids); (its token ids, its finish reason).
+    `on_first_token(event)` is awaited once, at the first chunk with a token, before the rest is read."""
+    tokens: list[int] = []
+    finish = None
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url, json=body, headers=headers) as resp:
+            assert resp.status == 200, await resp.text()
+            async for line in resp.content:
+                if not line.startswith(b"data: ") or line[6:].strip() == b"[DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if not event.get("choices"):
+                    continue
+                choice = event["choices"][0]
+                first = not tokens
+                tokens += choice.get("token_ids", [])
+                finish = choice.get("finish_reason") or finish
+                if first and tokens and on_first_token is not None:
+                    await on_first_token(event)
+    return tokens, finish
+
+
 async def collect_request_events(nats_url: str, request_id: str, timeout_s: float = 30) -> list[dict]:
     """Read one request's events from the JetStream stream, until its terminal event and a second
     more; in the order they happened (their timestamps). Each service stores its events in order,

@@ -31,7 +31,7 @@ from schemas.pool import KvEventData, SnapshotReply
 from schemas.transfer import CallFrame, WriteFrame
 from schemas.tokens import TokenChunk
 from schemas.workers import WorkerInfo
-from tests.integration.conftest import start_cluster
+from tests.integration.conftest import start_cluster, stream_tokens
 from tests.wait import until
 from tools.moonbus.cluster import keys as keys_tool
 from tools.moonbus.cluster.security import instance_user
@@ -459,29 +459,16 @@ async def test_no_worker_can_stretch_an_answer_past_its_max_tokens(guarded):
     nc = await nats.connect(cluster.spec.nats_addr, user=user, password=cluster.secrets.password(user),
                             allow_reconnect=False, inbox_prefix=f"_INBOX_{user}")
     body = completion("stretch me", max_tokens=8, stream=True, return_token_ids=True)
-    tokens: list[int] = []
-    finish = None
+
+    async def stretch(first: dict) -> None:  # the first token: inject the rest, stretched
+        forged = TokenChunk(first["id"], 1, [5] * 60, finish_reason="stop", source="decode-0")
+        await nc.publish(subjects.tokens_from(subjects.gateway_tokens("gateway"), "worker", "decode-0"), forged.to_bytes())
+        await bus.flush(nc)
+        decode.send_signal(signal.SIGCONT)
+
     decode.send_signal(signal.SIGSTOP)  # the first token comes from prefill; the rest waits for decode
     try:
-        async with aiohttp.ClientSession() as session:
-            async with session.post(f"{cluster.spec.url}/v1/completions", json=body,
-                                    headers={"Authorization": f"Bearer {issued['acme']}"}) as resp:
-                assert resp.status == 200, await resp.text()
-                async for line in resp.content:
-                    if not line.startswith(b"data: ") or line[6:].strip() == b"[DONE]":
-                        continue
-                    event = json.loads(line[6:])
-                    if not event.get("choices"):
-                        continue
-                    choice = event["choices"][0]
-                    tokens += choice.get("token_ids", [])
-                    finish = choice.get("finish_reason") or finish
-                    if len(tokens) == 1 and finish is None:  # the first token: inject the rest, stretched
-                        forged = TokenChunk(event["id"], 1, [5] * 60, finish_reason="stop", source="decode-0")
-                        await nc.publish(subjects.tokens_from(subjects.gateway_tokens("gateway"), "worker", "decode-0"),
-                                         forged.to_bytes())
-                        await bus.flush(nc)
-                        decode.send_signal(signal.SIGCONT)
+        tokens, finish = await stream_tokens(f"{cluster.spec.url}/v1/completions", body, issued["acme"], stretch)
     finally:
         decode.send_signal(signal.SIGCONT)
         await nc.close()

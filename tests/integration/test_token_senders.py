@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import signal
 
-import aiohttp
 import nats
 import pytest
 from nats.js.api import ConsumerConfig, DeliverPolicy
@@ -20,7 +19,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from common import bus
 from schemas import subjects
 from schemas.tokens import TokenChunk
-from tests.integration.conftest import TINY, start_cluster
+from tests.integration.conftest import TINY, start_cluster, stream_tokens
 from tests.wait import until
 from tools.moonbus.cluster.security import instance_user
 
@@ -58,23 +57,7 @@ async def as_instance(cluster, name: str, errors: list[str]):
 
 
 async def streamed(cluster, body: dict, on_first_token=None) -> tuple[list[int], str | None]:
-    tokens: list[int] = []
-    finish = None
-    async with aiohttp.ClientSession() as session:
-        async with session.post(f"{cluster.spec.url}/v1/completions", json=body) as resp:
-            assert resp.status == 200, await resp.text()
-            async for line in resp.content:
-                if not line.startswith(b"data: ") or line[6:].strip() == b"[DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if not event.get("choices"):
-                    continue
-                choice = event["choices"][0]
-                tokens += choice.get("token_ids", [])
-                finish = choice.get("finish_reason") or finish
-                if len(tokens) == 1 and on_first_token is not None:
-                    await on_first_token(event["id"])
-    return tokens, finish
+    return await stream_tokens(f"{cluster.spec.url}/v1/completions", body, on_first_token=on_first_token)
 
 
 def spoofed_chunks(cluster) -> float:
@@ -100,7 +83,8 @@ async def test_a_worker_the_request_was_not_routed_to_cannot_write_its_answer(tw
     attackers = []
     dropped_before = spoofed_chunks(cluster)
 
-    async def forge(request_id: str) -> None:
+    async def forge(first: dict) -> None:
+        request_id = first["id"]
         routed = await routed_prefill(admin, request_id)
         other = "prefill-1" if routed == "prefill-0" else "prefill-0"
         nc = await as_instance(cluster, other, errors)
