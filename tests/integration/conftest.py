@@ -19,7 +19,7 @@ import torch
 
 from common import models
 from tools.moonbus.traces.rows import resolve_trace
-from tests import greedy
+from tests import greedy, required
 from tools.moonbus.cluster.processes import Cluster, ClusterSpec, free_port, nats_server_binary
 
 TINY = models.TINY_RANDOM
@@ -181,6 +181,33 @@ async def stream_tokens(url: str, body: dict, api_key: str | None = None,
                 if first and tokens and on_first_token is not None:
                     await on_first_token(event)
     return tokens, finish
+
+
+def on_docker_engine(needs: str, run) -> None:
+    """`run(engine, timings)` on a Docker engine (tools.compose_e2e.engine: this host's, or one started
+    for the test and stopped after); the test fails as missing "compose" without one. Prints each
+    phase's seconds; where the engine was the test's, the host must be as it found it."""
+    from tools.compose_e2e import engine as docker_engine
+    from tools.compose_e2e.host import HostState
+
+    timings: dict[str, float] = {}
+    started = time.monotonic()
+    try:
+        engine = docker_engine.acquire()
+    except docker_engine.EngineUnavailable as exc:
+        required.missing("compose", f"{needs} needs a Docker engine: {exc}")
+    timings["engine"] = time.monotonic() - started
+    print(f"\nengine: {engine.describe()} ({timings['engine']:.1f} s)")
+    try:
+        run(engine, timings)
+    finally:
+        phase = time.monotonic()
+        engine.release()  # stops our dockerd by its pid and restores the host (raises if it cannot)
+        timings["release"] = time.monotonic() - phase
+        timings["total"] = time.monotonic() - started
+        print("timings: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in timings.items()))
+    if engine.ours:
+        assert engine.before.differences(HostState.capture_under(engine.before.watched)) == []
 
 
 async def collect_request_events(nats_url: str, request_id: str, timeout_s: float = 30) -> list[dict]:

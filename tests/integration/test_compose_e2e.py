@@ -37,11 +37,10 @@ import pytest
 
 from common import models
 from tests import greedy, required
-from tests.integration.conftest import collect_request_events, post, reference_greedy
+from tests.integration.conftest import collect_request_events, on_docker_engine, post, reference_greedy
 from tools.compose_e2e import engine as docker_engine
 from tools.compose_e2e import images
 from tools.compose_e2e.compose import Compose
-from tools.compose_e2e.host import HostState
 from tools.moonbus.cluster import compose_secrets
 from tools.moonbus.cluster.processes import free_port
 from tools.moonbus.cluster.security import ClusterSecrets
@@ -71,24 +70,7 @@ ROUNDS = 3  # concurrent rounds at most, until both replicas of each role have s
 
 @pytest.mark.timeout(1800)  # a cold run builds a base image and installs torch into an image
 def test_compose_cluster_end_to_end(tmp_path: Path) -> None:
-    timings: dict[str, float] = {}
-    started = time.monotonic()
-    try:
-        engine = docker_engine.acquire()
-    except docker_engine.EngineUnavailable as exc:
-        required.missing("compose", f"compose end to end needs a Docker engine: {exc}")
-    timings["engine"] = time.monotonic() - started
-    print(f"\nengine: {engine.describe()} ({timings['engine']:.1f} s)")
-    try:
-        run_cluster(engine, tmp_path, timings)
-    finally:
-        phase = time.monotonic()
-        engine.release()  # stops our dockerd by its pid and restores the host (raises if it cannot)
-        timings["release"] = time.monotonic() - phase
-        timings["total"] = time.monotonic() - started
-        print("timings: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in timings.items()))
-    if engine.ours:
-        assert engine.before.differences(HostState.capture_under(engine.before.watched)) == []
+    on_docker_engine("compose end to end", lambda engine, timings: run_cluster(engine, tmp_path, timings))
 
 
 def run_cluster(engine: docker_engine.Engine, tmp_path: Path, timings: dict[str, float]) -> None:

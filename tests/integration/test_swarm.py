@@ -43,10 +43,10 @@ import pytest
 
 from common import models
 from tests import required
+from tests.integration.conftest import on_docker_engine
 from tests.wait import until
 from tools.compose_e2e import engine as docker_engine
 from tools.compose_e2e import images
-from tools.compose_e2e.host import HostState
 from tools.compose_e2e.swarm import Stack, Swarm, docker
 from tools.moonbus.cluster import compose_secrets
 from tools.moonbus.cluster.processes import free_port
@@ -69,24 +69,7 @@ STEP_S = 300  # one scale or roll step (a worker drains for up to 30 s)
 
 @pytest.mark.timeout(2400)  # a cold run builds a base image and installs torch into an image
 def test_swarm_scale_and_roll_under_load(tmp_path: Path) -> None:
-    timings: dict[str, float] = {}
-    started = time.monotonic()
-    try:
-        engine = docker_engine.acquire()
-    except docker_engine.EngineUnavailable as exc:
-        required.missing("compose", f"the swarm test needs a Docker engine: {exc}")
-    timings["engine"] = time.monotonic() - started
-    print(f"\nengine: {engine.describe()} ({timings['engine']:.1f} s)")
-    try:
-        run_swarm(engine, tmp_path, timings)
-    finally:
-        phase = time.monotonic()
-        engine.release()  # stops our dockerd by its pid and restores the host (raises if it cannot)
-        timings["release"] = time.monotonic() - phase
-        timings["total"] = time.monotonic() - started
-        print("timings: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in timings.items()))
-    if engine.ours:
-        assert engine.before.differences(HostState.capture_under(engine.before.watched)) == []
+    on_docker_engine("the swarm test", lambda engine, timings: run_swarm(engine, tmp_path, timings))
 
 
 def run_swarm(engine: docker_engine.Engine, tmp_path: Path, timings: dict[str, float]) -> None:
