@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,6 +100,9 @@ def load(argv: list[str] | None = None) -> ConductorConfig:
     flag(parser, "--planner-decode", "MOONBUS_PLANNER_DECODE", "1:32", help="MIN:MAX decode instances")
     flag(parser, "--planner-max-total", "MOONBUS_PLANNER_MAX_TOTAL", 0, int,
                 help="cap on prefill + decode instances (0: the roles' maximums only)")
+    flag(parser, "--planner-settings", "MOONBUS_PLANNER_SETTINGS", "",
+                help="more of the planner's settings (common.decide.planner.PlannerSettings), as NAME=VALUE,... "
+                     "(e.g. up_after=1,up_cooldown_s=10: a short test's, not a day's)")
     args = parser.parse_args(argv)
     admission = AdmissionSettings(mode=args.admission, ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
                                   ttft_quantile=args.ttft_quantile)
@@ -114,6 +118,23 @@ def planner_settings(args: argparse.Namespace) -> PlannerSettings | None:
         (pmin, pmax), (dmin, dmax) = (tuple(int(n) for n in text.split(":")) for text in
                                       (args.planner_prefill, args.planner_decode))
         return PlannerSettings(min_prefill=pmin, max_prefill=pmax, min_decode=dmin, max_decode=dmax,
-                               max_total=args.planner_max_total or None, interval_s=args.planner_interval)
+                               max_total=args.planner_max_total or None, interval_s=args.planner_interval,
+                               **named_settings(args.planner_settings))
     except ValueError as exc:
         raise SystemExit(f"conductor: refusing to start: planner settings: {exc}") from None
+
+
+def named_settings(text: str) -> dict[str, float | int]:
+    """--planner-settings' NAME=VALUE,... as PlannerSettings fields, each of its field's type; the
+    bounds, the total cap and the interval have flags of their own. Raises ValueError naming what is wrong."""
+    fields = {f.name: f for f in dataclasses.fields(PlannerSettings)}
+    own_flags = ("min_prefill", "max_prefill", "min_decode", "max_decode", "max_total", "interval_s")
+    settings: dict[str, float | int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or name not in fields or name in own_flags:
+            raise ValueError(f"--planner-settings: {item!r} is not NAME=VALUE of a setting of its own "
+                             f"({', '.join(n for n in fields if n not in own_flags)})")
+        settings[name] = int(value) if fields[name].type == "int" else float(value)
+    return settings

@@ -17,7 +17,9 @@ a lost instance is published as an audited `planned` event:
 
 A driver acts on it: it starts or drains workers until it runs `prefill` and `decode` of each
 (`moonbus up --autoscale`'s supervisor, or `docker service scale` on a swarm), and restarts
-the lost. The first decision comes one interval after the start, from the counts it found.
+the lost. The planner starts from the counts it finds at the first tick that finds an instance of
+each role (a conductor starts before its workers have joined: starting from none would be starting
+from the minimums), and decides from the next tick on.
 Run it on one conductor only: replicas share the routes, so each sees only its share of the demand.
 """
 
@@ -81,6 +83,9 @@ class PlannerLoop:
         now = time.monotonic() if now is None else now
         if self.planner is None:
             counts = {role: len(self.state.of_role(role)) for role in ROLES}
+            if not all(counts.values()):  # the workers have not joined yet
+                self.window = PlannerWindow(now, self.admit)
+                return None
             self.planner = Planner(self.settings, counts["prefill"], counts["decode"], now)
             self.window = PlannerWindow(now, self.admit)
             for role in ROLES:

@@ -239,16 +239,19 @@ def test_the_conductors_loop_publishes_a_planned_event_when_a_target_changes_and
     from services.conductor.planner_loop import PlannerLoop
 
     state = ClusterState(timeout_s=3.0, lease_s=100.0, perf=PERF)
-    state.heard(WorkerInfo("p0", "prefill", "n0", prefill=PrefillReport(0.0, 0, 0)), 0.0)
-    state.heard(WorkerInfo("d0", "decode", "n1", decode=DecodeReport(0, 0, 0, 1000, 0.01)), 0.0)
     events, registry = _Events(), CollectorRegistry()
     loop = PlannerLoop(replace(SETTINGS, up_after=1), state, PERF, AdmissionSettings("predictive", 30.0, 0.1),
                        events, "c0", registry, now=0.0)
-    assert asyncio.run(loop.tick(0.0)) is None  # the first tick takes the counts it finds
+    state.heard(WorkerInfo("p0", "prefill", "n0", prefill=PrefillReport(0.0, 0, 0)), 0.0)
+    assert asyncio.run(loop.tick(0.0)) is None and loop.planner is None  # no decode instance yet: it waits
+    state.heard(WorkerInfo("p1", "prefill", "n2", prefill=PrefillReport(0.0, 0, 0)), 0.0)
+    state.heard(WorkerInfo("d0", "decode", "n1", decode=DecodeReport(0, 0, 0, 1000, 0.01)), 0.0)
+    assert asyncio.run(loop.tick(0.0)) is None  # the first tick that finds both roles takes the counts it finds
+    assert (loop.planner.target("prefill"), loop.planner.target("decode")) == (2, 1)
     for _ in range(30):  # 30 s of 2 s of prefill work each: 2 instances' worth
         loop.routed(outcome(prefill_s=2.0, queue_s=0.0))
     plan = asyncio.run(loop.tick(30.0))
-    assert plan.prefill == 3 and plan.decode == 1
+    assert plan.prefill == 3 and plan.decode == 1  # ceil(2 / 0.8)
     [(kind, conductor, data)] = events.published
     assert (kind, conductor) == ("planned", "c0")
     assert Planned.from_dict(data).prefill == 3

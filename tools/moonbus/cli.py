@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("tools.moonbus.traces.replay", "replay a trace against a live cluster"),
     "sim": ("tools.moonbus.traces.sim", "simulate a cluster from the same scheduling code"),
     "soak": ("tools.moonbus.soak", "drive a running cluster with trace load (and chaos); prove it stays up and leaks nothing"),
+    "swarm": ("tools.swarm.cli", "a stack on a Docker swarm: autoscale (follow the planner with docker service scale)"),
 }
 
 

@@ -3,12 +3,13 @@ search for the cheapest fixed split to compare the planner with.
 
     Scaler       every interval: the reports heard, an Observation of the window (the live
                  conductor's PlannerWindow on the ClusterState the router reads), the planner's
-                 decision (common/decide/planner.py, the code the conductor runs), then the driver:
-                 more instances than running or starting -> a draining one serves again, else a new
-                 one is started (it serves startup_s later, and counts from the moment it is asked
-                 for); fewer -> one not started yet is cancelled, else the least loaded drains (no
-                 new work; it leaves once what was routed to it has ended). Instance-seconds are
-                 counted from the ask to the leave.
+                 decision (common/decide/planner.py, the code the conductor runs), then the driver,
+                 with the steps the live drivers take (common/decide/scaling.py): more instances
+                 than running or starting -> a draining one serves again, else a new one is started
+                 (it serves startup_s later, and counts from the moment it is asked for); fewer ->
+                 one not started yet is cancelled, else the least loaded drains (no new work; it
+                 leaves once what was routed to it has ended). Instance-seconds are counted from
+                 the ask to the leave.
     day_curve    the trace repeated (each copy's hash ids moved past the last's, so copies share no
                  prefix) with its arrival rate scaled by a day: low at night, rising in the morning,
                  peaking in the afternoon (a cosine with its trough at 4:00 and its peak at 16:00)
@@ -26,6 +27,7 @@ from typing import Callable
 import numpy as np
 
 from common.decide.planner import Planner, PlannerSettings, PlannerWindow
+from common.decide.scaling import DRAINING, SERVING, STARTING, Member, steps
 from schemas.workers import WorkerInfo
 from tools.moonbus.traces.measures import OK, REJECTED_LATE, meets
 from tools.moonbus.traces.rows import TraceRow
@@ -123,44 +125,35 @@ class Scaler:
         from tools.sim.engine import INSTANCE_UP
 
         for role in ROLES:
-            target = self.planner.target(role)
-            serving = [i for i in self.live[role] if not i.draining]
+            live = {inst.instance_id: inst for inst in self.live[role]}
             starting = self.starting[role]
-            have = len(serving) + len(starting)
-            if target > have:
-                need = target - have
-                for inst in reversed([i for i in self.live[role] if i.draining]):  # up already: cheapest
-                    if need == 0:
-                        break
-                    inst.draining = False
-                    self.sim.dirty.add(inst)
-                    need -= 1
-                for _ in range(need):
-                    name = f"{role[0]}{self.names[role]}"
-                    self.names[role] += 1
-                    self.asked[name], self.kind[name] = t, role
-                    starting.append(name)
-                    self.sim.push(t + self.sim.cfg.startup_s, INSTANCE_UP, self, (role, name))
-            elif target < have:
-                excess = have - target
-                while excess and starting:  # not started yet: cancelled
-                    self.left[starting.pop()] = t
-                    excess -= 1
-                for inst in sorted(serving, key=self._load)[:excess]:
-                    inst.draining = True
-                    self.sim.dirty.add(inst)
-                    if role == "prefill" and not inst.busy and not inst.queue:
-                        self.leave(inst, role, t)
-                    elif role == "decode" and not self.pending.get(inst.instance_id, 0):
-                        self.leave(inst, role, t)
+            members = [Member(name, DRAINING if inst.draining else SERVING, self._held(inst), _order(name))
+                       for name, inst in live.items()] + [Member(name, STARTING, 0, _order(name)) for name in starting]
+            todo = steps(self.planner.target(role), members)
+            for name in todo.resume:  # up already: the cheapest
+                live[name].draining = False
+                self.sim.dirty.add(live[name])
+            for _ in range(todo.start):
+                name = f"{role[0]}{self.names[role]}"
+                self.names[role] += 1
+                self.asked[name], self.kind[name] = t, role
+                starting.append(name)
+                self.sim.push(t + self.sim.cfg.startup_s, INSTANCE_UP, self, (role, name))
+            for name in todo.cancel:  # not started yet
+                starting.remove(name)
+                self.left[name] = t
+            for name in todo.drain:
+                inst = live[name]
+                inst.draining = True
+                self.sim.dirty.add(inst)
+                if not self._held(inst):
+                    self.leave(inst, role, t)
 
-    def _load(self, inst) -> tuple:
-        """What it holds (the least loaded drains first), then the newest first."""
+    def _held(self, inst) -> int:
+        """What it holds: a prefill instance's queue and running one, a decode instance's requests bound to it."""
         if isinstance(inst, PrefillInstance):
-            held = len(inst.queue.items()) + int(inst.busy)
-        else:
-            held = self.pending.get(inst.instance_id, 0)
-        return held, -int(inst.instance_id[1:])
+            return len(inst.queue) + int(inst.busy)
+        return self.pending.get(inst.instance_id, 0)
 
     def up(self, which: tuple[str, str], t: float) -> None:
         """A started instance is up: it reports, and takes work from the next route on."""
@@ -203,6 +196,11 @@ class Scaler:
         return {"instance_hours": sum(seconds.values()) / 3600.0,
                 "instance_hours_by_role": {role: s / 3600.0 for role, s in seconds.items()},
                 "instances_asked": len(self.asked), "timeline": self.timeline, "plans": self.plans}
+
+
+def _order(name: str) -> int:
+    """p3 -> 3: the order the instances of a role were asked for in."""
+    return int(name[1:])
 
 
 # --------------------------------------------------------------------------- the day

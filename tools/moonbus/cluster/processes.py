@@ -4,7 +4,9 @@ Used by `moonbus up` and by the integration tests. Every child gets PR_SET_PDEAT
 supervisor killed with SIGKILL leaves no orphans; a clean stop sends SIGTERM (workers finish
 what they hold, the services drain NATS) and SIGKILLs whatever is left after a grace period.
 `supervise()` restarts processes that exited (tools/moonbus/cluster/supervisor.py has the policy), and
-the state file `<home>/cluster.json` always names every process with its kind, node and pid.
+the state file `<home>/cluster.json` always names every process with its kind, node and pid. With
+autoscaling (`moonbus up --autoscale`, tools/moonbus/cluster/autoscale.py decides), `start_worker`
+adds a worker on a node of its own and `retire` drains one for good, its node's messenger after it.
 """
 
 from __future__ import annotations
@@ -136,6 +138,10 @@ class ClusterSpec:
     model: str = "SmolLM2-135M-Instruct"
     prefill: int = 1
     decode: int = 1
+    # autoscaled (`moonbus up --autoscale`): the most prefill and decode instances its driver may run;
+    # each gets its NATS user at the start (nats.conf is written once). 0 = the counts above
+    max_prefill: int = 0
+    max_decode: int = 0
     conductors: int = 1  # replicas in the control plane (a queue group each)
     cache_indexes: int = 1
     gateways: int = 1  # on ports port, port + 1, ...
@@ -166,6 +172,7 @@ class ClusterSpec:
     metrics: bool = True  # each service serves Prometheus metrics on a free port (in cluster.json)
     auth: bool = True  # a closed bus: one NATS user per role (tools/moonbus/cluster/security.py), a cluster secret
     api_keys: str = ""  # the gateways' key file ("" = open: no key needed, one shared cache)
+    planner: list[str] = field(default_factory=list)  # the first conductor's planner flags (autoscaled: --planner ...)
     extra_env: dict[str, str] = field(default_factory=dict)  # every process's, over worker_env
     service_args: dict[str, list[str]] = field(default_factory=dict)  # service kind, or instance name -> extra flags
 
@@ -259,9 +266,13 @@ class Proc:
     node: str = ""
     restarts: Restarts = field(default_factory=Restarts)
     metrics: str = ""  # http://host:port/metrics, "" if none
+    started_at: float = field(default_factory=time.monotonic)  # this process (a restart is a new one)
+    retiring: bool = False  # told to drain and leave for good (`retire`): not restarted when it exits
 
     @property
     def state(self) -> str:
+        if self.retiring:
+            return "draining"
         if self.restarts.gave_up:
             return "gave_up"
         return "running" if self.popen.poll() is None else "restarting"
@@ -298,8 +309,8 @@ class Cluster:
             "nats_credentials": {user: str(self.secrets.password_file(user)) for user in ("admin", "auditor", "supervisor")}
             if self.secrets else {},
             "shm_root": str(self.shm_root), "profile": spec.profile, "dtype": models.resolve_dtype(spec.dtype),
-            "prefill": spec.num_prefill,
-            "decode": spec.num_decode, "coupled": spec.coupled, "supervisor_pid": os.getpid(),
+            "prefill": spec.coupled or self.count("prefill"),
+            "decode": spec.coupled or self.count("decode"), "coupled": spec.coupled, "supervisor_pid": os.getpid(),
             "processes": {p.name: {"kind": p.kind, "node": p.node, "pid": p.popen.pid, "restarts": p.restarts.count,
                                    "state": p.state, "log": str(p.log_path), "metrics": p.metrics}
                           for p in self.procs.values()},
@@ -339,17 +350,18 @@ class Cluster:
         registered in signers.json for the publishers it writes events as."""
         return signing.register(self.secrets.directory, name, publishers)
 
-    def plan(self) -> list[Planned]:
+    def plan(self, most: bool = False) -> list[Planned]:
         """Every service process, in start order: the one place their names are made (the services
-        are started from it, and the closed bus's users are made from it)."""
+        are started from it, and the closed bus's users are made from it). `most`: with the
+        workers an autoscaled cluster may add later (ClusterSpec.max_prefill, max_decode)."""
         spec = self.spec
         planned = [Planned(replica("conductor", i), "conductor", index=i) for i in range(spec.conductors)]
         planned += [Planned(replica("cache_index", i), "cache_index", index=i) for i in range(spec.cache_indexes)]
-        planned += self.plan_workers()
+        planned += self.plan_workers(most)
         planned += [Planned(replica("gateway", i), "gateway", index=i) for i in range(spec.gateways)]
         return planned
 
-    def plan_workers(self) -> list[Planned]:
+    def plan_workers(self, most: bool = False) -> list[Planned]:
         """Each node's messenger, then its workers: node-pI holds prefill-I, node-dI decode-I, and
         node-cI coupled-I (which replaces both)."""
         spec, planned = self.spec, []
@@ -358,29 +370,68 @@ class Cluster:
                 planned += [Planned(f"messenger-c{i}", "messenger", f"node-c{i}", i),
                             Planned(f"coupled-{i}", "coupled", f"node-c{i}", i)]
             return planned
-        for kind, letter, count in (("prefill", "p", spec.prefill), ("decode", "d", spec.decode)):
-            for i in range(count):
-                planned += [Planned(f"messenger-{letter}{i}", "messenger", f"node-{letter}{i}", i),
-                            Planned(f"{kind}-{i}", kind, f"node-{letter}{i}", i)]
+        for role in ("prefill", "decode"):
+            for i in range(self.most(role) if most else getattr(spec, role)):
+                planned += self.plan_node(role, i)
         return planned
 
+    @staticmethod
+    def plan_node(role: str, index: int) -> list[Planned]:
+        """Worker `index` of `role` ("prefill" or "decode") on a node of its own, after its messenger."""
+        node = f"node-{role[0]}{index}"
+        return [Planned(f"messenger-{role[0]}{index}", "messenger", node, index), Planned(f"{role}-{index}", role, node, index)]
+
+    def most(self, role: str) -> int:
+        """The most instances of `role` this cluster may run (autoscaled: its maximum)."""
+        count = getattr(self.spec, role)
+        return max(count, getattr(self.spec, f"max_{role}"))
+
+    def count(self, kind: str) -> int:
+        """Processes of `kind` that are not leaving for good."""
+        return sum(1 for p in self.procs.values() if p.kind == kind and not p.retiring)
+
     def planned_instances(self) -> dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]]:
-        """name -> (kind, instance ids, nodes) of every planned process that speaks for instances:
-        each gets a NATS user of its own, allowed to speak only as itself (a messenger, only for
-        its node's pool)."""
+        """name -> (kind, instance ids, nodes) of every planned process that speaks for instances
+        (those an autoscaled cluster may add included): each gets a NATS user of its own, allowed
+        to speak only as itself (a messenger, only for its node's pool)."""
         return {p.name: (p.kind, p.instance_ids(), (p.node,) if p.kind == "messenger" else ())
-                for p in self.plan() if p.kind in OWN_USER_KINDS}
+                for p in self.plan(most=True) if p.kind in OWN_USER_KINDS}
 
     def start_services(self) -> None:
         for planned in self.plan():
             self.start_planned(planned)
+
+    def start_worker(self, role: str, index: int) -> Planned:
+        """Start worker `index` of `role` on a node of its own, its messenger with it (an autoscaled
+        cluster grows); its NATS user was made at the start (`most`). Returns the worker."""
+        if not 0 <= index < self.most(role):
+            raise ValueError(f"{role}-{index}: this cluster has NATS users for {self.most(role)} {role} instances")
+        messenger, worker = self.plan_node(role, index)
+        for p in (messenger, worker):
+            if p.name in self.procs:
+                raise ValueError(f"{p.name} is running already")
+        for p in (messenger, worker):
+            self.start_planned(p)
+        self.write_state()
+        return worker
+
+    def retire(self, name: str) -> None:
+        """Drain `name` and let it go for good (an autoscaled cluster shrinks): SIGTERM (a worker
+        finishes what it holds, taking nothing new), and not restarted when it exits (`supervise`
+        says "retired"); a worker's messenger follows once no other worker is left on its node."""
+        proc = self.procs[name]
+        proc.retiring = True
+        if proc.popen.poll() is None:
+            proc.popen.send_signal(signal.SIGTERM)
+        self.write_state()
 
     def start_planned(self, p: Planned) -> None:
         spec = self.spec
         if p.kind == "conductor":
             self.service(p.name, "conductor", *self.model_args(), "--policy", spec.policy,
                          "--ttft-slo", str(spec.ttft_slo_s), *self.slo_args(), *(["--colocate"] if spec.coupled else []),
-                         "--pipeline-group", str(spec.pipeline_group), "--prefill-chunk", str(spec.prefill_chunk))
+                         "--pipeline-group", str(spec.pipeline_group), "--prefill-chunk", str(spec.prefill_chunk),
+                         *(spec.planner if p.index == 0 else []))  # one planner: replicas each see a share of the routes
         elif p.kind == "cache_index":
             self.service(p.name, "cache_index")
         elif p.kind == "messenger":
@@ -488,6 +539,9 @@ class Cluster:
         actions = []
         for proc in list(self.procs.values()):
             r = proc.restarts
+            if proc.retiring and proc.popen.poll() is not None:
+                actions += self.retired(proc)
+                continue
             if r.gave_up or proc.popen.poll() is None:
                 continue
             if r.restart_at is None:  # it just exited
@@ -510,6 +564,21 @@ class Cluster:
                                                                "exit_code": code, "restarts": r.count}))
         if actions:
             self.write_state()
+        return actions
+
+    def retired(self, proc: Proc) -> list[Action]:
+        """A process retired (`retire`) exited: forget it; a worker's node messenger goes next, and
+        the node's shared memory once the messenger is gone."""
+        del self.procs[proc.name]
+        actions = [Action("retired", proc.name, {"kind": proc.kind, "node": proc.node,
+                                                 "exit_code": proc.popen.returncode})]
+        on_node = [p for p in self.procs.values() if p.node == proc.node and p.node]
+        if proc.kind in WORKER_KINDS and all(p.kind == "messenger" for p in on_node):
+            for messenger in on_node:
+                if not messenger.retiring:
+                    self.retire(messenger.name)
+        elif proc.kind == "messenger" and not on_node:
+            shutil.rmtree(self.shm_root / proc.node, ignore_errors=True)
         return actions
 
     def wait_ready(self, timeout_s: float) -> None:

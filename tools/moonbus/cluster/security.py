@@ -17,7 +17,8 @@ each with the permissions its role needs (ROLES below). Who may do what on the b
   messenger    the only role that writes KV events; answers its node's pool ops
   prefill      reads its tasks, cancels, probes; sends tokens (as itself), progress, decode tasks, pool ops
   decode       reads its tasks, cancels, probes; sends tokens (as itself), progress, pool ops
-  supervisor   writes restart events
+  supervisor   writes restart events; with --autoscale reads the planner's events and the prefill
+               and decode heartbeats, and writes what it started and drained (scaled_up, scaled_down, retired)
   auditor      reads the events stream (JetStream consumers), live or from its start; writes nothing
   admin        everything (operators' tools and tests)
 Workers cannot write terminal events; nobody but a messenger writes a KV event; only the
@@ -95,8 +96,12 @@ ROLES: dict[str, tuple[list[str], list[str]]] = {
         [f"moonbus.decode.{ID}.tasks", "moonbus.requests.cancel", f"moonbus.workers.{ID}.probe", _HEARTBEAT,
          f"moonbus.control.refused.{ID}"],
     ),
+    # with --autoscale it follows the planner and the workers' load, and says what it started and drained
     "supervisor": (["moonbus.events.instance.restarted.*", "moonbus.events.instance.crash_loop.*",
-                    "moonbus.control.exited.*"], []),
+                    "moonbus.control.exited.*", "moonbus.events.instance.scaled_up.*",
+                    "moonbus.events.instance.scaled_down.*", "moonbus.events.instance.retired.*"],
+                   ["moonbus.events.instance.planned.*", "moonbus.workers.heartbeat.prefill.*",
+                    "moonbus.workers.heartbeat.decode.*"]),
     "auditor": (
         ["$JS.API.INFO", "$JS.API.STREAM.NAMES", "$JS.API.STREAM.INFO.MOONBUS_EVENTS", "$JS.API.STREAM.MSG.GET.MOONBUS_EVENTS",
          "$JS.API.CONSUMER.CREATE.MOONBUS_EVENTS", "$JS.API.CONSUMER.CREATE.MOONBUS_EVENTS.>",

@@ -8,7 +8,9 @@ event), and every other process keeps serving. Each restart is an `instance.rest
 
 `SupervisorEvents` publishes those events from this synchronous supervisor through a NATS
 connection on a background thread (publishes made while the broker itself restarts are
-buffered by the client and sent once it is back).
+buffered by the client and sent once it is back), and hands what the supervisor listens to
+(`listen`: with --autoscale, the planner's events and the workers' heartbeats) to a callback
+on that thread.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import asyncio
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +95,25 @@ class SupervisorEvents:
         if self.publisher is None:
             return
         asyncio.run_coroutine_threadsafe(self.publisher.instance(kind, name, **data), self.loop)
+
+    def listen(self, subject: str, handler: Callable[[str, bytes], None]) -> bool:
+        """Call `handler(subject, data)` on the events thread for each message on `subject`, from
+        now on (a message that makes it raise is logged and dropped). False when the supervisor
+        has no connection (events are off)."""
+        self.ready.wait(35)
+        if self.nc is None:
+            return False
+        from common import bus
+
+        async def handle(msg) -> None:
+            handler(msg.subject, msg.data)
+
+        async def subscribe() -> None:
+            await bus.subscribe(self.nc, subject, handle)
+            await self.nc.flush()
+
+        asyncio.run_coroutine_threadsafe(subscribe(), self.loop).result(10)
+        return True
 
     def exited(self, name: str, exit_code: int) -> None:
         """Tell the conductors that this instance's process exited: it is dead now, so its requests

@@ -1,6 +1,8 @@
 """`moonbus up`: start a local cluster (embedded NATS, every service) and keep it running until Ctrl-C.
 
 A process that exits is restarted (tools/moonbus/cluster/supervisor.py); only Ctrl-C/SIGTERM stops all.
+With --autoscale the first conductor runs the planner and the supervisor starts and drains prefill
+and decode workers to its targets (tools/moonbus/cluster/autoscale.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 from common import cores, models, profiles, signing
 from common.config import NatsAuth, default_home
 from common.security import read_secret
+from tools.moonbus.cluster.autoscale import LocalScaler
 from tools.moonbus.cluster.processes import Cluster, ClusterError, ClusterSpec
 from tools.moonbus.cluster.supervisor import Action, RestartPolicy, SupervisorEvents
 
@@ -31,6 +34,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--coupled", type=int, default=0, metavar="N",
                         help="run N coupled instances (prefill and decode in one process, vLLM-like) "
                              "instead of --prefill/--decode, each on its own node with a messenger")
+    parser.add_argument("--autoscale", action="store_true",
+                        help="the first conductor's planner decides how many prefill and decode instances run "
+                             "(--prefill/--decode are where it starts), and the supervisor starts and drains workers "
+                             "to its targets")
+    parser.add_argument("--autoscale-prefill", default="1:4", metavar="MIN:MAX",
+                        help="autoscaled prefill instances (NATS users are made for MAX at the start)")
+    parser.add_argument("--autoscale-decode", default="1:4", metavar="MIN:MAX", help="autoscaled decode instances")
+    parser.add_argument("--planner-interval", type=float, default=30.0, help="autoscaled: seconds between decisions")
+    parser.add_argument("--planner-settings", default="", metavar="NAME=VALUE,...",
+                        help="autoscaled: more of the planner's settings (common/decide/planner.py PlannerSettings: "
+                             "watermarks, streaks, cooldowns), as the conductor's --planner-settings")
     parser.add_argument("--conductors", type=int, default=1, help="conductor replicas (they share one view of load)")
     parser.add_argument("--cache-indexes", type=int, default=1, help="cache index replicas")
     parser.add_argument("--gateways", type=int, default=1, help="gateway replicas, on --port, --port + 1, ...")
@@ -85,6 +99,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"moonbus up: {exc}", file=sys.stderr)
         return 2
     dtype = models.resolve_dtype(args.dtype)
+    try:
+        bounds = autoscale_bounds(args)
+    except ValueError as exc:
+        print(f"moonbus up: {exc}", file=sys.stderr)
+        return 2
     if min(args.conductors, args.cache_indexes, args.gateways) < 1:
         print("moonbus up: --conductors, --cache-indexes and --gateways must be at least 1", file=sys.stderr)
         return 2
@@ -98,6 +117,11 @@ def run(args: argparse.Namespace) -> int:
                        eviction=args.eviction, profile=args.profile, pipeline_group=args.pipeline_group,
                        prefill_chunk=args.prefill_chunk, transport=args.transport, tcp_streams=args.tcp_streams,
                        link_tls=args.link_tls, link_peers=args.link_peers)
+    if bounds:
+        spec.max_prefill, spec.max_decode = bounds["prefill"][1], bounds["decode"][1]
+        spec.planner = ["--planner", "--planner-interval", str(args.planner_interval),
+                        "--planner-prefill", args.autoscale_prefill, "--planner-decode", args.autoscale_decode,
+                        *(["--planner-settings", args.planner_settings] if args.planner_settings else [])]
     threads = {role: spec.profile_threads("coupled" if args.coupled else role) for role in ("prefill", "decode")}
     if not args.profile:
         done = ensure_profile(profiles.profile_path(home, ref.name, dtype), home, args.model, dtype, threads,
@@ -121,36 +145,66 @@ def run(args: argparse.Namespace) -> int:
         print(f"moonbus up: {exc}", file=sys.stderr)
         return 1
     print_ready(spec, ref.name, cluster)
-    supervise(cluster, lambda: stopping)
+    supervise(cluster, lambda: stopping, autoscale=bool(bounds))
     say("stopping the cluster (workers first finish what they hold; Ctrl-C again is not needed) ...")
     cluster.stop()
     say("stopped.")
     return 0
 
 
-def supervise(cluster: Cluster, stopping, policy: RestartPolicy = RestartPolicy()) -> None:
-    """Restart what exits until Ctrl-C/SIGTERM; say what happened, as text and as events."""
+def autoscale_bounds(args: argparse.Namespace) -> dict[str, tuple[int, int]]:
+    """--autoscale's (min, max) per role ({} without it). Raises ValueError saying what is wrong."""
+    if not args.autoscale:
+        return {}
+    if args.coupled:
+        raise ValueError("--autoscale runs prefill and decode instances, not --coupled ones")
+    bounds = {}
+    for role, text, start in (("prefill", args.autoscale_prefill, args.prefill), ("decode", args.autoscale_decode, args.decode)):
+        try:
+            low, high = (int(n) for n in text.split(":"))
+        except ValueError:
+            raise ValueError(f"--autoscale-{role} takes MIN:MAX; got {text!r}") from None
+        if not 1 <= low <= start <= high:
+            raise ValueError(f"--autoscale-{role} {text}: needs 1 <= MIN <= --{role} ({start}) <= MAX")
+        bounds[role] = (low, high)
+    return bounds
+
+
+def supervise(cluster: Cluster, stopping, policy: RestartPolicy = RestartPolicy(), autoscale: bool = False) -> None:
+    """Restart what exits until Ctrl-C/SIGTERM, and with `autoscale` run the planner's targets
+    (tools/moonbus/cluster/autoscale.py); say what happened, as text and as events."""
     auth, secret, signer = None, None, None
     if cluster.secrets is not None:
         auth = NatsAuth("supervisor", str(cluster.secrets.password_file("supervisor")))
         secret = read_secret(cluster.secrets.cluster_key)
         signer = signing.load(cluster.signing_key("supervisor", ["supervisor/supervisor"]))
     events = SupervisorEvents(cluster.spec.nats_addr, auth, secret, signer)
+    scaler = LocalScaler(cluster, events, say) if autoscale else None
     try:
         while not stopping():
             for action in cluster.supervise(time.monotonic(), policy):
                 report(cluster, action, events)
+            if scaler is not None:
+                scaler.act()
             time.sleep(0.2)
     finally:
         events.close()
 
 
 def report(cluster: Cluster, action: Action, events: SupervisorEvents) -> None:
-    proc, d = cluster.procs[action.name], action.detail
+    d = action.detail
+    if action.kind == "retired":  # drained for good (autoscale): gone from the cluster
+        say(f"moonbus up: autoscale: {action.name} retired (exit code {d['exit_code']})")
+        events.instance("retired", action.name, **d)
+        if d["exit_code"] != 0:  # it did not leave cleanly: what it held is handed back now
+            for instance in instance_ids(action.name, d["kind"]):
+                events.exited(instance, d["exit_code"])
+        return
+    proc = cluster.procs[action.name]
     if action.kind == "exited":
         say(f"moonbus up: {action.name} exited with code {d['exit_code']}; restarting it in {d['restart_in_s']:g} s "
             f"(log: {proc.log_path})")
-        for instance in instance_ids(proc):
+        for instance in instance_ids(proc.name, proc.kind):
             events.exited(instance, d["exit_code"])
     elif action.kind == "restarted":
         say(f"moonbus up: {action.name} restarted (pid {d['pid']}, restart {d['restarts']})")
@@ -159,15 +213,15 @@ def report(cluster: Cluster, action: Action, events: SupervisorEvents) -> None:
         say(f"moonbus up: {action.name} exited {d['exits']} times within {d['window_s']:g} s; it is crash-looping, "
             f"so it stays down (the rest keeps serving). Last exit code {d['exit_code']}; see {proc.log_path}")
         events.instance("crash_loop", action.name, **d)
-        for instance in instance_ids(proc):
+        for instance in instance_ids(proc.name, proc.kind):
             events.exited(instance, d["exit_code"])
 
 
-def instance_ids(proc) -> list[str]:
+def instance_ids(name: str, kind: str) -> list[str]:
     """The instance ids a process announced (a coupled one is a prefill and a decode instance)."""
-    if proc.kind == "coupled":
-        return [f"{proc.name}-prefill", f"{proc.name}-decode"]
-    return [proc.name] if proc.kind in ("prefill", "decode", "messenger") else []
+    if kind == "coupled":
+        return [f"{name}-prefill", f"{name}-decode"]
+    return [name] if kind in ("prefill", "decode", "messenger") else []
 
 
 def say(line: str) -> None:
@@ -189,14 +243,19 @@ def print_ready(spec: ClusterSpec, model: str, cluster: Cluster) -> None:
     links = ("TLS, each process with its own certificate of the cluster's link CA" if spec.link_tls else
              "the cluster secret's handshake and a keyed MAC on every frame: none can be rewritten, but they "
              "travel unencrypted (--link-tls to encrypt them)")
+    autoscale = ""
+    if spec.planner:
+        autoscale = (f"\n  autoscale: the planner on conductor decides, the supervisor starts and drains workers "
+                     f"(at most {spec.max_prefill} prefill, {spec.max_decode} decode; their NATS users made now); "
+                     f"its decisions: moonbus tap --home {spec.home} --kind planned")
     print(f"""
 moonbus is ready: {spec.url}   (model {model})
   processes: {', '.join(cluster.procs)}
   logs:      {cluster.log_dir}
   events:    moonbus tap --home {spec.home}   (as the read-only auditor)
   doors:     {doors}
-             the bus is closed: its own NATS user for every worker, messenger and cache index, every process signing its own events, secrets in {spec.home / "secrets"}
-             KV links: {links}
+             the bus is closed: its own NATS user for every worker, messenger, cache index and gateway, every process signing its own events, secrets in {spec.home / "secrets"}
+             KV links: {links}{autoscale}
 
 try:
   curl {spec.url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\
