@@ -11,7 +11,9 @@ One test (`make swarm-test` runs this file alone), in the order an operator woul
                the secrets of `moonbus compose-secrets` as swarm secrets; `docker stack deploy`,
                then every service's replicas healthy
     load       a few clients in a loop through the gateway's published port, all along
-    scale up   `docker service scale <stack>_decode=2`: a new decode instance joins and takes work
+    scale up   the swarm driver (`moonbus swarm autoscale`, tools/swarm/autoscale.py) given the
+               planner's decision 1 prefill + 2 decode runs `docker service scale`: a new decode
+               instance joins and takes work
     roll       `docker service update --image <the second tag> --force <stack>_decode`: one
                instance at a time (at no moment were both decode instances gone), each old one left
                (drained, not lost), each new one took work
@@ -44,6 +46,7 @@ import pytest
 from common import models
 from tests import required
 from tests.integration.conftest import on_docker_engine
+from tests.unit.test_swarm_autoscale import make_planned
 from tests.wait import until
 from tools.compose_e2e import engine as docker_engine
 from tools.compose_e2e import images
@@ -52,6 +55,7 @@ from tools.moonbus.cluster import compose_secrets
 from tools.moonbus.cluster.processes import free_port
 from tools.moonbus.cluster.security import ClusterSecrets
 from tools.swarm import stack as stack_tool
+from tools.swarm.autoscale import SwarmScaler, docker_run
 
 pytestmark = pytest.mark.integration
 
@@ -264,11 +268,14 @@ async def scale_and_roll(stack: Stack, gateway: str, nats_url: str, api_key: str
         try:
             await until(lambda: load.completed() >= 2 * CLIENTS, "the load's first requests completed", timeout_s=STEP_S)
 
-            # scale up: a second decode instance joins and takes work
+            # scale up, by the swarm driver on a planned decision: a second decode instance joins and takes work
             phase = time.monotonic()
             first = events.live("decode")
             mark = len(events.events)
-            await asyncio.to_thread(stack.scale, "decode", 2)
+            driver = SwarmScaler(stack.name, docker_run)
+            await asyncio.to_thread(driver.heard, make_planned(1, 2, time.time()), time.monotonic())
+            assert driver.ran == [["docker", "service", "scale", "--detach", f"{stack.name}_prefill=1",
+                                   f"{stack.name}_decode=2"]] and driver.pending is None, driver.ran
             joined = await until(lambda: [j for j in events.instances("joined", "decode", mark) if j[1] not in first],
                                  "a second decode instance joined", timeout_s=STEP_S)
             (joined_at, new), joined_ts = joined[0], events.events[joined[0][0]]["ts"]
