@@ -102,6 +102,9 @@ class DecodeLoad:
     leave_room: tuple[int, ...] = ()  # ... and the KV room each gives back as it leaves (() = its context)
     join_room: tuple[int, ...] = ()  # the room each coming request takes when it joins and gives back as it leaves
     _cum: tuple[int, ...] = field(init=False, repr=False, compare=False)  # running sums of leave_context
+    # leaves ascending without a NaN, and no context negative: what lets the Retry-After scan take a
+    # run of departures at one time in one step (_tbt_retry_after)
+    _orderly: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.leaves) != len(self.leave_context) or not (len(self.joins) == len(self.join_leaves) == len(self.join_context)) \
@@ -109,14 +112,18 @@ class DecodeLoad:
                 or (self.join_room and len(self.join_room) != len(self.joins)):
             raise ValueError(f"DecodeLoad {self.decode_id}: times and contexts differ in length")
         object.__setattr__(self, "_cum", tuple(accumulate(self.leave_context, initial=0)))
+        leaves = self.leaves
+        object.__setattr__(self, "_orderly", all([a <= b for a, b in zip(leaves, leaves[1:])])  # (False at a NaN)
+                           and (not leaves or leaves[0] == leaves[0]) and min(self.leave_context, default=0) >= 0)
 
     @classmethod
     def of(cls, decode_id: str, leaves: tuple[float, ...], leave_context: tuple[int, ...], joins: tuple[float, ...],
            join_leaves: tuple[float, ...], join_context: tuple[int, ...], step_factor: float,
-           leave_room: tuple[int, ...], join_room: tuple[int, ...], cum: tuple[int, ...]) -> DecodeLoad:
+           leave_room: tuple[int, ...], join_room: tuple[int, ...], cum: tuple[int, ...], orderly: bool) -> DecodeLoad:
         """One built by a caller that guarantees what __post_init__ checks (the lengths agree) and
-        passes the running sums of leave_context (initial 0) it keeps: the conductor rebuilds a few
-        of these per route (common/decide/cluster_state.py)."""
+        passes the running sums of leave_context (initial 0) it keeps, and whether the leaves are
+        ascending without a NaN and no context is negative: the conductor rebuilds a few of these
+        per route (common/decide/cluster_state.py)."""
         load = _new_object(cls)
         _set(load, "decode_id", decode_id)
         _set(load, "leaves", leaves)
@@ -128,6 +135,7 @@ class DecodeLoad:
         _set(load, "leave_room", leave_room)
         _set(load, "join_room", join_room)
         _set(load, "_cum", cum)
+        _set(load, "_orderly", orderly)
         return load
 
     def at(self, t: float, predictive: bool) -> tuple[int, int]:
@@ -317,6 +325,8 @@ def _tbt_retry_after(at: float, context_tokens: int, judged: list, settings: Adm
     Instances are tried least loaded first, so `best` shrinks early and prunes the rest.
     """
     step, slo = perf.decode.step_seconds, settings.tbt_slo_s
+    monotone = getattr(perf.decode, "monotone", None)
+    runs = monotone is not None and monotone()
     best = settings.max_retry_after_s
     for _, _, batch, ctx, d in sorted(judged, key=_by_tbt_then_id):
         # d.departures(at, predictive), spelled out: its first departure alone often settles that
@@ -335,6 +345,9 @@ def _tbt_retry_after(at: float, context_tokens: int, judged: list, settings: Adm
             continue  # nobody leaves
         if first - at >= best:  # as the loop below would find at its first departure (False for a NaN)
             continue
+        if runs and d._orderly and d.step_factor >= 0 and (not joined or min(joined, key=_context)[1] >= 0):
+            best = _by_runs(at, context_tokens, batch, ctx, d, k, joined, best, step, slo)
+            continue
         now = zip(leaves[k:], d.leave_context[k:])
         for leave_s, c in merge(now, joined) if joined else now:
             if leave_s - at >= best:  # departures only get later: this instance cannot beat `best`
@@ -344,6 +357,40 @@ def _tbt_retry_after(at: float, context_tokens: int, judged: list, settings: Adm
                 best = leave_s - at
                 break
     return clamp_retry_after(best, settings)
+
+
+_context = itemgetter(1)
+
+
+def _by_runs(at: float, context_tokens: int, batch: int, ctx: int, d: DecodeLoad, k: int,
+             joined: list[tuple[float, int]] | None, best: float, step, slo: float) -> float:
+    """_tbt_retry_after's scan of one instance, a run of departures at one time at a time: `best`,
+    or the sooner time at which departures bring it under the SLO.
+
+    NOTE: exact only where the step never falls as batch or context grows (perf.py `monotone`), the
+    factor is not negative and the departures are in time order with no negative context
+    (DecodeLoad._orderly, and `joined`'s): then every departure lowers the step, so the SLO is met
+    after some departure of a run iff it is after the run's last, and that run's time is the answer
+    the scan one departure at a time gives. Most of an instance often leaves at one time (requests
+    of one output length): one step priced instead of one per departure.
+    """
+    leaves, cum, factor = d.leaves, d._cum, d.step_factor
+    n, i = len(leaves), k
+    nj, j = (len(joined), 0) if joined else (0, 0)
+    while i < n or j < nj:
+        t = leaves[i] if i < n else joined[j][0]  # the next run's time
+        if j < nj and joined[j][0] < t:
+            t = joined[j][0]
+        if t - at >= best:  # departures only get later: this instance cannot beat `best`
+            return best
+        if i < n and leaves[i] == t:
+            end = bisect_right(leaves, t, i)
+            batch, ctx, i = batch - (end - i), ctx - (cum[end] - cum[i]), end
+        while j < nj and joined[j][0] == t:
+            batch, ctx, j = batch - 1, ctx - joined[j][1], j + 1
+        if step(batch + 1, ctx + context_tokens) * factor <= slo:
+            return t - at
+    return best
 
 
 def kv_retry_after(prompt_tokens: int, decode: Sequence[DecodeCandidate], loads: Sequence[DecodeLoad], now: float,

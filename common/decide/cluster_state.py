@@ -142,9 +142,10 @@ class ClusterState:
         self._held_by_prefill: dict[str, int] = {}
         self._reported_of: dict[str, list[tuple[str, str, tuple]]] = {}  # instance -> its (decode id, request id, entry)
         self._reports_stale: set[str] = set()  # instances whose prefill report changed since it was read
-        # prefill instance id -> its node, reported queue seconds (None: no report) and when reported:
-        # what its candidate takes of its report, until it is heard again
-        self._prefill_rows: dict[str, tuple[str, float | None, float]] = {}
+        # prefill instance id -> its node, reported queue seconds (None: no report), when reported and
+        # its learned speed: what its candidate takes, until it is heard again or a factor moves
+        self._prefill_rows: dict[str, tuple[str, float | None, float, float]] = {}
+        self._rows_version = -1  # self.learned.version the rows' speeds are of
         self._capacity: tuple[int | None] | None = None  # the largest decode instance's KV room (beyond_capacity)
         # decode_id -> from its own report: requests held, their context (waiting ones too), free KV room
         self._decode_reported: dict[str, tuple[int, int, int | None]] = {}
@@ -154,10 +155,10 @@ class ClusterState:
         self._members: dict[str, list[str]] = {}  # role -> ids of its instances that take new work, sorted
         self._decode_loads: dict[str, DecodeLoad] = {}  # decode_id -> admission's view, until the next change
         self._decode_candidates: dict[str, DecodeCandidate] = {}  # decode_id -> the policy's view, likewise
-        # decode_id -> the tokens each request it reported will still generate (ascending) and their
-        # contexts: its admission view's costly part, kept until its own next report
-        # decode id -> what each request it reported will still generate, its context, its reserved room
-        self._outputs_of: dict[str, tuple[tuple[float, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = {}
+        # decode_id -> what each request it reported will still generate (ascending), their contexts
+        # and reserved room, and the leave times last made of them: its admission view's costly
+        # part, kept until its own next report
+        self._outputs_of: dict[str, _Outputs] = {}
         # nodes whose messenger stopped heartbeating: their workers can neither send nor receive KV
         # (a messenger that was never heard of, as in the simulator, marks nothing)
         self.lost_nodes: set[str] = set()
@@ -498,26 +499,29 @@ class ClusterState:
     def prefill_candidates(self, now: float, avoid: Collection[str] = ()) -> tuple[PrefillCandidate, ...]:
         """`avoid`: instances a request's failed attempts used, left out where others remain.
         (Every route builds every prefill candidate: their queues count down with `now`.)"""
-        factor, transit = self.learned.factor, self._in_transit_s().get
-        rows, out = self._prefill_rows, []
+        transit, rows, out = self._in_transit_s().get, self._prefill_rows, []
+        if self._rows_version != self.learned.version:  # a factor moved (a peer's can move every one's)
+            rows.clear()
+            self._rows_version = self.learned.version
         append = out.append
         for instance_id in self._of_role("prefill"):
             row = rows.get(instance_id)
             if row is None:
                 row = rows[instance_id] = self._prefill_row(instance_id)
-            node, queue_s, seen_at = row
+            node, queue_s, seen_at, speed = row
             # NOTE: as _reported_queue_s computes it, term by term (the same floats)
             append(_new_row(PrefillCandidate, (instance_id, node, (0.0 if queue_s is None else
                                                                    max(0.0, queue_s - (now - seen_at)))
-                                               + transit(instance_id, 0.0), factor(instance_id, "prefill"))))
+                                               + transit(instance_id, 0.0), speed)))
         return _elsewhere(tuple(out), avoid)
 
-    def _prefill_row(self, instance_id: str) -> tuple[str, float | None, float]:
+    def _prefill_row(self, instance_id: str) -> tuple[str, float | None, float, float]:
         """What a prefill instance's candidate takes of its report: its node, the queue it reported
-        (None: no report) and when."""
+        (None: no report), when, and its learned speed."""
         known = self.instances[instance_id]
         report = known.info.prefill
-        return known.info.node, report.queue_s if report is not None else None, known.seen_at
+        return (known.info.node, report.queue_s if report is not None else None, known.seen_at,
+                self.learned.factor(instance_id, "prefill"))
 
     def coming_to(self, decode_id: str) -> list[tuple[float, int, int, int]]:
         """(predicted prefill end, context, max tokens, output hint), in time order, of every request that will join
@@ -639,6 +643,11 @@ class ClusterState:
             load = self._decode_loads[decode_id] = self._build_decode_load(decode_id)
         return load
 
+    def decode_loads(self, decode: Iterable[DecodeCandidate], now: float) -> tuple[DecodeLoad, ...]:
+        """decode_load of each of these candidates' instances, in their order (one call per route)."""
+        kept = self._decode_loads
+        return tuple([kept.get(d.instance_id) or self.decode_load(d.instance_id, now) for d in decode])
+
     def _build_decode_load(self, decode_id: str) -> DecodeLoad:
         """Each request's leave time: now (its report) plus the tokens it will still generate
         (self.outputs) times the instance's step time with everything held and coming in its batch."""
@@ -649,7 +658,11 @@ class ClusterState:
             coming = self.coming_to(decode_id)
         factor = self.learned.factor(decode_id, "step")
         step_s = self._step_s(decode_id, report, coming, factor)
-        outputs, contexts, rooms, cum = self._outputs_of.get(decode_id) or self._reported_outputs(decode_id, report)
+        kept = self._outputs_of.get(decode_id) or self._reported_outputs(decode_id, report)
+        if kept.step_s != step_s or kept.seen_at != seen_at:  # (a NaN step: made again every time)
+            # NOTE: a prefill's report that only moves when its requests finish keeps the step
+            # (batch and context coming are the same): the leave times are kept with it
+            kept.leaves, kept.step_s, kept.seen_at = tuple([seen_at + step_s * n for n in kept.outputs]), step_s, seen_at
         # NOTE: list comprehensions and one loop, not generators: this runs for every decode instance a report touches
         if coming:
             remaining = self.outputs.remaining
@@ -664,11 +677,12 @@ class ClusterState:
                                                           tuple(join_leaves))
         else:
             joins = join_context = join_room = join_leaves = ()
-        return DecodeLoad.of(decode_id, tuple([seen_at + step_s * n for n in outputs]), contexts, joins, join_leaves,
-                             join_context, factor, rooms, join_room, cum)
+        # leave times ascending without a NaN (the outputs are, and the step is a finite non-negative time)
+        orderly = kept.nonnegative and 0.0 <= step_s < _INF
+        return DecodeLoad.of(decode_id, kept.leaves, kept.contexts, joins, join_leaves, join_context, factor, kept.rooms,
+                             join_room, kept.cum, orderly)
 
-    def _reported_outputs(self, decode_id: str, report: DecodeReport | None
-                          ) -> tuple[tuple[float, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    def _reported_outputs(self, decode_id: str, report: DecodeReport | None) -> _Outputs:
         """What each request of the instance's report will still generate, ascending (they leave in
         that order, whatever its step time), their contexts, and the KV room each gives back as it
         leaves (its reservation: its KV and what it may still generate), and the running sums of
@@ -686,7 +700,8 @@ class ClusterState:
             outputs, contexts, rooms = zip(*rows)
         else:
             outputs = contexts = rooms = ()
-        kept = self._outputs_of[decode_id] = (outputs, contexts, rooms, tuple(accumulate(contexts, initial=0)))
+        kept = self._outputs_of[decode_id] = _Outputs(outputs, contexts, rooms, tuple(accumulate(contexts, initial=0)),
+                                                      min(contexts, default=0) >= 0)
         return kept
 
     def _step_s(self, decode_id: str, report: DecodeReport | None, coming: list, factor: float) -> float:
@@ -720,6 +735,24 @@ class ClusterState:
     def decode_running(self, decode_id: str) -> int:
         info, _ = self._report(decode_id)
         return info.decode.running if info is not None and info.decode is not None else 0
+
+
+class _Outputs:
+    """A decode instance's reported requests as its admission view takes them (ClusterState._reported_outputs),
+    and the leave times last made of them at one step time."""
+
+    __slots__ = ("outputs", "contexts", "rooms", "cum", "nonnegative", "step_s", "seen_at", "leaves")
+
+    def __init__(self, outputs: tuple[float, ...], contexts: tuple[int, ...], rooms: tuple[int, ...],
+                 cum: tuple[int, ...], nonnegative: bool) -> None:
+        self.outputs, self.contexts, self.rooms, self.cum = outputs, contexts, rooms, cum
+        self.nonnegative = nonnegative  # no context negative
+        self.step_s: float | None = None  # the leave times' step and report time (None: none made yet)
+        self.seen_at = 0.0
+        self.leaves: tuple[float, ...] = ()
+
+
+_INF = float("inf")
 
 
 def _decode_reported(report: DecodeReport | None) -> tuple[int, int, int | None]:

@@ -65,12 +65,14 @@ class Learned:
     def __init__(self) -> None:
         self._factors: dict[tuple[str, str], Factor] = {}  # (instance, kind) -> Factor
         self._peers: dict[str, float] = {}  # kind -> the median of the measured factors (kept until one changes)
+        self.version = 0  # counts the changes: a caller that keeps factors takes them again when it moves
 
     def observe(self, instance_id: str, kind: str, predicted_s: float, actual_s: float) -> None:
         if kind not in KINDS:
             raise ValueError(f"kind {kind!r} is not one of {KINDS}")
         self._factors.setdefault((instance_id, kind), Factor()).observe(predicted_s, actual_s)
         self._peers.pop(kind, None)
+        self.version += 1
 
     def factor(self, instance_id: str, kind: str) -> float:
         """The instance's own factor once it has MIN_SAMPLES outcomes; before that its peers'
@@ -91,6 +93,7 @@ class Learned:
         for kind in KINDS:
             self._factors.pop((instance_id, kind), None)
         self._peers.clear()
+        self.version += 1
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """instance -> kind -> factor (for events, metrics and the dashboard)."""

@@ -147,7 +147,8 @@ class PrefillModel:
     def seconds(self, input_tokens: int, prefix_tokens: int) -> float:
         n, p = input_tokens, prefix_tokens
         c0, c1, c2, c3 = self.coef
-        return max(0.0, c0 + c1 * (n - p) + c2 * (n * n - p * p) + c3 * p)
+        s = c0 + c1 * (n - p) + c2 * (n * n - p * p) + c3 * p
+        return s if s > 0.0 else 0.0  # max(0.0, s) without a call (a NaN or -0.0 gives 0.0 alike)
 
     @classmethod
     def fit(cls, samples: Iterable[PrefillSample]) -> PrefillModel:
@@ -186,7 +187,13 @@ class DecodeModel:
 
     def step_seconds(self, batch: int, context_tokens: int) -> float:
         a, b, c = self.coef
-        return max(0.0, a + b * batch + c * context_tokens)
+        s = a + b * batch + c * context_tokens
+        return s if s > 0.0 else 0.0  # max(0.0, s) without a call: the conductor prices ~50 steps a route
+
+    def monotone(self) -> bool:
+        """step_seconds never falls as batch or context grows (admission's Retry-After scan relies on it
+        to price a run of departures at one time once, not after each): non-negative b and c."""
+        return self.coef[1] >= 0 and self.coef[2] >= 0
 
     @classmethod
     def fit(cls, samples: Iterable[DecodeSample]) -> DecodeModel:
@@ -346,6 +353,10 @@ class AnalyticDecodeModel:
     @classmethod
     def from_specs(cls, model: ModelSpec, hw: HardwareSpec, efficiency: float = 0.8) -> AnalyticDecodeModel:
         return cls(model.weight_bytes, model.kv_bytes_per_token, hw.hbm_bytes_s, 2 * model.params, hw.gpu_flops, efficiency)
+
+    def monotone(self) -> bool:
+        """step_seconds never falls as batch or context grows: KV bytes and flops per token are not negative."""
+        return self.kv_bytes_per_token >= 0 and self.flops_per_token >= 0
 
     def step_seconds(self, batch: int, context_tokens: int) -> float:
         memory = (self.weight_bytes + self.kv_bytes_per_token * context_tokens) / self.hbm_bytes_s

@@ -205,14 +205,15 @@ class Decision:
         out["pull"] = None if self.pull is None else {
             "source_node": self.pull.source_node, "first_block": self.pull.first_block,
             "num_blocks": self.pull.num_blocks, "nbytes": self.pull.nbytes}
-        # NOTE: as each cost's _asdict() would (its fields, in order), without a Python call per candidate
-        out["prefill_costs"] = [dict(zip(_PREFILL_COST_FIELDS, c)) for c in self.prefill_costs]
-        out["decode_costs"] = [dict(zip(_DECODE_COST_FIELDS, c)) for c in self.decode_costs]
+        # NOTE: as each cost's _asdict() would (its fields, in order), spelled out: a dict display
+        # takes half the time of dict(zip(fields, cost)), and the conductor builds 2 x 16 per route
+        out["prefill_costs"] = [{"instance_id": i, "node": n, "queue_s": q, "local_blocks": local, "prefix_blocks": prefix,
+                                 "pull_blocks": pull, "prefill_s": p, "transfer_s": t, "ttft_s": ttft}
+                                for i, n, q, local, prefix, pull, p, t, ttft in self.prefill_costs]
+        out["decode_costs"] = [{"instance_id": i, "node": n, "num_running": running, "context_tokens": context,
+                                "tbt_s": tbt, "fits": fits} for i, n, running, context, tbt, fits in self.decode_costs]
         return out
 
-
-_PREFILL_COST_FIELDS = PrefillCost._fields
-_DECODE_COST_FIELDS = DecodeCost._fields
 _EVENT_FIELDS = tuple(name for name in Decision.__slots__ if name not in ("pull", "prefill_costs", "decode_costs"))
 
 

@@ -103,7 +103,7 @@ def route(request: ToRoute, index: PrefixIndex | None, state: ClusterState, now:
     mark("decide")
     if isinstance(decision, NoInstances):
         return _no_route(decision, snapshot, state, now, request.prompt_tokens, admit)
-    loads = DecodeLoadSnapshot(now, tuple(state.decode_load(d.instance_id, now) for d in snapshot.decode))
+    loads = DecodeLoadSnapshot(now, state.decode_loads(snapshot.decode, now))
     verdict, decision = admission.judge(decision, request.prompt_tokens, loads, admit, perf, settings.colocate,
                                         resumed=request.attempt > 0, ttft_margin=state.ttft_margin.value)
     mark("judge")
@@ -138,8 +138,7 @@ def wait_for_room(info: RequestInfo, snapshot: ClusterSnapshot, state: ClusterSt
     """The route to a decode instance whose KV room frees, as its requests leave, within the
     TTFT SLO (the request waits in its queue); None when none's does."""
     horizon = admit.ttft_slo_s
-    later = admission.room_within(snapshot.decode, [state.decode_load(d.instance_id, now) for d in snapshot.decode],
-                                  now, horizon)
+    later = admission.room_within(snapshot.decode, state.decode_loads(snapshot.decode, now), now, horizon)
     decision = policy.decide(info, replace(snapshot, decode=later), settings, perf)
     if isinstance(decision, NoInstances):
         return None
@@ -150,8 +149,8 @@ def wait_for_room(info: RequestInfo, snapshot: ClusterSnapshot, state: ClusterSt
 def _no_route(decision: NoInstances, snapshot: ClusterSnapshot, state: ClusterState, now: float,
               prompt_tokens: int, admit: AdmissionSettings) -> RouteOutcome:
     if decision.overloaded:  # instances exist, their KV room is taken: an overload, not an outage
-        retry = admission.kv_retry_after(prompt_tokens, snapshot.decode,
-                                         [state.decode_load(d.instance_id, now) for d in snapshot.decode], now, admit)
+        retry = admission.kv_retry_after(prompt_tokens, snapshot.decode, state.decode_loads(snapshot.decode, now), now,
+                                         admit)
         return RouteOutcome(429, f"rejected at arrival: {decision.reason}", retry, snapshot=snapshot)
     if decision.role and state.recovering(decision.role, now):  # lost capacity, coming back
         return RouteOutcome(429, f"rejected at arrival: {decision.reason} while one is being restarted",

@@ -23,6 +23,7 @@ and decode instances the load needs and publishes it for a driver (planner_loop.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import random
 import time
@@ -57,6 +58,7 @@ log = logging.getLogger(__name__)
 SPOOF_AUDIT_S = 60.0  # a spoofing subject's claim is audited at most this often
 POLICY_VERSION = "moonbus-conductor/1"
 HEAR_FIRST_S = 1.0  # a starting conductor waits at most this long to hear the workers before it routes
+GC_YOUNG_THRESHOLD = 20_000  # tracked allocations between young collections (Python's default: 700)
 
 
 class ConductorMetrics:
@@ -320,11 +322,12 @@ class ConductorService:
         def routed() -> dict:
             terms = decision.to_event()
             del terms["request_id"]
-            return dict(
-                terms, admitted=admitted, admission=mode, verdict=verdict.reason, predicted_tbt_s=verdict.tbt_s,
+            terms.update(
+                admitted=admitted, admission=mode, verdict=verdict.reason, predicted_tbt_s=verdict.tbt_s,
                 retry_after_s=verdict.retry_after_s, policy_version=POLICY_VERSION, prompt_blocks=num_keys,
                 attempt=request.attempt, resumed_tokens=request.num_generated, tenant=request.tenant,
                 balancing_threshold=threshold, ttft_margin=margin)
+            return terms
 
         await self.event(later, "routed", rid, routed)
         if not outcome.admitted:
@@ -447,6 +450,18 @@ class ConductorService:
                 retryable=True, stage="decode_lost" if request.decode_id == instance_id else ""), sender_kind="conductor")
 
 
+def settle_collector() -> None:
+    """Once started: what start-up made (modules, the profile, the subscriptions, the first reports)
+    goes out of the garbage collector's walks (gc.freeze), and young collections come every
+    GC_YOUNG_THRESHOLD tracked allocations instead of 700. A route's objects die young (reference
+    counting frees them), so the walks find little: rarer ones pause fewer routes and cost less
+    in all (over a `moonbus bench conductor` live run, 72-80 ms of collections became 30-35 ms;
+    its peak memory stayed 94-97 MiB: cyclic garbage only waits longer)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+
+
 async def serve(cfg: ConductorConfig, stop: asyncio.Event) -> bool:
     ref = models.prepare(cfg.model, cfg.home)
     perf, source = profiles.load(cfg.home, cfg.model, cfg.profile, cfg.dtype)
@@ -472,6 +487,7 @@ async def serve(cfg: ConductorConfig, stop: asyncio.Event) -> bool:
     tasks.spawn(bus.watchdog(nc), "broker-watchdog")
     tasks.spawn(health.beacon(cfg.health_file, nc, stop), "health", essential=False)
     metrics.serve(cfg.metrics_port, service.metrics.registry, cfg.metrics_host)
+    settle_collector()
     log.info("conductor %s ready: policy %s%s, admission %s (ttft slo %gs, tbt slo %gs), profile %s, %s prefix index",
              cfg.instance_id, cfg.policy, " (colocated)" if cfg.colocate else "", cfg.admission.mode,
              cfg.admission.ttft_slo_s, cfg.admission.tbt_slo_s, source, cfg.prefix_index)

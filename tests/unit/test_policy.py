@@ -13,10 +13,12 @@ from common.decide.perf import DecodeModel, PrefillModel, Profile
 from common.decide.policy import (
     ClusterSnapshot,
     DecodeCandidate,
+    DecodeCost,
     Decision,
     NoInstances,
     PolicySettings,
     PrefillCandidate,
+    PrefillCost,
     PullPlan,
     RequestInfo,
     decide,
@@ -192,6 +194,11 @@ def test_decision_event_is_json_with_every_candidate():
     assert set(event["prefill_costs"][0]) == {"instance_id", "node", "queue_s", "local_blocks", "prefix_blocks",
                                                "pull_blocks", "prefill_s", "transfer_s", "ttft_s"}
     assert event["reason"]
+    decision = route(snap)  # every cost as its _asdict() gives it, fields in order
+    assert decision.to_event()["prefill_costs"] == [c._asdict() for c in decision.prefill_costs]
+    assert decision.to_event()["decode_costs"] == [c._asdict() for c in decision.decode_costs]
+    assert [list(c) for c in decision.to_event()["decode_costs"]] == [list(DecodeCost._fields)] * len(decision.decode_costs)
+    assert [list(c) for c in decision.to_event()["prefill_costs"]] == [list(PrefillCost._fields)] * 2
 
 
 @pytest.mark.parametrize("kwargs", [{"policy": "round-robin"}, {"kvcache_balancing_threshold": 0.9},

@@ -32,8 +32,9 @@ stays as drawn. Block keys are computed outside it (from the trace's hash ids; t
 live conductor hashes tokens). The `random` baseline skips the index match (it needs no prefix
 lengths) but builds the same snapshot and runs the same admission. Policies are timed interleaved, on the same (query, state)
 pairs, so machine noise hits them alike. Goal: p99 < 200 us for kvcache-centric. Single thread;
-by default the collector runs, with the setup frozen out of it (gc.freeze(), as a long-running
-conductor should do after loading), so that a full collection does not walk 155k index entries.
+by default the collector runs as the conductor runs it (services/conductor/service.py
+settle_collector): the setup frozen out of it (gc.freeze(), so that a full collection does not walk
+155k index entries) and young collections every 20,000 tracked allocations, not 700.
 
 Then, unless --no-live, the live-route rows (tools/moonbus/bench/route.py): a route request sent
 end to end through a real nats-server, a real cache index holding 200k blocks and 1, then 3, real
@@ -68,6 +69,7 @@ from common.decide.cluster_state import ClusterState, Routed
 from common.decide.policy import POLICIES, PolicySettings, RequestInfo
 from common.decide.route import STAGES, RouteOutcome, ToRoute, route
 from schemas.workers import Coming, DecodeReport, Joined, PrefillReport, WorkerInfo
+from services.conductor.service import settle_collector
 from tools.moonbus.bench import route as bench_route
 from tools.moonbus.bench import route_report as bench_route_report
 
@@ -92,8 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated, from {','.join(POLICIES)}; the first is ours, random is the baseline")
     parser.add_argument("--states", type=int, default=256, help="cluster states in the pool")
     parser.add_argument("--gc", choices=("on", "freeze", "off"), default="freeze",
-                        help="garbage collector while timing: on; freeze = on, with the setup (index, states) "
-                             "moved out of its reach by gc.freeze(), as a long-running conductor would; off")
+                        help="garbage collector while timing: on; freeze = as the conductor runs it (services/"
+                             "conductor/service.py settle_collector: the setup (index, states) moved out of its reach "
+                             "by gc.freeze(), young collections rarer); off")
     parser.add_argument("--reports-per-route", type=int, default=4,
                         help="instance reports between two routes, each dropping the views it concerns (-1: every "
                              "view dropped before each route)")
@@ -138,8 +141,9 @@ def run(args: argparse.Namespace) -> int:
     settings = [PolicySettings(p, block_tokens=TRACE_BLOCK_TOKENS, kv_bytes_per_token=perf.kv_bytes_per_token,
                                link_bytes_s=A800_X8.nic_bytes_s) for p in policies]
     gc.collect()
+    threshold = gc.get_threshold()
     if args.gc == "freeze":
-        gc.freeze()
+        settle_collector()
     elif args.gc == "off":
         gc.disable()
     try:
@@ -147,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         gc.enable()
         gc.unfreeze()
+        gc.set_threshold(*threshold)
     ours = policies[0]
     report = {
         "trace": str(args.trace), "fill_rows": args.fill_rows, "query_rows": len(queries),
