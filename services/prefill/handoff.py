@@ -128,12 +128,11 @@ class Handoff:
         and the attempt is not called off (a refusal of this prefill's secret looks the same, so it
         too is tried again, as often); any other failure (no one listens, a failed TLS, a silent
         peer) is final at once: the request moves on rather than waiting on a node that is gone."""
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + self.timeout_s  # for the tries to begin: each channel keeps the whole timeout
         pauses = iter(CONNECT_RETRY_S)
         while True:
             try:
-                return await asyncio.to_thread(self.transports.connect, region.endpoints,
-                                               max(0.1, deadline - time.monotonic()))
+                return await asyncio.to_thread(self.transports.connect, region.endpoints, self.timeout_s)
             except TransportTurnedAway as exc:
                 pause = next(pauses, None)
                 if pause is None or self.cancelled() or time.monotonic() + pause >= deadline:
