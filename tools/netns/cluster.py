@@ -129,8 +129,9 @@ class HostsCluster(Cluster):
         raise ClusterError(f"{name} did not listen on {self.net.address[host]}:{port}; see {self.log_dir}")
 
     # --- services -------------------------------------------------------------------------
-    def plan_workers(self) -> list[Planned]:
-        """Each host's messenger, then the workers the spec puts on it."""
+    def plan_workers(self, most: bool = False) -> list[Planned]:
+        """Each host's messenger, then the workers the spec puts on it (a fixed layout: `most`, the
+        workers an autoscaled cluster may add, are none here)."""
         counts, planned = {"prefill": 0, "decode": 0}, []
         for node, kinds in self.spec.nodes:
             planned.append(Planned(f"messenger-{node.removeprefix('node-')}", "messenger", node))
