@@ -74,7 +74,11 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     flag(parser, "--kv-cache-bytes", "MOONBUS_KV_CACHE_BYTES", 0, int, dest="kv_cache_bytes",
                 help="bytes of KV the batch may hold, counting what each request may still generate (K and V of "
                      f"every layer, in the KV dtype; 0 = {KV_MEMORY_SHARE:.0%} of this machine's memory, or of its "
-                     "cgroup's limit where lower); allocated once, pages touched as tokens are held")
+                     "cgroup's limit where lower, split over --kv-instances); allocated once, pages touched as "
+                     "tokens are held")
+    flag(parser, "--kv-instances", "MOONBUS_KV_INSTANCES", 1, int, dest="kv_instances",
+                help="decode instances on this machine that share the default KV room (moonbus up passes the most "
+                     "it may run); an explicit --kv-cache-bytes is this instance's own")
     flag(parser, "--tbt-slo", "MOONBUS_TBT_SLO", 1.0, float, help="seconds; checked when a request's KV arrives", dest="tbt_slo_s")
     flag(parser, "--admission", "MOONBUS_ADMISSION", "predictive", help="none turns the arrival check off")
     flag(parser, "--profile", "MOONBUS_PROFILE", "", help="performance profile file")
@@ -83,14 +87,16 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 def from_args(args: argparse.Namespace) -> DecodeConfig:
     if args.kv_cache_bytes < 0:
         raise ValueError("--kv-cache-bytes must be >= 0 (0 = a share of the machine's memory)")
+    if args.kv_instances < 1:
+        raise ValueError("--kv-instances must be >= 1")
     return build(DecodeConfig, args, shm_dir=shm_dir_for(args.node, args.shm_dir), home=Path(args.home),
                         late_check=args.admission != "none", dtype=models.resolve_dtype(args.dtype),
-                        kv_cache_bytes=args.kv_cache_bytes or default_kv_cache_bytes())
+                        kv_cache_bytes=args.kv_cache_bytes or default_kv_cache_bytes(args.kv_instances))
 
 
 def default_kv_cache_bytes(instances: int = 1) -> int:
     """KV_MEMORY_SHARE of the memory this process may use, shared by `instances` decode instances
-    on the machine (`moonbus up` passes each its share)."""
+    on the machine (`moonbus up` passes --kv-instances: the most decode instances it may run)."""
     return int(machine.memory_bytes() * KV_MEMORY_SHARE) // max(1, instances)
 
 

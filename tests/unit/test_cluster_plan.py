@@ -54,3 +54,17 @@ def test_the_closed_bus_gives_a_user_to_every_planned_process_that_speaks_for_in
     assert "conductor" not in users
     coupled = Cluster(ClusterSpec(home=tmp_path, auth=False, coupled=1)).planned_instances()
     assert coupled["coupled-0"] == ("coupled", ("coupled-0-prefill", "coupled-0-decode"), ())
+
+
+@pytest.mark.parametrize("shape, sharing", [({"decode": 3}, 3), ({"decode": 1, "max_decode": 4}, 4), ({"coupled": 2}, 2)])
+def test_the_decode_instances_of_a_machine_share_its_default_kv_room(shape, sharing, monkeypatch, tmp_path):
+    """Each decode (or coupled) instance is told how many may run at once (an autoscaled cluster's
+    most), and its default KV room is that share: 3 instances no longer hold 3 x 25% of the memory."""
+    from services.decode import config as decode_config
+
+    spec = ClusterSpec(home=tmp_path, auth=False, **shape)
+    argvs = [argv for _, kind, _, argv in started(spec, monkeypatch) if kind in ("decode", "coupled")]
+    assert argvs and all(argv[argv.index("--kv-instances") + 1] == str(sharing) for argv in argvs)
+    args = decode_config.load(["--node", "node-d0", "--kv-instances", str(sharing)])
+    assert args.kv_cache_bytes == decode_config.default_kv_cache_bytes() // sharing
+    assert decode_config.load(["--node", "node-d0", "--kv-instances", "4", "--kv-cache-bytes", "1000"]).kv_cache_bytes == 1000

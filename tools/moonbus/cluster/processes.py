@@ -442,7 +442,7 @@ class Cluster:
             self.decode_worker(p.name, p.node)
         elif p.kind == "coupled":
             self.service(p.name, "coupled", *self.node_args(p.node), *self.threads_args("coupled"),
-                         *self.model_args(), *self.transport_args(), *self.slo_args(), node=p.node)
+                         *self.model_args(), *self.transport_args(), *self.slo_args(), *self.kv_args(), node=p.node)
         elif p.kind == "gateway":
             self.service(p.name, "gateway", "--model", spec.model, "--host", spec.host,
                          "--port", str(spec.port + p.index), *(["--api-keys", spec.api_keys] if spec.api_keys else []))
@@ -458,7 +458,12 @@ class Cluster:
 
     def decode_worker(self, name: str, node: str) -> None:
         self.service(name, "decode", *self.node_args(node), *self.threads_args("decode"),
-                     *self.model_args(), *self.slo_args(), node=node)
+                     *self.model_args(), *self.slo_args(), *self.kv_args(), node=node)
+
+    def kv_args(self) -> list[str]:
+        """The decode instances of this machine share its default KV room: each is told how many may
+        run at once (an autoscaled cluster's maximum, so a grown cluster does not overcommit memory)."""
+        return ["--kv-instances", str(self.spec.coupled or self.most("decode"))]
 
     def service(self, name: str, kind: str, *args: str, node: str = "") -> None:
         argv = [sys.executable, "-m", f"services.{kind}", "--nats-url", self.spec.nats_addr,
