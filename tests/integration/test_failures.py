@@ -452,6 +452,8 @@ async def test_a_killed_decode_instance_rehomes_every_request_it_held(rows, tiny
     await until(lambda: len(decoding.tokens) >= 100, "decoding has 100 tokens (a few generated blocks stored)")
     waiting = held["waiting for a row"] = await open_stream(cluster, request("waiting for a row", "killed"))
     await until(lambda: gauge(cluster, "decode-0", "moonbus_decode_waiting") == 1, "decode-0 holds one waiting")
+    # its first token comes from its prefill, apart from decode-0's count: the client may not have it yet
+    await until(lambda: len(waiting.tokens) >= 1, "the waiting request's first token reached its client")
     proc(cluster, "decode-0").send_signal(signal.SIGSTOP)  # from here it takes nothing in and decodes nothing
     assert not decoding.ended and len(waiting.tokens) == 1  # its prefill's first token only
     handed = held["handed off, not taken"] = await open_stream(cluster, request("handed off, not taken", "killed"))
