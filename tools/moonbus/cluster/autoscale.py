@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 
 from common.decide.scaling import ROLES, SERVING, STARTING, Follower, Member, Steps, steps
+from schemas import subjects
 from schemas.events import PLANNED_ALL, Event
 from schemas.workers import own_heartbeat
 from tools.moonbus.cluster.processes import Cluster
@@ -42,7 +43,7 @@ from tools.moonbus.cluster.supervisor import SupervisorEvents
 
 log = logging.getLogger(__name__)
 
-HEARTBEATS = tuple(f"moonbus.workers.heartbeat.{role}.*" for role in ROLES)
+HEARTBEATS = tuple(subjects.worker_heartbeat(role, "*") for role in ROLES)
 
 
 @dataclass(frozen=True)
@@ -63,27 +64,27 @@ class LocalScaler:
         self.say = say
         self.follower = Follower({role: (1, cluster.most(role)) for role in ROLES})
         self.heard: dict[str, Heard] = {}  # instance id -> its latest heartbeat
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # (subject, data), from the events thread
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # (planned?, subject, data), from the events thread
         self.stuck: dict[str, int] = {}  # role -> instances it could not start (no index free), said once
-        self.on = all(events.listen(subject, self._received) for subject in (PLANNED_ALL, *HEARTBEATS))
+        # on the events thread each message is only handed over, tagged by the subscription it came on
+        self.on = events.listen(PLANNED_ALL, lambda subject, data: self.inbox.put((True, subject, data))) and all(
+            events.listen(heartbeats, lambda subject, data: self.inbox.put((False, subject, data)))
+            for heartbeats in HEARTBEATS)
         if not self.on:
             say("moonbus up: --autoscale is off: the supervisor has no NATS connection to follow the planner")
-
-    def _received(self, subject: str, data: bytes) -> None:  # on the events thread: only hand it over
-        self.inbox.put((subject, data))
 
     def take(self) -> None:
         """What arrived since the last pass: heartbeats, and the planner's decisions."""
         while True:
             try:
-                subject, data = self.inbox.get_nowait()
+                planned, subject, data = self.inbox.get_nowait()
             except queue.Empty:
                 return
             try:
-                if subject.startswith("moonbus.workers.heartbeat."):
-                    self._heartbeat(subject, data)
-                else:
+                if planned:
                     self._planned(Event.from_bytes(data))
+                else:
+                    self._heartbeat(subject, data)
             except Exception:  # one bad message is dropped, never the supervisor
                 log.exception("autoscale: dropped a message on %s", subject)
 
