@@ -9,8 +9,8 @@ failure, so a run that must prove them cannot pass with them untested:
     hosts     network namespaces for nodes on separate hosts (tests/integration/test_hosts.py)
     browser   headless chromium and chromedriver (tests/integration/test_dashboard.py)
     mooncake  Mooncake's Transfer Engine, the transfer bench's baseline (tests/integration/test_bench_transfer.py)
-    kernel    the decode attention kernel built for this CPU (tests/unit/test_attention_kernel.py; without
-              it the engine attends with torch's ops, and says so)
+    kernel    the engine's C++ kernels built for this CPU (tests/unit/test_attention_kernel.py,
+              test_prefill_attention.py; without them the engine attends with torch's ops, and says so)
     history   the git history back to the hand-written codec msgspec replaced, the wire bench's baseline
               (tests/integration/test_bench_wire.py; a shallow clone lacks it: `git fetch --unshallow`)
 """

@@ -21,9 +21,13 @@ A slice handed to a sink is never written again, so the streamer reads it withou
 On CUDA the streamer first copies the slice to pinned host memory on a side stream; the sink
 thread waits on that copy's event (written for the GPU path, untested: this tree runs CPU torch).
 
-Numerics: the first chunk of a prompt without prefix runs the same ops as the plain transformers
-forward (sdpa with is_causal); later chunks attend with an explicit mask over prefix + chunk, so
-chunked KV equals unchunked KV to float32 rounding (~1e-6), not bit for bit.
+Attention: in bfloat16 on a CPU with AVX-512 BF16, the engine's C++ flash attention
+(kernels/prefill_attention.cpp: 2.3-3x torch's SDPA on one core here, docs/benchmarks.md), which
+computes as torch's does but sums in its own order, so a prompt's KV agrees with transformers'
+to rounding (tests compare greedy tokens and logits within a tolerance). Elsewhere, or with
+`attention="sdpa"`: the first chunk of a prompt without prefix runs the same ops as the plain
+transformers forward (sdpa with is_causal); later chunks attend with an explicit mask over prefix
++ chunk, so chunked KV equals unchunked KV to float32 rounding (~1e-6), not bit for bit.
 """
 
 from __future__ import annotations
@@ -228,8 +232,10 @@ class LayerStreamer:
 class LayerwisePrefill:
     """Prefill of one LLaMA-family model, layer by layer. One instance per model; thread-safe per call."""
 
-    def __init__(self, model: Llama, chunk_tokens: int = 0, cores: CoreShare | None = None) -> None:
+    def __init__(self, model: Llama, chunk_tokens: int = 0, cores: CoreShare | None = None,
+                 attention: str = "auto") -> None:
         self.model = model
+        self.kernel = model.prefill_kernel(attention)  # the C++ flash attention, else torch's SDPA
         self.chunk_tokens = chunk_tokens  # 0 = the whole prompt at once
         self.cores = cores  # None: torch's threads as set; else each layer takes this worker's share of the cores
         self.num_layers, self.num_kv_heads, self.head_dim = model.num_layers, model.num_kv_heads, model.head_dim
@@ -286,7 +292,7 @@ class LayerwisePrefill:
         positions = torch.arange(start, end, device=self.device)[None, :]
         hidden = model.embed_tokens(torch.tensor([token_ids[start:end]], device=self.device))
         cos, sin = model.rope(positions)
-        cache = _SpanCache(kv.kv, start, end, self._mask(start, end))
+        cache = _SpanCache(kv.kv, start, end, None if self.kernel else self._mask(start, end), self.kernel)
         for layer_idx in range(model.num_layers):
             kv.wait(layer_idx, start)
             if self.cores is not None:
@@ -322,17 +328,18 @@ class LayerwisePrefill:
 
 class _SpanCache(KvWriter):
     """The cache a decoder layer sees while tokens [start, end) are computed: their K, V are
-    written into the assembly in place, and they attend over [0, end) (`mask`: None for a first
-    chunk, whose causal attention needs none)."""
+    written into the assembly in place, and they attend over [0, end) (`Llama.causal_attention`:
+    the kernel, or SDPA with `mask`, None for a first chunk, whose causal attention needs none)."""
 
-    def __init__(self, kv: torch.Tensor, start: int, end: int, mask: torch.Tensor | None) -> None:
-        self.kv, self.start, self.end, self.mask = kv, start, end, mask
+    def __init__(self, kv: torch.Tensor, start: int, end: int, mask: torch.Tensor | None, kernel: bool) -> None:
+        self.kv, self.start, self.end, self.mask, self.kernel = kv, start, end, mask, kernel
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: int, model) -> torch.Tensor:
         layer = self.kv[idx]
         layer[0, :, self.start : self.end] = k[0]
         layer[1, :, self.start : self.end] = v[0]
-        return model.attention(q, layer[0, :, : self.end][None], layer[1, :, : self.end][None], self.mask)
+        return model.causal_attention(q, layer[0, :, : self.end], layer[1, :, : self.end], self.start, self.mask,
+                                      self.kernel)
 
 
 def pipelined_prefill(engine: LayerwisePrefill, token_ids: list[int], num_workers: int, sink: KvSink | None = None,

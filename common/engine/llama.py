@@ -29,8 +29,10 @@ import torch
 import torch.nn.functional as F
 
 from common import machine
+from common.engine import kernels
 
 SUPPORTED = ("llama", "mistral", "qwen2")
+PREFILL_ATTENTION = ("auto", "kernel", "sdpa")
 PACK_ROWS = 64  # the rows oneDNN's packed layout is chosen for (a decode batch; 1-64 ran alike here)
 
 
@@ -204,6 +206,36 @@ class Llama:
         """q [B, Hq, n, D] over keys, values [B, Hkv, k, D]; mask None: causal when n > 1 (n == k), all when 1."""
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None and q.shape[2] > 1,
                                               scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
+
+    def causal_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                         mask: torch.Tensor | None, kernel: bool) -> torch.Tensor:
+        """A prompt chunk's attention: q [1, Hq, n, D] at positions start .. start + n - 1 over
+        keys, values [Hkv, start + n, D] (the prefix's, then the chunk's own); `mask` as
+        `attention` takes it (None for a first chunk). `kernel` (`prefill_kernel`): the engine's
+        C++ flash attention on the CPU's bfloat16 dot products, else torch's SDPA."""
+        if kernel:
+            return torch.ops.moonbus.prefill_attention(q[0].transpose(0, 1), keys, values, start,
+                                                       self.scale).transpose(0, 1)[None]
+        return self.attention(q, keys[None], values[None], mask)
+
+    def prefill_kernel(self, choice: str = "auto") -> bool:
+        """Whether a prefill attends with the C++ kernel (common/engine/kernels/prefill_attention.cpp):
+        `choice` auto (where it applies: bfloat16 weights, a CPU with AVX-512 BF16, a head size
+        that is a multiple of 16, the kernels built or buildable), kernel (it must apply: raises
+        kernels.KernelUnavailable where it cannot) or sdpa (torch's, as before the kernel).
+        Measured side by side in `moonbus bench engine` (its prefill rows)."""
+        if choice not in PREFILL_ATTENTION:
+            raise ValueError(f"prefill attention {choice!r} is not one of {PREFILL_ATTENTION}")
+        if choice == "sdpa":
+            return False
+        fits = self.dtype == torch.bfloat16 and self.head_dim % 16 == 0 and machine.has_bf16()
+        if choice == "kernel":
+            kernels.require()
+            if not (fits and hasattr(torch.ops.moonbus, "prefill_attention")):
+                raise kernels.KernelUnavailable("the prefill attention kernel runs bfloat16 weights with a head size "
+                                                "that is a multiple of 16 on a CPU with AVX-512 BF16")
+            return True
+        return fits and kernels.load() and hasattr(torch.ops.moonbus, "prefill_attention")
 
     def layer(self, idx: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KvWriter,
               packed: Packed | None = None) -> torch.Tensor:

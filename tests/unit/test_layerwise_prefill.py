@@ -6,7 +6,8 @@ import time
 import pytest
 import torch
 
-from common import kvfiles, models
+from common import kvfiles, machine, models
+from common.engine import kernels
 from common.engine.llama import Llama
 from common.engine import reference
 from common.engine.layerwise import (FileSink, KvAssembly, LayerwisePrefill, PrefillAborted, TensorPrefix,
@@ -80,9 +81,22 @@ class FailingSink(KvAssembly):
 
 
 def test_unchunked_equals_transformers_forward_exactly(model, prompt, whole):
-    result = LayerwisePrefill(Llama.from_hf(model)).run(prompt)
+    result = LayerwisePrefill(Llama.from_hf(model), attention="sdpa").run(prompt)
     assert torch.equal(result.kv, whole[0])
     assert torch.equal(result.logits, whole[1])
+
+
+def test_the_engines_own_attention_agrees_with_transformers_to_rounding(model, prompt, whole):
+    """What a worker runs (attention "auto"): in bfloat16 on a CPU with AVX-512 BF16 the C++
+    kernel, which sums in its own order; elsewhere torch's SDPA, as transformers runs it."""
+    engine_ = LayerwisePrefill(Llama.from_hf(model))
+    assert engine_.kernel == (model.dtype == torch.bfloat16 and machine.has_bf16() and kernels.load())
+    result = engine_.run(prompt)
+    assert_close_to_scale(result.kv, whole[0])
+    assert_close_to_scale(result.logits, whole[1], model.dtype)
+    assert greedy_continuation(model, result.kv, result.logits) == greedy_continuation(model, *whole)
+    if not engine_.kernel:
+        assert torch.equal(result.kv, whole[0])
 
 
 @pytest.mark.parametrize("chunk", [1000, 64, 100, 299, 17])
@@ -104,11 +118,11 @@ def test_prefix_is_loaded_layer_by_layer_and_only_the_rest_computed(model, promp
 
 
 def test_filesink_delivers_the_whole_cache_copy(model, prompt, whole, tmp_path):
-    kv = whole[0]
-    sink = FileSink(tmp_path / "r1.kv", tuple(kv.shape), str(kv.dtype).removeprefix("torch."))
+    sink = FileSink(tmp_path / "r1.kv", tuple(whole[0].shape), str(whole[0].dtype).removeprefix("torch."))
     result = LayerwisePrefill(Llama.from_hf(model)).run(prompt, sink=sink)
     handle = sink.handle("node-a")
-    assert torch.equal(result.kv, kv)
+    kv = result.kv
+    assert_close_to_scale(kv, whole[0])
     assert torch.equal(kvfiles.read(tmp_path, handle), kv)  # checksum verified by the reader too
     expected = kvfiles.write(tmp_path, "node-a", "copy.kv", kv)
     assert handle.checksum == expected.checksum and handle.shape == expected.shape
@@ -138,7 +152,8 @@ def test_a_one_chunk_prompt_runs_on_one_worker(model, whole, prompt):
     engine_.compute_chunk = lambda *a, **k: (started.append(threading.current_thread().name), original(*a, **k))[1]
     piped = pipelined_prefill(engine_, prompt, 2)
     assert started == ["prefill-stage-0"]
-    assert torch.equal(piped.kv, whole[0])
+    assert torch.equal(piped.kv, LayerwisePrefill(Llama.from_hf(model)).run(prompt).kv)
+    assert_close_to_scale(piped.kv, whole[0])
 
 
 def test_a_failing_sink_aborts_the_prefill(model, prompt):

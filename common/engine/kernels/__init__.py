@@ -1,7 +1,9 @@
 """The engine's own C++ kernels, built with torch's cpp_extension for this machine's CPU.
 
 `paged_attention.cpp`: decode attention over the paged KV pool, one call per layer for the whole
-batch (`torch.ops.moonbus.decode_attention`). `make` builds it (`python -m common.engine.kernels`);
+batch (`torch.ops.moonbus.decode_attention`). `prefill_attention.cpp`: a prompt chunk's causal
+attention in bfloat16 on the CPU's bfloat16 dot products (`torch.ops.moonbus.prefill_attention`;
+built only where the CPU has AVX-512 BF16, `Llama.prefill_kernel` says where it runs). `make` builds them (`python -m common.engine.kernels`);
 a process that finds no build for this CPU builds it on first use when a C++ compiler is there.
 
 Built with -march=native: the library is keyed by the source, torch's version, the flags and the
@@ -30,7 +32,9 @@ from common import machine
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_attention.cpp")
+# the decode kernel; the prefill one (bfloat16 on AVX-512 BF16 CPUs only: elsewhere its op is not
+# defined and prefill attends with torch's SDPA, `has_prefill_attention`)
+SOURCES = [Path(__file__).with_name("paged_attention.cpp"), Path(__file__).with_name("prefill_attention.cpp")]
 NAME = "moonbus_kernels"
 # MOONBUS_KERNEL_MARCH builds for another CPU than this one (e.g. x86-64-v3: AVX2 without
 # AVX-512), to test that path on a machine that has more
@@ -45,7 +49,7 @@ class KernelUnavailable(RuntimeError):
 
 
 def _key() -> str:
-    return hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + ",".join(machine.vector_flags()).encode()
+    return hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + torch.__version__.encode() + ",".join(machine.vector_flags()).encode()
                           + " ".join(CFLAGS).encode()).hexdigest()[:16]
 
 
@@ -87,7 +91,7 @@ def build(verbose: bool = False) -> Path:
         raise KernelUnavailable("no C++ compiler (c++) on PATH to build the decode attention kernel")
     out = build_dir()
     out.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(NAME, [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], build_directory=str(out),
+    cpp_extension.load(NAME, [str(src) for src in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], build_directory=str(out),
                        is_python_module=False, verbose=verbose)
     return out / f"{NAME}.so"
 
