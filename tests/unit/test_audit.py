@@ -345,6 +345,33 @@ def test_a_publisher_signs_its_events_and_no_other_key_passes_for_it():
     assert [p.kind for p in verify([Stored(1, subject, unsigned, stored_at=1100.0)], SECRET, signers=since).problems] == ["forged"]
 
 
+def test_signatures_are_the_bytes_the_cryptography_package_made_and_each_library_verifies_the_others():
+    """The signer moved from `cryptography` (OpenSSL) to PyNaCl (libsodium): Ed25519 is deterministic,
+    so the same key signs the same digest into the same bytes, and the events stored before the move
+    still verify (and an auditor on either library takes the other's events)."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+    seed = bytes(range(7, 39))
+    ours, theirs = signing.Signer(seed), Ed25519PrivateKey.from_private_bytes(seed)
+    digests = [hashlib.sha256(bytes([i])).digest() for i in range(20)] + [b"", b"x" * 1000]
+    for data in digests:
+        assert ours.sign(data) == theirs.sign(data).hex()
+    assert ours.public_hex == Ed25519PublicKey.from_public_bytes(bytes.fromhex(ours.public_hex)).public_bytes_raw().hex()
+    signers = signing.Signers({"gateway/gateway": ours.public_hex})
+    publisher = "gateway/gateway/aaaa"
+    assert all(signers.verify(publisher, data, theirs.sign(data).hex()) for data in digests)
+    assert all(ours.signed(data, theirs.sign(data).hex()) for data in digests)
+    theirs_public = theirs.public_key()
+    for data in digests:
+        theirs_public.verify(bytes.fromhex(ours.sign(data)), data)  # raises if it does not verify
+    # what does not verify, whichever way it is wrong
+    signature = ours.sign(digests[0])
+    flipped = signature[:-1] + ("0" if signature[-1] != "0" else "1")
+    for wrong in (flipped, signature[:-2], "", "zz" * 64, ours.sign(digests[1])):
+        assert not signers.verify(publisher, digests[0], wrong) and not ours.signed(digests[0], wrong)
+    assert not signers.verify("conductor/conductor/aaaa", digests[0], signature)  # nobody registered
+
+
 def test_the_checkpoint_finds_a_rebuilt_rewound_shrunk_or_emptied_stream(tmp_path):
     auditor = signing.Signer(bytes(range(32)))
     records = make_stored(*make_chain(n=3, t0=1000.0))
