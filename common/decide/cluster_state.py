@@ -150,7 +150,14 @@ class ClusterState:
         # decode_id -> from its own report: requests held, their context (waiting ones too), free KV room
         self._decode_reported: dict[str, tuple[int, int, int | None]] = {}
         self._bound: dict[str, set[str]] | None = None  # decode_id -> our request ids bound there
+        # NOTE: our work in transit is kept per prefill instance, with the requests it sums in the
+        # order of self.routed: a route adds its own at the end (the same additions as summing them
+        # all again, in the same order), and only an instance one of its requests left (reported,
+        # prefilled, ended) is summed again, over its own. Each route used to sum every request in
+        # flight again: O(in flight) per route, and per report
         self._transit_s: dict[str, float] | None = None  # prefill_id -> predicted work of ours not reported yet
+        self._transit_of: dict[str, dict[str, Routed]] = {}  # prefill_id -> those requests, in self.routed's order
+        self._transit_stale: set[str] = set()  # prefill ids whose sum is to be done again from their requests
         self._queued_bytes: dict[str, int] | None = None  # node -> bytes our requests in prefill pull from it
         self._members: dict[str, list[str]] = {}  # role -> ids of its instances that take new work, sorted
         self._decode_loads: dict[str, DecodeLoad] = {}  # decode_id -> admission's view, until the next change
@@ -188,11 +195,9 @@ class ClusterState:
         self._decode_reported = {}
 
     def touched(self, decode_ids: Iterable[str]) -> None:
-        """A report or one of our requests changed: our work in transit is summed again (one pass
-        over our requests), and who will join, and admission's and the policy's views, of only the
-        decode instances it concerns (the costly part: each sorts every request the instance holds)."""
-        self._transit_s = None
-        self._queued_bytes = None
+        """A report or one of our requests changed: who will join, and admission's and the policy's
+        views, of only the decode instances it concerns (the costly part: each sorts every request
+        the instance holds). Our work in transit follows each request itself (_left_transit)."""
         coming, sums, loads, candidates = self._coming, self._coming_sums, self._decode_loads, self._decode_candidates
         for decode_id in decode_ids:
             if coming.pop(decode_id, None) is not None:
@@ -271,10 +276,13 @@ class ClusterState:
             self.lost_nodes.discard(info.node)
             self._members = {}
         held = set()
+        transit = self._transit_of.get(info.instance_id) if self._transit_s is not None else None
         for rid in self._held_ids(info):
             request = self.routed.get(rid)
             if request is not None:
                 request.seen_by.add(info.instance_id)
+                if transit and transit.pop(rid, None) is not None:  # in its report now, no longer in transit
+                    self._transit_stale.add(info.instance_id)
                 held.add(rid)
                 self._unheld.pop(rid, None)
         for rid in self._held.get(info.instance_id, set()) - held:
@@ -384,6 +392,10 @@ class ClusterState:
     def route(self, request: Routed) -> None:
         before = self.routed.get(request.request_id)  # its earlier attempt, bound for another instance maybe
         self.routed[request.request_id] = request
+        if before is not None:  # it keeps its earlier attempt's place in self.routed: summed again in that order
+            self._transit_s = self._queued_bytes = None
+        elif self._transit_s is not None:  # the last of self.routed: its work is added last, as a walk would
+            self._enters_transit(request)
         self._unheld.pop(request.request_id, None)  # a new attempt: whoever held the last one does not matter
         if self._bound is not None:
             if before is not None:
@@ -404,6 +416,7 @@ class ClusterState:
             if now is not None and not request.prefilled and request.attempt == 0:
                 self.threshold.observe(bool(request.pull_source), request.ttft_s, now - request.routed_at)
                 self.ttft_margin.observe(request.ttft_s, now - request.routed_at)
+            self._left_transit(request)
             request.prefilled = True
             request.pull_bytes = 0
             self.touched((request.decode_id,))
@@ -426,6 +439,7 @@ class ClusterState:
         if request is None or (up_to_attempt is not None and request.attempt > up_to_attempt):
             return None
         self.touched((request.decode_id,))
+        self._left_transit(request)
         if self._bound is not None:
             self._bound[request.decode_id].discard(request_id)
         return self.routed.pop(request_id)
@@ -476,25 +490,74 @@ class ClusterState:
         return reported + self._in_transit_s().get(instance_id, 0.0)
 
     def _in_transit_s(self) -> dict[str, float]:
-        """prefill_id -> predicted work of ours that its report does not hold yet (one pass over our requests)."""
+        """prefill_id -> predicted work of ours that its report does not hold yet."""
         if self._transit_s is None:
             self._walk_routed()
+        elif self._transit_stale:
+            transit = self._transit_s
+            for p in self._transit_stale:
+                requests = self._transit_of.get(p)
+                if requests:
+                    total = 0.0  # as _walk_routed sums them: from 0.0, in self.routed's order
+                    for r in requests.values():
+                        total = total + r.prefill_s
+                    transit[p] = total
+                else:
+                    transit.pop(p, None)
+                    self._transit_of.pop(p, None)
+            self._transit_stale = set()
         return self._transit_s
 
     def _walk_routed(self) -> None:
         """Our work in transit per prefill instance and the bytes pulled per sender node, in one pass
-        over our requests (both are dropped together, by every report and every request of ours)."""
+        over our requests: after `changed` (or an attempt routed again); from then on each request
+        of ours that enters or leaves changes them (_enters_transit, _left_transit)."""
         transit: dict[str, float] = {}
+        of: dict[str, dict[str, Routed]] = {}
         queued: dict[str, int] = {}
-        for r in self.routed.values():
+        for rid, r in self.routed.items():
             if not r.prefilled:
                 seen_by = r.seen_by
                 for p in r.prefill_ids:
                     if p not in seen_by:  # in transit: routed there by us, not in its report yet
                         transit[p] = transit.get(p, 0.0) + r.prefill_s
+                        of.setdefault(p, {})[rid] = r
                 if r.pull_bytes:
                     queued[r.pull_source] = queued.get(r.pull_source, 0) + r.pull_bytes
-        self._transit_s, self._queued_bytes = transit, queued
+        self._transit_s, self._transit_of, self._transit_stale, self._queued_bytes = transit, of, set(), queued
+
+    def _enters_transit(self, r: Routed) -> None:
+        """A new request of ours, the last of self.routed: its work and its pull added last."""
+        if r.prefilled:
+            return
+        transit, seen_by = self._transit_s, r.seen_by
+        for p in r.prefill_ids:
+            if p not in seen_by:
+                transit[p] = transit.get(p, 0.0) + r.prefill_s
+                self._transit_of.setdefault(p, {})[r.request_id] = r
+        if r.pull_bytes and self._queued_bytes is not None:
+            queued = self._queued_bytes
+            queued[r.pull_source] = queued.get(r.pull_source, 0) + r.pull_bytes
+
+    def _left_transit(self, r: Routed) -> None:
+        """A request of ours prefilled or ended: out of its instances' transit (each summed again,
+        when next read, over the requests left: floats taken away would not give the same sum) and
+        its pull out of its sender's bytes (integers: taken away exactly)."""
+        if r.prefilled or self._transit_s is None:
+            return
+        transit_of = self._transit_of
+        for p in r.prefill_ids:
+            requests = transit_of.get(p)
+            if requests is not None and requests.get(r.request_id) is r:
+                del requests[r.request_id]
+                self._transit_stale.add(p)
+        queued = self._queued_bytes
+        if r.pull_bytes and queued is not None:
+            left = queued[r.pull_source] - r.pull_bytes
+            if left:
+                queued[r.pull_source] = left
+            else:
+                del queued[r.pull_source]
 
     def prefill_candidates(self, now: float, avoid: Collection[str] = ()) -> tuple[PrefillCandidate, ...]:
         """`avoid`: instances a request's failed attempts used, left out where others remain.

@@ -376,6 +376,72 @@ def test_views_kept_between_changes_equal_views_built_afresh(seed):
         assert kept == views(), step
 
 
+def _transit_walked(state: ClusterState) -> tuple[dict[str, float], dict[str, int]]:
+    """Our work in transit and the bytes pulled per sender, summed over every request in flight in
+    self.routed's order: what every route and report did before the sums were kept."""
+    transit: dict[str, float] = {}
+    queued: dict[str, int] = {}
+    for r in state.routed.values():
+        if not r.prefilled:
+            for p in r.prefill_ids:
+                if p not in r.seen_by:
+                    transit[p] = transit.get(p, 0.0) + r.prefill_s
+            if r.pull_bytes:
+                queued[r.pull_source] = queued.get(r.pull_source, 0) + r.pull_bytes
+    return transit, queued
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_work_in_transit_kept_per_instance_is_the_same_floats_as_summing_every_request_again(seed):
+    """Our work in transit is kept per prefill instance (a route adds its own, a request that left
+    has its instances summed again over those left), not summed over every request in flight after
+    each route and report: with hundreds in flight, pipelined ones, attempts routed again, reports
+    that take some in and requests that end or are prefilled in any order, every sum is the same
+    float, bit for bit, as the walk's, and a route walks no request but its own."""
+    import random
+
+    rng = random.Random(seed)
+    prefills, decodes = [f"p{i}" for i in range(5)], [f"d{i}" for i in range(3)]
+    state, now = ClusterState(timeout_s=1e9, lease_s=1e9), 0.0
+    for p in prefills:
+        state.heard(prefill(p, node=f"n{p}"), now)
+    for d in decodes:
+        state.heard(decode(d, node=f"n{d}"), now)
+    walks, drops = [], 0  # the walks done, and the steps after which one is due
+    walk = state._walk_routed
+    state._walk_routed = lambda: (walks.append(len(state.routed)), walk())
+    # works of very different sizes: summed in another order (or taken away) they give other floats
+    works = [10.0 ** rng.randint(-9, 3) * rng.random() for _ in range(97)]
+    for step in range(3000):
+        now += 0.001
+        action, rid = rng.random(), f"r{rng.randint(0, 400)}"
+        if action < 0.45:
+            stages = tuple(rng.sample(prefills, rng.choice((1, 1, 1, 2, 3))))
+            pulls = rng.random() < 0.4
+            again = rid in state.routed
+            drops += again
+            state.route(Routed(rid, stages, rng.choice(decodes), "s", 100, now, rng.choice(works), 1.0,
+                               rng.choice(("n0", "n1", "n2")) if pulls else "", rng.randint(1, 10**9) if pulls else 0,
+                               attempt=state.routed[rid].attempt + 1 if again else 0))
+        elif action < 0.6:
+            held = rng.sample(sorted(state.routed), min(len(state.routed), rng.randint(0, 6)))
+            p = rng.choice(prefills)
+            state.heard(prefill(p, node=f"n{p}", held=held), now)
+        elif action < 0.7:
+            state.prefilled(rid, state.routed[rid].attempt if rid in state.routed else 0)
+        elif action < 0.85:
+            state.end(rid)
+        elif action < 0.86:
+            state.changed()
+            drops += 1
+        transit, queued = _transit_walked(state)
+        assert {p: state.prefill_queue_s(p, now) for p in prefills} == {p: transit.get(p, 0.0) for p in prefills}, step
+        assert state._in_transit_s() == transit and state.sender_queued_bytes() == queued, step
+    assert len(state.routed) > 100
+    # walked again only after changed() and an attempt routed again, not per route or report
+    assert 0 < len(walks) <= drops + 1 < 3000 / 3
+
+
 def test_a_request_its_prefill_could_not_begin_in_time_ends_and_the_ttft_margin_learns_from_it():
     """Rejected at its prefill's start, a request leaves the loads, and the TTFT it would have had
     (its wait until then, plus its predicted work) is one of the margin's outcomes: otherwise the

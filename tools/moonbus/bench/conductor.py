@@ -22,8 +22,8 @@ Timed, per request (time.perf_counter_ns), stage by stage: the live conductor's 
 Before each route --reports-per-route instances' reports arrive (untimed; half from prefill
 instances, half from decode instances, drawn at random, each its last report again), and each
 drops the derived views it concerns, as in the live conductor (ClusterState.touched: who will
-join where, our work in transit, and the admission view of each decode instance the report
-names); the previous route's dispatch dropped its own. The default, 4: 16P+16D heartbeating
+join where and the admission view of each decode instance the report names; our work in transit
+at the instances whose report took one of ours in); the previous route's dispatch dropped its own. The default, 4: 16P+16D heartbeating
 every 150 ms send about 210 reports/s, and each request brings about four progress reports
 (accepted and prefilled at its prefill instance, joined and finished at its decode instance), so
 at several hundred routes/s about 4 reports arrive per route. -1 drops every view before each
