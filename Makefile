@@ -9,7 +9,7 @@ STAMP := $(VENV)/.moonbus-installed
 
 setup: $(STAMP) kernels
 
-# The decode attention kernel (common/engine/kernels), compiled for this machine's CPU with torch's
+# The engine's C++ kernels (common/engine/kernels: decode and prefill attention, RMSNorm), compiled for this machine's CPU with torch's
 # cpp_extension (g++, OpenMP); a no-op when this CPU's build exists. Without a compiler the engine
 # attends with torch's ops and says so in its log.
 kernels: $(STAMP)

@@ -110,6 +110,7 @@ class BatchEngine:
         self.model = model
         self.packed = model.packed() if packed else None  # the projections on oneDNN's packed weights
         self.attention = resolve_backend(attention)  # kernel | padded | rows
+        self.norm_kernel = self.attention == "kernel" and model.norm_kernel()  # the norms on kernels/norm.cpp
         self.cores = cores  # None: torch's threads as set; else each step takes this worker's share of the cores
         self.max_batch = max_batch
         self.kv_budget_tokens = kv_budget_tokens
@@ -372,8 +373,8 @@ class BatchEngine:
         # weights here; in bfloat16 the packed ones win there too (11 ms a step against 33 dense)
         packed = self.packed if batch > 1 or torch.get_num_threads() > 1 or self.dtype != torch.float32 else None
         for idx in range(model.num_layers):
-            hidden = model.layer(idx, hidden, cos, sin, cache, packed)
-        return model.logits(hidden, packed)  # [B, vocab], float32
+            hidden = model.layer(idx, hidden, cos, sin, cache, packed, self.norm_kernel)
+        return model.logits(hidden, packed, self.norm_kernel)  # [B, vocab], float32
 
     def _tables(self) -> torch.Tensor:
         if self.tables is None:

@@ -196,9 +196,9 @@ class Llama:
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(token_ids, self.embed)
 
-    def logits(self, hidden: torch.Tensor, packed: Packed | None = None) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, packed: Packed | None = None, norm_kernel: bool = False) -> torch.Tensor:
         """Float32 logits of the last position of every row: hidden [B, n, d] -> [B, vocab]."""
-        normed = _rms_norm(hidden[:, -1], self.norm, self.config.rms_eps)
+        normed = _rms_norm(hidden[:, -1], self.norm, self.config.rms_eps, norm_kernel)
         return _linear(normed, self.lm_head, None, packed.lm_head if packed else None).float()
 
     def attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -217,6 +217,11 @@ class Llama:
             return torch.ops.moonbus.prefill_attention(q[0].transpose(0, 1), keys, values, start,
                                                        self.scale).transpose(0, 1)[None]
         return self.attention(q, keys[None], values[None], mask)
+
+    def norm_kernel(self) -> bool:
+        """Whether the decode step normalises on the engine's kernel (kernels/norm.cpp): in
+        bfloat16 where the kernels are built (in float32 torch's norm is one fused op already)."""
+        return self.dtype == torch.bfloat16 and kernels.load() and hasattr(torch.ops.moonbus, "rms_norm")
 
     def prefill_kernel(self, choice: str = "auto") -> bool:
         """Whether a prefill attends with the C++ kernel (common/engine/kernels/prefill_attention.cpp):
@@ -238,14 +243,15 @@ class Llama:
         return fits and kernels.load() and hasattr(torch.ops.moonbus, "prefill_attention")
 
     def layer(self, idx: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KvWriter,
-              packed: Packed | None = None) -> torch.Tensor:
+              packed: Packed | None = None, norm_kernel: bool = False) -> torch.Tensor:
         """One decoder layer over hidden [B, n, d], at positions whose cos, sin [B, n, D] are given;
         the cache stores the new K, V and attends (`KvWriter.attend`). With `packed` (`Llama.packed`)
-        the projections run on the packed weights."""
+        the projections run on the packed weights; `norm_kernel` (`norm_kernel()`): the norms on
+        the engine's kernel."""
         w, eps = self.layers[idx], self.config.rms_eps
         p = packed.layers[idx] if packed else DENSE
         batch, n, _ = hidden.shape
-        qkv = _linear(_rms_norm(hidden, w.input_norm, eps), w.qkv, w.qkv_bias, p.qkv)
+        qkv = _linear(_rms_norm(hidden, w.input_norm, eps, norm_kernel), w.qkv, w.qkv_bias, p.qkv)
         qk = _rotate(qkv[..., : self.q_size + self.kv_size], cos, sin, self.head_dim)
         q = qk[:, :, : self.num_heads].transpose(1, 2)
         k = qk[:, :, self.num_heads :].transpose(1, 2)
@@ -254,7 +260,7 @@ class Llama:
         # NOTE: in place where a tensor is this layer's own (the projections' outputs): at prefill's
         # sizes every fresh tensor costs page faults, more than the operation itself
         hidden = _linear(out.transpose(1, 2).reshape(batch, n, self.q_size), w.o, w.o_bias, p.o).add_(hidden)
-        gate, up = _linear(_rms_norm(hidden, w.post_norm, eps), w.gate_up, None, p.gate_up).chunk(2, dim=-1)
+        gate, up = _linear(_rms_norm(hidden, w.post_norm, eps, norm_kernel), w.gate_up, None, p.gate_up).chunk(2, dim=-1)
         return _linear(F.silu(gate, inplace=True).mul_(up), w.down, None, p.down).add_(hidden)
 
 
@@ -274,11 +280,17 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernel: bool = False) -> torch.Tensor:
     """transformers' LlamaRMSNorm bit for bit: normalised in float32, rounded to x's dtype, then
-    scaled by the weight (torch's fused kernel; in float32 the scaling fuses too)."""
+    scaled by the weight (torch's fused kernel; in float32 the scaling fuses too). `kernel`
+    (bfloat16, the decode step): the engine's one-pass kernel (kernels/norm.cpp: 3 us a call
+    against torch's 15-18 us at a decode step's rows, 7-8% of a SmolLM2 step), whose float32 sum
+    runs in its own order, so an output can differ from torch's by a bfloat16 step, rarely
+    (tests/unit/test_norm_kernel.py)."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
+    if kernel:
+        return torch.ops.moonbus.rms_norm(x, weight, eps)
     return weight * F.rms_norm(x, weight.shape, None, eps)
 
 

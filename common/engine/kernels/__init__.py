@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 
 # the decode kernel; the prefill one (bfloat16 on AVX-512 BF16 CPUs only: elsewhere its op is not
 # defined and prefill attends with torch's SDPA, `has_prefill_attention`)
-SOURCES = [Path(__file__).with_name("paged_attention.cpp"), Path(__file__).with_name("prefill_attention.cpp")]
+SOURCES = [Path(__file__).with_name("paged_attention.cpp"), Path(__file__).with_name("prefill_attention.cpp"),
+           Path(__file__).with_name("norm.cpp")]
 NAME = "moonbus_kernels"
 # MOONBUS_KERNEL_MARCH builds for another CPU than this one (e.g. x86-64-v3: AVX2 without
 # AVX-512), to test that path on a machine that has more
@@ -135,6 +136,6 @@ def why_unavailable() -> str:
 def main() -> int:
     path = build(verbose="-v" in sys.argv)
     torch.ops.load_library(str(path))
-    print(f"decode attention kernel: {path} (CPU flags: {', '.join(machine.vector_flags()) or 'none'})")
+    print(f"the engine's kernels: {path} (CPU flags: {', '.join(machine.vector_flags()) or 'none'})")
     return 0
 
