@@ -54,6 +54,16 @@ class PagedAttention(KvWriter):
         return self.attend_rows(q[:, :, 0].contiguous(), k[:, :, 0].contiguous(), v[:, :, 0].contiguous(), idx,
                                 model.scale).unsqueeze(2)
 
+    def attend_projected(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, idx: int,
+                         model) -> torch.Tensor | None:
+        # the kernel rotates q and k, writes K and V and attends in one call (torch's backends: None)
+        if self.attend_rows != self._kernel:
+            return None
+        batch = qkv.shape[0]
+        return torch.ops.moonbus.decode_attention_qkv(
+            qkv[:, 0], cos[:, 0], sin[:, 0], self.pool.k[idx], self.pool.v[idx], self.tables, self.positions,
+            model.scale, SPAN_TOKENS, model.num_heads).view(batch, 1, -1)
+
     def _kernel(self, q, k, v, idx: int, scale: float) -> torch.Tensor:
         return torch.ops.moonbus.decode_attention(q, k, v, self.pool.k[idx], self.pool.v[idx], self.tables,
                                                   self.positions, scale, SPAN_TOKENS)

@@ -47,6 +47,13 @@ class KvWriter:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: int, model: "Llama") -> torch.Tensor:
         raise NotImplementedError
 
+    def attend_projected(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, idx: int,
+                         model: "Llama") -> torch.Tensor | None:
+        """The same from the joined projection qkv [B, n, (Hq + 2 Hkv) D] before the rotary
+        embedding, in one call -> [B, n, Hq * D]; None where this cache has no such call (the
+        layer then rotates and splits the heads itself and calls `attend`)."""
+        return None
+
 
 @dataclass(frozen=True)
 class Config:
@@ -252,14 +259,16 @@ class Llama:
         p = packed.layers[idx] if packed else DENSE
         batch, n, _ = hidden.shape
         qkv = _linear(_rms_norm(hidden, w.input_norm, eps, norm_kernel), w.qkv, w.qkv_bias, p.qkv)
-        qk = _rotate(qkv[..., : self.q_size + self.kv_size], cos, sin, self.head_dim)
-        q = qk[:, :, : self.num_heads].transpose(1, 2)
-        k = qk[:, :, self.num_heads :].transpose(1, 2)
-        v = qkv[..., self.q_size + self.kv_size :].view(batch, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        out = cache.attend(q, k, v, idx, self)
+        out = cache.attend_projected(qkv, cos, sin, idx, self)
+        if out is None:
+            qk = _rotate(qkv[..., : self.q_size + self.kv_size], cos, sin, self.head_dim)
+            q = qk[:, :, : self.num_heads].transpose(1, 2)
+            k = qk[:, :, self.num_heads :].transpose(1, 2)
+            v = qkv[..., self.q_size + self.kv_size :].view(batch, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            out = cache.attend(q, k, v, idx, self).transpose(1, 2).reshape(batch, n, self.q_size)
         # NOTE: in place where a tensor is this layer's own (the projections' outputs): at prefill's
         # sizes every fresh tensor costs page faults, more than the operation itself
-        hidden = _linear(out.transpose(1, 2).reshape(batch, n, self.q_size), w.o, w.o_bias, p.o).add_(hidden)
+        hidden = _linear(out, w.o, w.o_bias, p.o).add_(hidden)
         gate, up = _linear(_rms_norm(hidden, w.post_norm, eps, norm_kernel), w.gate_up, None, p.gate_up).chunk(2, dim=-1)
         return _linear(F.silu(gate, inplace=True).mul_(up), w.down, None, p.down).add_(hidden)
 

@@ -95,3 +95,34 @@ def test_a_position_past_its_table_or_a_block_outside_the_pool_is_refused(kernel
     bad[0, 0] = pool.num_blocks
     with pytest.raises(RuntimeError, match="outside the pool"):
         kernel(q, k, v, pool.k[0], pool.v[0], bad, positions, 0.125, 512)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3)])
+def test_the_step_from_the_joined_projection_equals_rotating_and_attending_apart(kernel, dtype, heads, kv_heads):
+    """decode_attention_qkv (what the decode step calls): the rotary embedding of q and k as
+    llama.py's `_rotate` rounds it, the new K and V written, the attention: bit for bit the
+    rotation in torch followed by decode_attention."""
+    from common.engine.llama import _rotate
+
+    pool, tables, positions, _, _, _ = make_case(dtype, heads, kv_heads, seed=2)
+    apart = KvPool(1, kv_heads, pool.head_dim, pool.num_blocks, dtype)
+    with torch.inference_mode():
+        apart.k.copy_(pool.k)
+        apart.v.copy_(pool.v)
+    g = torch.Generator().manual_seed(3)
+    dim, batch = pool.head_dim, len(positions)
+    qkv = torch.randn(batch, 1, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    angles = positions[:, None, None].float() * torch.rand(1, 1, dim // 2, generator=g)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)  # [B, 1, D / 2], as Llama.rope gives them
+    got = torch.ops.moonbus.decode_attention_qkv(qkv[:, 0], cos[:, 0], sin[:, 0], pool.k[0], pool.v[0], tables,
+                                                 positions, dim ** -0.5, 512, heads)
+    qk = _rotate(qkv[..., : (heads + kv_heads) * dim], cos, sin, dim)[:, 0]
+    v = qkv[:, 0, (heads + kv_heads) * dim:].reshape(batch, kv_heads, dim)
+    want = kernel(qk[:, :heads].contiguous(), qk[:, heads:].contiguous(), v.contiguous(), apart.k[0], apart.v[0],
+                  tables, positions, dim ** -0.5, 512)
+    assert torch.equal(got, want)
+    assert torch.equal(pool.k, apart.k) and torch.equal(pool.v, apart.v)
+    with pytest.raises(RuntimeError, match="width"):
+        torch.ops.moonbus.decode_attention_qkv(qkv[:, 0], cos[:, 0], sin[:, 0], pool.k[0], pool.v[0], tables,
+                                               positions, dim ** -0.5, 512, heads + 1)

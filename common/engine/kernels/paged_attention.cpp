@@ -27,6 +27,7 @@
 // NOTE: ATen's and the op registry's headers only, not torch/extension.h: no Python headers are
 // needed to build it (a slim container has none), and it compiles in a fraction of the time.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -387,9 +388,74 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new, const 
   return out;
 }
 
+// The rotary embedding of a decode step's q and k heads, as common/engine/llama.py `_rotate`
+// computes it (per head, halves x1, x2 -> x1 cos - x2 sin, x2 cos + x1 sin, each product, then
+// the difference or sum, rounded to the dtype as torch's ops round them), and v copied out.
+template <typename scalar_t>
+void rotate_rows(const scalar_t* qkv, int64_t row_stride, const scalar_t* cos, const scalar_t* sin, int64_t batch,
+                 int64_t heads, int64_t kv_heads, int64_t head_dim, scalar_t* q, scalar_t* k, scalar_t* v) {
+  // each product rounded to the dtype on its own, as torch's separate ops round it: the empty asm
+  // keeps the compiler (-ffp-contract=fast) from fusing a float32 product into the FMA of the sum
+  auto r = [](float x) {
+    asm("" : "+x"(x));
+    return static_cast<float>(static_cast<scalar_t>(x));
+  };
+  const int64_t half = head_dim / 2;
+  for (int64_t b = 0; b < batch; ++b) {
+    const scalar_t* row = qkv + b * row_stride;
+    const scalar_t* c = cos + b * half;
+    const scalar_t* sn = sin + b * half;
+    for (int64_t h = 0; h < heads + kv_heads; ++h) {
+      const scalar_t* x = row + h * head_dim;
+      scalar_t* o = h < heads ? q + (b * heads + h) * head_dim : k + (b * kv_heads + h - heads) * head_dim;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = to_float(x[i]), x2 = to_float(x[half + i]), ci = to_float(c[i]), si = to_float(sn[i]);
+        o[i] = static_cast<scalar_t>(r(x1 * ci) - r(x2 * si));
+        o[half + i] = static_cast<scalar_t>(r(x2 * ci) + r(x1 * si));
+      }
+    }
+    std::memcpy(v + b * kv_heads * head_dim, row + (heads + kv_heads) * head_dim, kv_heads * head_dim * sizeof(scalar_t));
+  }
+}
+
+// qkv [B, (Hq + 2 Hkv) D] (a decode step's joined projection, rows may be strided), cos, sin
+// [B, D / 2]: rotates q and k (`rotate_rows`), then `decode_attention`. Returns [B, Hq, D]. One
+// call in place of the rotation's and the heads' dozen torch ops per layer.
+at::Tensor decode_attention_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& tables,
+                                const at::Tensor& positions, double scale, int64_t span_tokens, int64_t heads) {
+  check(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv must be [B, (Hq + 2 Hkv) D], its rows contiguous");
+  check(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.dim() == 2,
+        "cos and sin must be contiguous [B, D / 2]");
+  check(qkv.scalar_type() == cos.scalar_type() && sin.scalar_type() == cos.scalar_type(),
+        "qkv, cos and sin must share one dtype");
+  const int64_t batch = qkv.size(0), kv_heads = v_cache.size(1), head_dim = v_cache.size(3);
+  check(heads > 0 && qkv.size(1) == (heads + 2 * kv_heads) * head_dim, "qkv's width is not (Hq + 2 Hkv) D");
+  check(cos.size(0) == batch && cos.size(1) * 2 == head_dim, "cos and sin must be [B, D / 2]");
+  at::Tensor q = at::empty({batch, heads, head_dim}, qkv.options());
+  at::Tensor k = at::empty({batch, kv_heads, head_dim}, qkv.options());
+  at::Tensor v = at::empty({batch, kv_heads, head_dim}, qkv.options());
+  if (qkv.scalar_type() == at::kFloat) {
+    rotate_rows<float>(qkv.data_ptr<float>(), qkv.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(), batch,
+                       heads, kv_heads, head_dim, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>());
+  } else if (qkv.scalar_type() == at::kBFloat16) {
+    rotate_rows<c10::BFloat16>(qkv.data_ptr<c10::BFloat16>(), qkv.stride(0), cos.data_ptr<c10::BFloat16>(),
+                               sin.data_ptr<c10::BFloat16>(), batch, heads, kv_heads, head_dim,
+                               q.data_ptr<c10::BFloat16>(), k.data_ptr<c10::BFloat16>(), v.data_ptr<c10::BFloat16>());
+  } else {
+    TORCH_CHECK(false, "decode_attention_qkv: float32 or bfloat16 only");
+  }
+  return decode_attention(q, k, v, k_cache, v_cache, tables, positions, scale, span_tokens);
+}
+
 TORCH_LIBRARY(moonbus, m) {
   m.def("decode_attention(Tensor q, Tensor k_new, Tensor v_new, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor tables, Tensor positions, float scale, int span_tokens) -> Tensor");
+  m.def("decode_attention_qkv(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor tables, Tensor positions, float scale, int span_tokens, int heads) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(moonbus, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(moonbus, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("decode_attention_qkv", &decode_attention_qkv);
+}
