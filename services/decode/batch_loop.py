@@ -39,12 +39,15 @@ from schemas.decode import DecodeTask
 from schemas.tokens import Cancel, Probe, ProbeReply, TokenChunk
 from schemas.workers import DecodeReport, Joined, Layout, Measured, Progress, WorkerInfo
 from common.decide.learn import Factor
+from common.decide.yielding import yield_pause
 from common.engine.batch import BatchEngine
 from services.decode.config import DecodeConfig
 from services.decode.join import Joins
 from services.decode.keep import KvKeeper, Running
 
 log = logging.getLogger(__name__)
+
+YIELD_POLL_S = 0.01  # while yielding, how often a decode instance looks again whether prefill requests still wait
 
 
 class DecodeMetrics:
@@ -69,6 +72,9 @@ class DecodeMetrics:
                                 "thread, beside the steps)", buckets=metrics.FAST_BUCKETS + (2.5, 5.0), registry=r)
         self.requests = Counter("moonbus_decode_requests", "requests by how they left (finished, failed)",
                                 ["outcome"], registry=r)
+        self.yielded_s = Counter("moonbus_decode_yielded_seconds", "time the batch waited between steps, leaving the "
+                                 "cores to prefill requests waiting on this machine (common/decide/yielding.py)",
+                                 registry=r)
 
 
 class DecodeService:
@@ -103,6 +109,7 @@ class DecodeService:
         self.closed = ""  # why everything held was handed back: what arrives after that goes back too
         self.measured: Measured | None = None  # the latest iteration's seconds, for the conductors to learn from
         self.cycle_from: float | None = None  # when the batch's last iteration ended, while it has rows
+        self.step_started: float | None = None  # when the batch's last step began (what a yield counts from)
         self.speed = Factor()  # this instance's own step time against the profile: its late check uses it
         self.arrived_at = worker.Stamps()  # when each task (its KV landed) came: its wait for the batch
         self.wakeup = asyncio.Event()  # set when work arrives
@@ -174,9 +181,11 @@ class DecodeService:
         # NOTE: an iteration is counted from the end of the one before (while the batch had rows), so
         # that what the loop does between steps (check-ins, joins, cancellations) is in the measured
         # interval: a client waits for it as for the step itself
+        await self.yield_to_prefill()
         started = self.cycle_from if self.cycle_from is not None else time.perf_counter()
         try:
             async with self.compute_lock:
+                self.step_started = time.perf_counter()
                 result = await self.compute.run(self.engine.step)
             if self.engine.last_step is not None:
                 self.metrics.step_s.observe(self.engine.last_step.seconds)
@@ -223,6 +232,22 @@ class DecodeService:
             if predicted > 0:  # against what this instance predicts: the profile at its learned speed
                 self.metrics.step_over_predicted.observe(self.measured.seconds / (predicted * self.speed.value))
             self.speed.observe(predicted, self.measured.seconds)
+
+    async def yield_to_prefill(self) -> None:
+        """Wait before the next step while prefill requests wait on this machine and the batch's
+        TBT has room (common/decide/yielding.py); the wait is not the step's: the iteration
+        measured for the conductors (and this instance's speed) starts after it."""
+        cores = self.engine.cores
+        if cores is None or self.cfg.yield_tbt <= 0 or self.cycle_from is None:
+            return
+        began = time.perf_counter()
+        while (pause := yield_pause(time.perf_counter(), self.step_started, cores.prefill_waiting(),
+                                    self.cfg.tbt_slo_s, self.cfg.yield_tbt)) > 0:
+            await asyncio.sleep(min(pause, YIELD_POLL_S))
+        waited = time.perf_counter() - began
+        if waited > YIELD_POLL_S / 10:
+            self.metrics.yielded_s.inc(waited)
+            self.cycle_from = time.perf_counter()
 
     def remember(self, seq: Running, finish: str, keep: int = 1000) -> None:
         self.recent[seq.request_id] = (seq.task, seq.generated, finish)

@@ -13,6 +13,7 @@ from common.config import (ServiceConfig, add_common_flags, add_model_flags, add
 # A decode instance's KV pool, by default: a quarter of the machine's memory (vLLM's CPU backend
 # takes a fixed 4 GiB by default; the rest stays for the weights, the node's pool, prefill)
 KV_MEMORY_SHARE = 0.25
+YIELD_TBT = 0.25  # --yield-tbt's default: with the default TBT SLO of 1 s, a step every 250 ms while prefill requests queue
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +31,7 @@ class DecodeConfig(ServiceConfig):
     max_batch: int
     kv_cache_bytes: int  # the batch's KV pool, K and V of every layer in the KV dtype (`--kv-cache-bytes` resolved)
     tbt_slo_s: float  # a request whose KV arrives when the batch could not meet this is rejected (late)
+    yield_tbt: float  # while prefill requests wait on this machine, a step at most once per this share of tbt_slo_s
     late_check: bool  # False with admission "none"
     profile: str
 
@@ -48,6 +50,8 @@ class DecodeConfig(ServiceConfig):
             raise ValueError("heartbeat interval must be > 0")
         if self.tbt_slo_s <= 0:
             raise ValueError("tbt slo must be > 0")
+        if not 0 <= self.yield_tbt < 1:
+            raise ValueError("yield tbt must be >= 0 and < 1 (a share of the TBT SLO; 0 = never yield)")
         if self.kv_cache_bytes < 1:
             raise ValueError("kv cache bytes must be >= 1")
         if self.max_batch < 1:
@@ -80,6 +84,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                 help="decode instances on this machine that share the default KV room (moonbus up passes the most "
                      "it may run); an explicit --kv-cache-bytes is this instance's own")
     flag(parser, "--tbt-slo", "MOONBUS_TBT_SLO", 1.0, float, help="seconds; checked when a request's KV arrives", dest="tbt_slo_s")
+    flag(parser, "--yield-tbt", "MOONBUS_YIELD_TBT", YIELD_TBT, float, dest="yield_tbt",
+                help="while prefill requests wait on this machine (cores shared: --threads 0), step at most once per "
+                     "this share of --tbt-slo, leaving the cores to the prefill between steps (0 = never yield; "
+                     "common/decide/yielding.py)")
     flag(parser, "--admission", "MOONBUS_ADMISSION", "predictive", help="none turns the arrival check off")
     flag(parser, "--profile", "MOONBUS_PROFILE", "", help="performance profile file")
 

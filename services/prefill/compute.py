@@ -122,11 +122,19 @@ class PrefillService:
             self.receiver.expect(task.request_id, len(task.prompt_token_ids))
         self.arrived_at.put(task.request_id, task.attempt, time.monotonic())
         await self.queue.put(task)
+        self.note_waiting()
         await self.progress("accepted", task)
+
+    def note_waiting(self) -> None:
+        """Tell the decode instances on this machine how many requests wait in this queue: while
+        any do, they step only as often as their TBT needs (common/decide/yielding.py)."""
+        if self.engine.cores is not None:
+            self.engine.cores.waiting(self.queue.qsize())
 
     async def work_loop(self) -> None:
         while True:
             task = await self.queue.get()
+            self.note_waiting()
             if self.cancelled.covers(task.request_id, task.attempt):
                 await self.drop_stage(task)
                 await self.progress("finished", task)
@@ -471,6 +479,7 @@ class PrefillService:
     async def hand_back(self, why: str) -> None:
         while not self.queue.empty():
             task = self.queue.get_nowait()
+            self.note_waiting()
             await self.fail(task, task.num_generated, why, 503)
 
     def advertised_host(self) -> str:

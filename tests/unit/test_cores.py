@@ -91,3 +91,29 @@ asyncio.run(main())
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["3", "1", "1"]  # the compute thread's 3; the default executor's and the event loop's 1
+
+
+def test_a_decode_instance_hears_how_many_requests_wait_in_the_prefill_queues_beside_it(share_file):
+    decode = CoreShare("decode", share_file, cores=2)
+    first, second = CoreShare("prefill", share_file, cores=2), CoreShare("prefill", share_file, cores=2)
+    assert decode.prefill_waiting() == 0
+    first.waiting(3)
+    second.waiting(2)
+    first.claim()  # a claim and a release keep the count: they write the busy time only
+    first.release()
+    assert decode.prefill_waiting() == 5
+    decode.waiting(7)  # a decode instance's own count is not a prefill queue
+    assert first.prefill_waiting() == 2  # a prefill instance hears the others' queues, not its own
+    second.waiting(0)
+    assert decode.prefill_waiting() == 3
+    first.close()
+    assert decode.prefill_waiting() == 0
+
+
+def test_a_dead_prefill_instances_queue_counts_for_nothing(share_file):
+    subprocess.run([sys.executable, "-c", f"""
+from pathlib import Path
+from common.cores import CoreShare
+CoreShare("prefill", Path({str(share_file)!r}), cores=2).waiting(4)  # then gone without a word
+"""], cwd=os.getcwd(), check=True)
+    assert CoreShare("decode", share_file, cores=2).prefill_waiting() == 0
