@@ -207,6 +207,7 @@ def test_defaults_are_the_issues_yardstick():
     args = parse()
     assert (args.rows, args.speed, args.tokens_per_block, args.max_tokens) == (60, 0.5, 16, 32)
     assert (vllm.workloads(args), args.capacity_runs, args.vllm_kv_gib) == (["prefill-heavy", "chat"], 4, 4)
+    assert args.capacity_rows == 0  # the search's runs take --rows
     assert (args.ttft_slo, args.tbt_slo, args.prefill, args.decode) == (30.0, 1.0, 1, 1)
     assert (args.prefill_tokens, vllm.decode_batches(args), args.dtype) == (1024, [1, 16], "auto")
     assert vllm.check_args(args) == ["moonbus", "vllm", "vllm-all-cores"]
@@ -215,7 +216,8 @@ def test_defaults_are_the_issues_yardstick():
 
 @pytest.mark.parametrize("argv", [("--servers", "moonbus,sglang"), ("--servers", ""), ("--rows", "0"),
                                   ("--speed", "0"), ("--decode-tokens", "1"), ("--decode-batches", "1,0"),
-                                  ("--workloads", "chat,summarize"), ("--capacity-runs", "-1")])
+                                  ("--workloads", "chat,summarize"), ("--capacity-runs", "-1"),
+                                  ("--capacity-rows", "-5")])
 def test_bad_arguments_are_refused(argv):
     with pytest.raises(ValueError):
         vllm.check_args(parse(*argv))
@@ -240,6 +242,8 @@ def test_the_plan_is_the_trace_slice_at_the_chosen_speed(tmp_path):
     # another seed: the same prefix structure, other token ids (no prefix cache hit from an earlier run)
     assert chat.trace_prompts[0][:16] == chat.trace_prompts[1][:16] and chat.trace_prompts[0] != plan.trace_prompts[0]
     assert vllm.arrival_rate(chat) == pytest.approx(2 / 2.5)  # 3 rows over 5 s of trace time, at twice its speed
+    longer, _ = vllm.make_plan(parse("--trace", str(trace), "--rows", "1"), "chat", speed=1.0, rows=3)
+    assert longer.arrivals_s == [0.0, 3.0, 5.0]  # a search run's own number of rows (--capacity-rows)
 
 
 def test_engine_prompts_are_distinct_and_apart_from_the_trace_ids():

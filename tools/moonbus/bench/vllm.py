@@ -18,7 +18,9 @@ capacity   per workload, the highest arrival rate at which at least 90% of ALL r
            (rejections count as misses) complete within both SLOs: a short search over the trace's
            speed (vllm_report.next_speed: doubled from --speed while it holds, halved while it does
            not, then bisected, --capacity-runs runs at most), each run with prompts of its own
-           (another seed), so no run is served from an earlier one's prefix cache.
+           (another seed), so no run is served from an earlier one's prefix cache, and after the
+           first on --capacity-rows rows (a sustained load: a short slice at a high rate is a
+           burst that drains within the TTFT SLO).
 numbers    per server and workload (vllm_report.py): completed, rejected (429), failed, output
            tokens/s, TTFT and ITL percentiles, goodput, CPU use of its process tree, the SLO
            capacity; moonbus's ratio to each vLLM run; the machine (CPU model, AVX2, AVX-512 BF16,
@@ -65,6 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity-runs", type=int, default=4,
                         help="runs of the SLO capacity search per server and workload, the first at --speed "
                              "(0: no search, one run at --speed)")
+    parser.add_argument("--capacity-rows", type=int, default=0,
+                        help="the trace's first N rows for the search's runs after the first (0: --rows). A "
+                             "capacity is a sustained rate: a short slice at a high rate is a burst that drains "
+                             "within the TTFT SLO, so the chat load's search wants several hundred rows")
     parser.add_argument("--vllm-venv", type=Path, default=cache_dir() / "vllm-venv",
                         help="vLLM's own environment, installed there once (default ~/.cache/moonbus/vllm-venv)")
     parser.add_argument("--vllm-kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE, GiB (4: its default)")
@@ -107,6 +113,8 @@ def check_args(args: argparse.Namespace) -> list[str]:
         raise ValueError(f"--servers: {unknown or 'none'} not among {', '.join(SERVERS)}")
     if args.rows < 1 or args.speed <= 0 or args.max_tokens < 1 or args.engine_repeats < 1 or args.capacity_runs < 0:
         raise ValueError("--rows, --speed, --max-tokens and --engine-repeats must be positive, --capacity-runs >= 0")
+    if getattr(args, "capacity_rows", 0) < 0:
+        raise ValueError("--capacity-rows must be >= 0 (0: --rows)")
     if args.decode_tokens < 2 or min(decode_batches(args)) < 1:
         raise ValueError("--decode-tokens must be >= 2 and every --decode-batches size >= 1")
     workloads(args)
@@ -125,11 +133,12 @@ def decode_batches(args: argparse.Namespace) -> list[int]:
 
 
 def make_plan(args: argparse.Namespace, workload: str = "prefill-heavy", speed: float | None = None,
-              seed: int = 0) -> tuple[Plan, list[str]]:
+              seed: int = 0, rows: int = 0) -> tuple[Plan, list[str]]:
     """The load every server gets, and the trace's scalings in `moonbus replay`'s words. `seed`:
-    another mapping of hash ids to token ids (the same prefix structure, other prompts)."""
+    another mapping of hash ids to token ids (the same prefix structure, other prompts); `rows`:
+    the trace's first N rows (0: --rows)."""
     speed = speed or args.speed
-    rows = load_trace(resolve_trace(args.trace), args.rows)
+    rows = load_trace(resolve_trace(args.trace), rows or args.rows)
     base = rows[0].timestamp_ms if rows else 0
     prefill, decode = engine_prompts(args.prefill_tokens, args.engine_repeats, decode_batches(args),
                                      args.decode_prompt_tokens)
@@ -199,7 +208,7 @@ def measure_workload(server, args: argparse.Namespace, cores: int, workload: str
         speed = vllm_report.next_speed(runs)
         if speed is None:
             break
-        plan, _ = make_plan(args, workload, speed, seed=seed)
+        plan, _ = make_plan(args, workload, speed, seed=seed, rows=args.capacity_rows)
         served = drive_once(server, plan, args, cores, probes=False)
         runs[speed] = vllm_report.capacity_run(served["serve"], speed, arrival_rate(plan))
         say(f"  {workload} at speed {speed:g}: {vllm_report.describe_run(runs[speed])}")
