@@ -185,6 +185,7 @@ class ClusterState:
         self._reports_stale = set()
         self._bound = None
         self._transit_s = None
+        self._transit_of, self._transit_stale = {}, set()
         self._queued_bytes = None
         self._members = {}
         self._prefill_rows = {}
