@@ -384,6 +384,26 @@ def test_the_command_drives_each_server_and_prints_one_json_with_why_one_failed(
     assert "capacity" in text and "chat (" in text
 
 
+def test_the_search_runs_on_its_own_longer_slice_from_the_first_speed_on(monkeypatch, tmp_path):
+    slices = []
+
+    def run_plan(url, plan, meter, probes=True):
+        slices.append(len(plan.trace_prompts))
+        trace = [make_result(i, arrival=float(i)) for i in range(len(plan.trace_prompts))]  # every one in time
+        return {"trace": trace, "prefill": [], "decode": {}, "wall_s": 10.0, "cpu_s": 5.0}
+
+    monkeypatch.setattr(vllm, "run_plan", run_plan)
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(f'{{"timestamp": {1000 * i}, "input_length": 600, "output_length": 20, "hash_ids": [{i}]}}\n'
+                             for i in range(6)))
+    args = parse("--trace", str(trace), "--rows", "2", "--capacity-rows", "5", "--capacity-runs", "3",
+                 "--workloads", "prefill-heavy")
+    found = vllm.measure_workload(FakeServer("moonbus"), args, 2, "prefill-heavy", False, {})
+    assert slices == [2, 5, 5, 5]  # the run at --speed, then the search: --speed again and two more, on 5 rows
+    assert [r["requests"] for r in found["capacity"]["runs"]] == [5, 5, 5]
+    assert [r["speed"] for r in found["capacity"]["runs"]] == [0.5, 1.0, 2.0]
+
+
 def test_cpu_meter_does_not_count_the_past_of_a_process_the_first_sample_missed(monkeypatch):
     code = ("import sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
             "print('spun', flush=True)\nsys.stdin.readline()\ntime.sleep(60)")

@@ -197,14 +197,23 @@ def measure(server, args: argparse.Namespace, cores: int) -> dict:
 
 
 def measure_workload(server, args: argparse.Namespace, cores: int, workload: str, probes: bool, entry: dict) -> dict:
-    """The run at --speed, then the capacity search's runs (each with prompts of its own)."""
+    """The run at --speed, then the capacity search's runs (each with prompts of its own). With
+    --capacity-rows other than --rows the search starts at --speed on its own rows, so that every
+    rate it reports was measured on the same slice."""
     plan, _ = make_plan(args, workload)
     first = drive_once(server, plan, args, cores, probes)
     if probes:
         entry["engine"] = first.pop("engine")
     runs = {args.speed: vllm_report.capacity_run(first["serve"], args.speed, arrival_rate(plan))}
     say(f"  {workload} at speed {args.speed:g}: {vllm_report.describe_run(runs[args.speed])}")
-    for seed in range(1, args.capacity_runs):
+    seeds = range(1, args.capacity_runs)
+    if args.capacity_rows and args.capacity_rows != args.rows and args.capacity_runs:
+        plan, _ = make_plan(args, workload, seed=1, rows=args.capacity_rows)
+        served = drive_once(server, plan, args, cores, probes=False)
+        runs = {args.speed: vllm_report.capacity_run(served["serve"], args.speed, arrival_rate(plan))}
+        say(f"  {workload} at speed {args.speed:g}, {args.capacity_rows} rows: {vllm_report.describe_run(runs[args.speed])}")
+        seeds = range(2, args.capacity_runs + 1)
+    for seed in seeds:
         speed = vllm_report.next_speed(runs)
         if speed is None:
             break
