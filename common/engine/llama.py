@@ -235,7 +235,7 @@ class Llama:
         `choice` auto (where it applies: bfloat16 weights, a CPU with AVX-512 BF16, a head size
         that is a multiple of 16, the kernels built or buildable), kernel (it must apply: raises
         kernels.KernelUnavailable where it cannot) or sdpa (torch's, as before the kernel).
-        Measured side by side in `moonbus bench engine` (its prefill rows)."""
+        Measured side by side in `moonbus bench engine` (its floors rows)."""
         if choice not in PREFILL_ATTENTION:
             raise ValueError(f"prefill attention {choice!r} is not one of {PREFILL_ATTENTION}")
         if choice == "sdpa":
