@@ -13,7 +13,10 @@ from common.config import (ServiceConfig, add_common_flags, add_model_flags, add
 # A decode instance's KV pool, by default: a quarter of the machine's memory (vLLM's CPU backend
 # takes a fixed 4 GiB by default; the rest stays for the weights, the node's pool, prefill)
 KV_MEMORY_SHARE = 0.25
-YIELD_TBT = 0.25  # --yield-tbt's default: with the default TBT SLO of 1 s, a step every 250 ms while prefill requests queue
+# --yield-tbt's default: off. 0.25 (a step every 250 ms at the default TBT SLO while prefill requests
+# queue) raised the prefill-heavy SLO capacity 1.41x but cost a chat load 14% of its output tokens/s
+# (docs/benchmarks.md, 2026-12-06 afternoon); it is the operator's choice until a rule keeps both
+YIELD_TBT = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,8 +89,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     flag(parser, "--tbt-slo", "MOONBUS_TBT_SLO", 1.0, float, help="seconds; checked when a request's KV arrives", dest="tbt_slo_s")
     flag(parser, "--yield-tbt", "MOONBUS_YIELD_TBT", YIELD_TBT, float, dest="yield_tbt",
                 help="while prefill requests wait on this machine (cores shared: --threads 0), step at most once per "
-                     "this share of --tbt-slo, leaving the cores to the prefill between steps (0 = never yield; "
-                     "common/decide/yielding.py)")
+                     "this share of --tbt-slo, leaving the cores to the prefill between steps (0, the default: never "
+                     "yield; 0.25 suits a prefill-heavy load; common/decide/yielding.py)")
     flag(parser, "--admission", "MOONBUS_ADMISSION", "predictive", help="none turns the arrival check off")
     flag(parser, "--profile", "MOONBUS_PROFILE", "", help="performance profile file")
 
