@@ -228,7 +228,7 @@ class Llama:
     def norm_kernel(self) -> bool:
         """Whether the decode step normalises on the engine's kernel (kernels/norm.cpp): in
         bfloat16 where the kernels are built (in float32 torch's norm is one fused op already)."""
-        return self.dtype == torch.bfloat16 and kernels.load() and hasattr(torch.ops.moonbus, "rms_norm")
+        return self.dtype == torch.bfloat16 and kernels.provides("rms_norm")
 
     def prefill_kernel(self, choice: str = "auto") -> bool:
         """Whether a prefill attends with the C++ kernel (common/engine/kernels/prefill_attention.cpp):
@@ -243,11 +243,11 @@ class Llama:
         fits = self.dtype == torch.bfloat16 and self.head_dim % 16 == 0 and machine.has_bf16()
         if choice == "kernel":
             kernels.require()
-            if not (fits and hasattr(torch.ops.moonbus, "prefill_attention")):
+            if not (fits and kernels.provides("prefill_attention")):
                 raise kernels.KernelUnavailable("the prefill attention kernel runs bfloat16 weights with a head size "
                                                 "that is a multiple of 16 on a CPU with AVX-512 BF16")
             return True
-        return fits and kernels.load() and hasattr(torch.ops.moonbus, "prefill_attention")
+        return fits and kernels.provides("prefill_attention")
 
     def layer(self, idx: int, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KvWriter,
               packed: Packed | None = None, norm_kernel: bool = False) -> torch.Tensor:

@@ -90,7 +90,8 @@ class PrefillService:
         self.events = bus.EventPublisher.of(nc, "prefill", cfg, self.incarnation)
         self.pool = PoolClient(nc, cfg.node, layout, f"{cfg.instance_id}:{self.incarnation}")
         self.block_tokens = layout.block_tokens
-        self.queue = ArrivalQueue()
+        # its length goes to the decode instances that yield to a prefill queue (common/decide/yielding.py)
+        self.queue = ArrivalQueue(cores.waiting if cores is not None else None)
         self.cancelled = worker.Cancellations()
         self.running = 0
         self.metrics = PrefillMetrics(registry or metrics.registry(), self)
@@ -122,19 +123,11 @@ class PrefillService:
             self.receiver.expect(task.request_id, len(task.prompt_token_ids))
         self.arrived_at.put(task.request_id, task.attempt, time.monotonic())
         await self.queue.put(task)
-        self.note_waiting()
         await self.progress("accepted", task)
-
-    def note_waiting(self) -> None:
-        """Tell the decode instances on this machine how many requests wait in this queue: while
-        any do, they step only as often as their TBT needs (common/decide/yielding.py)."""
-        if self.engine.cores is not None:
-            self.engine.cores.waiting(self.queue.qsize())
 
     async def work_loop(self) -> None:
         while True:
             task = await self.queue.get()
-            self.note_waiting()
             if self.cancelled.covers(task.request_id, task.attempt):
                 await self.drop_stage(task)
                 await self.progress("finished", task)
@@ -479,7 +472,6 @@ class PrefillService:
     async def hand_back(self, why: str) -> None:
         while not self.queue.empty():
             task = self.queue.get_nowait()
-            self.note_waiting()
             await self.fail(task, task.num_generated, why, 503)
 
     def advertised_host(self) -> str:

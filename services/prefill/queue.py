@@ -10,6 +10,7 @@ prefill (pipeline.py) at the back, in the order they came.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from common.decide.queue_order import FairOrder
 from schemas.prefill import PrefillTask
@@ -17,7 +18,13 @@ from schemas.prefill import PrefillTask
 
 class ArrivalQueue(asyncio.Queue):
     """The prefill tasks in the decision floor's order (`common.decide.queue_order`): tenants in
-    turn, each by its requests' arrival at a gateway, pipeline stages at the back."""
+    turn, each by its requests' arrival at a gateway, pipeline stages at the back. `on_length`
+    hears the queue's length after every put and get (the decode instances that yield to a
+    prefill queue read it: common/cores.py `waiting`)."""
+
+    def __init__(self, on_length: Callable[[int], None] | None = None) -> None:
+        self.on_length = on_length
+        super().__init__()
 
     def _init(self, maxsize: int) -> None:
         self._queue: FairOrder[PrefillTask] = FairOrder()
@@ -26,9 +33,14 @@ class ArrivalQueue(asyncio.Queue):
         stages = len(task.pipeline.stages) if task.pipeline is not None else 1
         self._queue.push(task, task.arrival_ts, last=task.pipeline is not None, tenant=task.tenant,
                          cost=max(1, len(task.prompt_token_ids) // stages))  # a stage computes its share
+        if self.on_length is not None:
+            self.on_length(len(self._queue))
 
     def _get(self) -> PrefillTask:
-        return self._queue.pop()
+        task = self._queue.pop()
+        if self.on_length is not None:
+            self.on_length(len(self._queue))
+        return task
 
     def tasks(self) -> list[PrefillTask]:
         """What waits, in the order it will run."""

@@ -41,3 +41,18 @@ def test_a_pipeline_stage_always_goes_to_the_back():
         assert order(queue) == [("a", 0), ("p", 0), ("b", 0), ("q", 0)]
 
     asyncio.run(main())
+
+
+def test_the_queue_tells_its_length_after_every_put_and_get():
+    """What the decode instances that yield to a prefill queue read (common/cores.py `waiting`)."""
+    lengths: list[int] = []
+
+    async def main() -> None:
+        queue = ArrivalQueue(lengths.append)
+        await queue.put(task("a", 1.0))
+        await queue.put(task("b", 2.0))
+        await queue.get()
+        queue.get_nowait()
+
+    asyncio.run(main())
+    assert lengths == [1, 2, 1, 0]

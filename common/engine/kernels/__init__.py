@@ -128,6 +128,12 @@ def require(build_if_missing: bool = True) -> None:
     _state.update(loaded=True, why="")
 
 
+def provides(op: str) -> bool:
+    """Whether the kernels load here (built or buildable) and define `torch.ops.moonbus.<op>` (the
+    prefill kernel exists only where the CPU has AVX-512 BF16)."""
+    return load() and hasattr(torch.ops.moonbus, op)
+
+
 def why_unavailable() -> str:
     return str(_state.get("why", ""))
 
