@@ -7,11 +7,11 @@ step, a prefill layer), how many of the machine's cores are its own now: the cor
 the workers busy at this moment, the remainder to decode instances first (they hold the batch's
 TBT), then by slot. Alone, a worker gets every core; beside a busy one, half.
 
-How they know of each other: one small file in shared memory per user (`/dev/shm/moonbus-cores-32-<uid>`,
+How they know of each other: one small file in shared memory per user (`/dev/shm/moonbus-cores-40-<uid>`,
 mode 0600), a fixed array of slots, one per worker process on the machine, each holding the
-worker's pid, role, since when it computes (0: idle) and, for a prefill instance, how many
-requests wait in its queue (a decode instance yields to them while its TBT has room: its
-`yield_pause`, common/decide/yielding.py). A worker writes its own slot only (no
+worker's pid, role, since when it computes (0: idle) and, for a prefill instance, the arrival and
+TTFT deadline of the most urgent request waiting in its queue (a decode instance yields to it once
+it has waited long enough, while its TBT has room: common/decide/yielding.py). A worker writes its own slot only (no
 lock on the hot path; a slot is claimed under an flock); a slot whose process is gone, or busy
 for longer than STALE_S without a word (a worker killed mid-step), is ignored. Containers with
 their own /dev/shm see only their own workers, inside their own CPU limits.
@@ -50,12 +50,13 @@ from typing import Any, Callable
 log = logging.getLogger(__name__)
 
 SLOTS = 64
-# pid, role (0 prefill, 1 decode, 2 coupled), busy since (monotonic; 0 idle), work waiting behind
-# its current unit (a prefill instance's queued requests: `waiting`, read by `prefill_waiting`)
-SLOT = struct.Struct("<qqdq")
-BUSY = struct.Struct("<qqd")  # a slot's first three fields: claim and release leave the waiting count
-WAITING = struct.Struct("<q")
-WAITING_AT = struct.calcsize("<qqd")  # the waiting count's offset in a slot
+# pid, role (0 prefill, 1 decode, 2 coupled), busy since (monotonic; 0 idle), and the work most
+# urgently waiting behind its current unit: a prefill instance's queued request with the first
+# TTFT deadline, its arrival and deadline (wall clock; 0, 0: none) (`waiting`, read by `prefill_urgent`)
+SLOT = struct.Struct("<qqddd")
+BUSY = struct.Struct("<qqd")  # a slot's first three fields: claim and release leave the waiting request
+WAITING = struct.Struct("<dd")
+WAITING_AT = struct.calcsize("<qqd")  # the waiting request's offset in a slot
 ROLES = {"prefill": 0, "decode": 1, "coupled": 2}
 STALE_S = 30.0  # a unit of work never takes this long: a busy slot older than this is a dead worker's
 SHARED_SPIN_COUNT = "10000"  # GOMP_SPINCOUNT for workers that share the cores (the docstring's measurement)
@@ -101,7 +102,7 @@ class CoreShare:
             fcntl.flock(fd, fcntl.LOCK_EX)
             try:
                 self.slot = self._free_slot()
-                SLOT.pack_into(self.map, self.slot * SLOT.size, self.pid, self.role, 0.0, 0)
+                SLOT.pack_into(self.map, self.slot * SLOT.size, self.pid, self.role, 0.0, 0.0, 0.0)
             finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
@@ -121,7 +122,7 @@ class CoreShare:
         now = time.monotonic() if now is None else now
         busy = []  # (priority, slot) of every busy worker, this one included
         for i in range(SLOTS):
-            pid, role, since, _ = SLOT.unpack_from(self.map, i * SLOT.size)
+            pid, role, since, _, _ = SLOT.unpack_from(self.map, i * SLOT.size)
             if i == self.slot:
                 busy.append((0 if self.role else 1, i))
             elif pid and since and now - since < STALE_S:
@@ -131,19 +132,21 @@ class CoreShare:
         mine = busy.index((0 if self.role else 1, self.slot))
         return max(1, each + (1 if mine < extra else 0))
 
-    def waiting(self, count: int) -> None:
-        """Say how much work waits behind this worker's current unit (a prefill instance: its queued
-        requests), for the decode instances that yield to it (`prefill_waiting`)."""
-        WAITING.pack_into(self.map, self.slot * SLOT.size + WAITING_AT, max(0, count))
+    def waiting(self, arrival: float, deadline: float) -> None:
+        """Say which work waits most urgently behind this worker's current unit (a prefill instance:
+        the arrival and TTFT deadline of its queued request whose deadline comes first; 0, 0 when
+        none has one), for the decode instances that yield to it (`prefill_urgent`)."""
+        WAITING.pack_into(self.map, self.slot * SLOT.size + WAITING_AT, arrival, deadline)
 
-    def prefill_waiting(self) -> int:
-        """Requests waiting in the queues of the live prefill instances on this machine."""
-        total = 0
+    def prefill_urgent(self) -> list[tuple[float, float]]:
+        """(arrival, deadline) of the most urgent request waiting at each live prefill instance on
+        this machine that has one (common/decide/yielding.py `yield_due`)."""
+        out = []
         for i in range(SLOTS):
-            pid, role, _, count = SLOT.unpack_from(self.map, i * SLOT.size)
-            if pid and role == ROLES["prefill"] and count > 0 and i != self.slot and _alive(pid):
-                total += count
-        return total
+            pid, role, _, arrival, deadline = SLOT.unpack_from(self.map, i * SLOT.size)
+            if pid and role == ROLES["prefill"] and deadline > 0 and i != self.slot and _alive(pid):
+                out.append((arrival, deadline))
+        return out
 
     def claim(self) -> int:
         """Mark this worker busy and set torch's threads in this thread to its share; returns it."""
@@ -161,7 +164,7 @@ class CoreShare:
         BUSY.pack_into(self.map, self.slot * SLOT.size, self.pid, self.role, 0.0)
 
     def close(self) -> None:
-        SLOT.pack_into(self.map, self.slot * SLOT.size, 0, 0, 0.0, 0)
+        SLOT.pack_into(self.map, self.slot * SLOT.size, 0, 0, 0.0, 0.0, 0.0)
         self.map.close()
 
 

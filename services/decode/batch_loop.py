@@ -39,7 +39,7 @@ from schemas.decode import DecodeTask
 from schemas.tokens import Cancel, Probe, ProbeReply, TokenChunk
 from schemas.workers import DecodeReport, Joined, Layout, Measured, Progress, WorkerInfo
 from common.decide.learn import Factor
-from common.decide.yielding import yield_pause
+from common.decide.yielding import yield_due, yield_pause
 from common.engine.batch import BatchEngine
 from services.decode.config import DecodeConfig
 from services.decode.join import Joins
@@ -234,14 +234,15 @@ class DecodeService:
             self.speed.observe(predicted, self.measured.seconds)
 
     async def yield_to_prefill(self) -> None:
-        """Wait before the next step while prefill requests wait on this machine and the batch's
-        TBT has room (common/decide/yielding.py); the wait is not the step's: the iteration
-        measured for the conductors (and this instance's speed) starts after it."""
+        """Wait before the next step while a request waiting in a prefill queue on this machine has
+        waited long enough and the batch's TBT has room (common/decide/yielding.py); the wait is not
+        the step's: the iteration measured for the conductors (and this instance's speed) starts
+        after it."""
         cores = self.engine.cores
         if cores is None or self.cfg.yield_tbt <= 0 or self.cycle_from is None:
             return
         began = time.perf_counter()
-        while (pause := yield_pause(time.perf_counter(), self.step_started, cores.prefill_waiting(),
+        while (pause := yield_pause(time.perf_counter(), self.step_started, self.yield_called(cores),
                                     self.cfg.tbt_slo_s, self.cfg.yield_tbt,
                                     self.engine.reserved_tokens / self.engine.kv_budget_tokens)) > 0:
             await asyncio.sleep(min(pause, YIELD_POLL_S))
@@ -249,6 +250,10 @@ class DecodeService:
         if waited > YIELD_POLL_S / 10:
             self.metrics.yielded_s.inc(waited)
             self.cycle_from = time.perf_counter()
+
+    def yield_called(self, cores) -> bool:
+        due = yield_due(cores.prefill_urgent(), self.cfg.yield_after)
+        return due is not None and due <= time.time()
 
     def remember(self, seq: Running, finish: str, keep: int = 1000) -> None:
         self.recent[seq.request_id] = (seq.task, seq.generated, finish)

@@ -17,6 +17,9 @@ KV_MEMORY_SHARE = 0.25
 # queue) raised the prefill-heavy SLO capacity 1.41x but cost a chat load 14% of its output tokens/s
 # (docs/benchmarks.md, 2026-12-06 afternoon); it is the operator's choice until a rule keeps both
 YIELD_TBT = 0.0
+# --yield-after's default: a decode instance yields once a request waiting in a prefill queue beside
+# it has used half of its TTFT budget there (common/decide/yielding.py)
+YIELD_AFTER = 0.5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,7 +37,8 @@ class DecodeConfig(ServiceConfig):
     max_batch: int
     kv_cache_bytes: int  # the batch's KV pool, K and V of every layer in the KV dtype (`--kv-cache-bytes` resolved)
     tbt_slo_s: float  # a request whose KV arrives when the batch could not meet this is rejected (late)
-    yield_tbt: float  # while prefill requests wait on this machine, a step at most once per this share of tbt_slo_s
+    yield_tbt: float  # while a prefill queue on this machine calls for it, a step at most once per this share of tbt_slo_s
+    yield_after: float  # ... which it does once a request in it has waited this share of its TTFT budget
     late_check: bool  # False with admission "none"
     profile: str
 
@@ -55,6 +59,8 @@ class DecodeConfig(ServiceConfig):
             raise ValueError("tbt slo must be > 0")
         if not 0 <= self.yield_tbt < 1:
             raise ValueError("yield tbt must be >= 0 and < 1 (a share of the TBT SLO; 0 = never yield)")
+        if not 0 <= self.yield_after <= 1:
+            raise ValueError("yield after must be within [0, 1] (a share of a waiting request's TTFT budget)")
         if self.kv_cache_bytes < 1:
             raise ValueError("kv cache bytes must be >= 1")
         if self.max_batch < 1:
@@ -88,9 +94,13 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                      "it may run); an explicit --kv-cache-bytes is this instance's own")
     flag(parser, "--tbt-slo", "MOONBUS_TBT_SLO", 1.0, float, help="seconds; checked when a request's KV arrives", dest="tbt_slo_s")
     flag(parser, "--yield-tbt", "MOONBUS_YIELD_TBT", YIELD_TBT, float, dest="yield_tbt",
-                help="while prefill requests wait on this machine (cores shared: --threads 0), step at most once per "
-                     "this share of --tbt-slo, leaving the cores to the prefill between steps (0, the default: never "
-                     "yield; 0.25 suits a prefill-heavy load; common/decide/yielding.py)")
+                help="once a request waiting in a prefill queue on this machine has used --yield-after of its TTFT "
+                     "budget there (cores shared: --threads 0), step at most once per this share of --tbt-slo, "
+                     "leaving the cores to the prefill between steps (0, the default: never yield; "
+                     "common/decide/yielding.py)")
+    flag(parser, "--yield-after", "MOONBUS_YIELD_AFTER", YIELD_AFTER, float, dest="yield_after",
+                help="the share of its TTFT budget a request waits in a prefill queue on this machine before the "
+                     "decode instances beside it yield to it (with --yield-tbt above 0; 0: as soon as one waits)")
     flag(parser, "--admission", "MOONBUS_ADMISSION", "predictive", help="none turns the arrival check off")
     flag(parser, "--profile", "MOONBUS_PROFILE", "", help="performance profile file")
 

@@ -90,7 +90,7 @@ class PrefillService:
         self.events = bus.EventPublisher.of(nc, "prefill", cfg, self.incarnation)
         self.pool = PoolClient(nc, cfg.node, layout, f"{cfg.instance_id}:{self.incarnation}")
         self.block_tokens = layout.block_tokens
-        # its length goes to the decode instances that yield to a prefill queue (common/decide/yielding.py)
+        # its most urgent request goes to the decode instances that yield to it (common/decide/yielding.py)
         self.queue = ArrivalQueue(cores.waiting if cores is not None else None)
         self.cancelled = worker.Cancellations()
         self.running = 0

@@ -13,17 +13,19 @@ import asyncio
 from collections.abc import Callable
 
 from common.decide.queue_order import FairOrder
+from common.decide.yielding import most_urgent
 from schemas.prefill import PrefillTask
 
 
 class ArrivalQueue(asyncio.Queue):
     """The prefill tasks in the decision floor's order (`common.decide.queue_order`): tenants in
-    turn, each by its requests' arrival at a gateway, pipeline stages at the back. `on_length`
-    hears the queue's length after every put and get (the decode instances that yield to a
-    prefill queue read it: common/cores.py `waiting`)."""
+    turn, each by its requests' arrival at a gateway, pipeline stages at the back. `on_urgent`
+    hears, after every put and get, the arrival and TTFT deadline of the waiting task whose deadline
+    comes first ((0, 0): none has one): the decode instances beside it yield to it once it has
+    waited long enough (common/cores.py `waiting`, common/decide/yielding.py)."""
 
-    def __init__(self, on_length: Callable[[int], None] | None = None) -> None:
-        self.on_length = on_length
+    def __init__(self, on_urgent: Callable[[float, float], None] | None = None) -> None:
+        self.on_urgent = on_urgent
         super().__init__()
 
     def _init(self, maxsize: int) -> None:
@@ -33,14 +35,16 @@ class ArrivalQueue(asyncio.Queue):
         stages = len(task.pipeline.stages) if task.pipeline is not None else 1
         self._queue.push(task, task.arrival_ts, last=task.pipeline is not None, tenant=task.tenant,
                          cost=max(1, len(task.prompt_token_ids) // stages))  # a stage computes its share
-        if self.on_length is not None:
-            self.on_length(len(self._queue))
+        self._tell()
 
     def _get(self) -> PrefillTask:
         task = self._queue.pop()
-        if self.on_length is not None:
-            self.on_length(len(self._queue))
+        self._tell()
         return task
+
+    def _tell(self) -> None:
+        if self.on_urgent is not None:
+            self.on_urgent(*most_urgent((t.arrival_ts, t.ttft_deadline_ts) for t in self._queue.items()))
 
     def tasks(self) -> list[PrefillTask]:
         """What waits, in the order it will run."""

@@ -40,7 +40,7 @@ def config(url: str, home: Path) -> DecodeConfig:
     return DecodeConfig(nats_url=url, instance_id="decode-t", node="node-t", shm_dir=home / "shm",
                         model=models.TINY_RANDOM, block_tokens=16, dtype="float32", home=home, threads=1,
                         heartbeat_interval_s=0.15, drain_grace_s=0.0, orphan_kv_s=60.0, store_every_blocks=0,
-                        max_batch=4, kv_cache_bytes=KV_CACHE_BYTES, tbt_slo_s=1.0, yield_tbt=0.25, late_check=False,
+                        max_batch=4, kv_cache_bytes=KV_CACHE_BYTES, tbt_slo_s=1.0, yield_tbt=0.25, yield_after=0.5, late_check=False,
                         profile="")
 
 

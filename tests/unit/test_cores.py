@@ -93,27 +93,27 @@ asyncio.run(main())
     assert out == ["3", "1", "1"]  # the compute thread's 3; the default executor's and the event loop's 1
 
 
-def test_a_decode_instance_hears_how_many_requests_wait_in_the_prefill_queues_beside_it(share_file):
+def test_a_decode_instance_hears_the_most_urgent_request_in_each_prefill_queue_beside_it(share_file):
     decode = CoreShare("decode", share_file, cores=2)
     first, second = CoreShare("prefill", share_file, cores=2), CoreShare("prefill", share_file, cores=2)
-    assert decode.prefill_waiting() == 0
-    first.waiting(3)
-    second.waiting(2)
-    first.claim()  # a claim and a release keep the count: they write the busy time only
+    assert decode.prefill_urgent() == []
+    first.waiting(100.0, 130.0)
+    second.waiting(104.0, 134.0)
+    first.claim()  # a claim and a release keep the waiting request: they write the busy time only
     first.release()
-    assert decode.prefill_waiting() == 5
-    decode.waiting(7)  # a decode instance's own count is not a prefill queue
-    assert first.prefill_waiting() == 2  # a prefill instance hears the others' queues, not its own
-    second.waiting(0)
-    assert decode.prefill_waiting() == 3
+    assert sorted(decode.prefill_urgent()) == [(100.0, 130.0), (104.0, 134.0)]
+    decode.waiting(1.0, 2.0)  # a decode instance's own slot is not a prefill queue
+    assert first.prefill_urgent() == [(104.0, 134.0)]  # a prefill instance hears the others' queues, not its own
+    second.waiting(0.0, 0.0)  # its queue emptied
+    assert decode.prefill_urgent() == [(100.0, 130.0)]
     first.close()
-    assert decode.prefill_waiting() == 0
+    assert decode.prefill_urgent() == []
 
 
 def test_a_dead_prefill_instances_queue_counts_for_nothing(share_file):
     subprocess.run([sys.executable, "-c", f"""
 from pathlib import Path
 from common.cores import CoreShare
-CoreShare("prefill", Path({str(share_file)!r}), cores=2).waiting(4)  # then gone without a word
+CoreShare("prefill", Path({str(share_file)!r}), cores=2).waiting(100.0, 130.0)  # then gone without a word
 """], cwd=os.getcwd(), check=True)
-    assert CoreShare("decode", share_file, cores=2).prefill_waiting() == 0
+    assert CoreShare("decode", share_file, cores=2).prefill_urgent() == []

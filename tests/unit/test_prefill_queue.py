@@ -3,6 +3,8 @@ arrived at a gateway, so that a request handed back and resumed keeps its place 
 
 import asyncio
 
+from msgspec.structs import replace
+
 from services.prefill.queue import ArrivalQueue
 from schemas.prefill import PipelineSpec, PrefillTask
 from schemas.route import SamplingParams
@@ -43,16 +45,19 @@ def test_a_pipeline_stage_always_goes_to_the_back():
     asyncio.run(main())
 
 
-def test_the_queue_tells_its_length_after_every_put_and_get():
-    """What the decode instances that yield to a prefill queue read (common/cores.py `waiting`)."""
-    lengths: list[int] = []
+def test_the_queue_tells_its_most_urgent_request_after_every_put_and_get():
+    """What the decode instances that yield to a prefill queue read (common/cores.py `waiting`):
+    the arrival and TTFT deadline of the waiting task whose deadline comes first."""
+    heard: list[tuple[float, float]] = []
 
     async def main() -> None:
-        queue = ArrivalQueue(lengths.append)
-        await queue.put(task("a", 1.0))
-        await queue.put(task("b", 2.0))
-        await queue.get()
-        queue.get_nowait()
+        queue = ArrivalQueue(lambda arrival, deadline: heard.append((arrival, deadline)))
+        await queue.put(replace(task("a", 1.0), ttft_deadline_ts=31.0))
+        await queue.put(replace(task("b", 2.0), ttft_deadline_ts=32.0))
+        await queue.put(task("c", 0.5))  # no deadline (admission off): never the urgent one
+        await queue.get()  # c first: it arrived first
+        await queue.get()  # a
+        queue.get_nowait()  # b
 
     asyncio.run(main())
-    assert lengths == [1, 2, 1, 0]
+    assert heard == [(1.0, 31.0), (1.0, 31.0), (1.0, 31.0), (1.0, 31.0), (2.0, 32.0), (0.0, 0.0)]
