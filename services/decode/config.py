@@ -13,13 +13,13 @@ from common.config import (ServiceConfig, add_common_flags, add_model_flags, add
 # A decode instance's KV pool, by default: a quarter of the machine's memory (vLLM's CPU backend
 # takes a fixed 4 GiB by default; the rest stays for the weights, the node's pool, prefill)
 KV_MEMORY_SHARE = 0.25
-# --yield-tbt's default: off. 0.25 (a step every 250 ms at the default TBT SLO while prefill requests
-# queue) raised the prefill-heavy SLO capacity 1.41x but cost a chat load 14% of its output tokens/s
-# (docs/benchmarks.md, 2026-12-06 afternoon); it is the operator's choice until a rule keeps both
-YIELD_TBT = 0.0
-# --yield-after's default: a decode instance yields once a request waiting in a prefill queue beside
-# it has used half of its TTFT budget there (common/decide/yielding.py)
-YIELD_AFTER = 0.5
+# --yield-tbt's and --yield-after's defaults: a decode instance steps at most every 250 ms (at the
+# default TBT SLO) once a request waiting in a prefill queue beside it has used a fifth of its TTFT
+# budget (6 s of 30). Measured (docs/benchmarks.md, 2026-12-06 evening): prefill-heavy, 95% within
+# the SLOs at 2.01 req/s on 240 rows where no yield kept 89%; chat at half speed 255 output tok/s
+# against 259 without. The first rule (any queue) cost the chat load 14% of its tokens/s.
+YIELD_TBT = 0.25
+YIELD_AFTER = 0.2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,8 +96,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     flag(parser, "--yield-tbt", "MOONBUS_YIELD_TBT", YIELD_TBT, float, dest="yield_tbt",
                 help="once a request waiting in a prefill queue on this machine has used --yield-after of its TTFT "
                      "budget there (cores shared: --threads 0), step at most once per this share of --tbt-slo, "
-                     "leaving the cores to the prefill between steps (0, the default: never yield; "
-                     "common/decide/yielding.py)")
+                     "leaving the cores to the prefill between steps (0: never yield; common/decide/yielding.py)")
     flag(parser, "--yield-after", "MOONBUS_YIELD_AFTER", YIELD_AFTER, float, dest="yield_after",
                 help="the share of its TTFT budget a request waits in a prefill queue on this machine before the "
                      "decode instances beside it yield to it (with --yield-tbt above 0; 0: as soon as one waits)")

@@ -100,6 +100,10 @@ def test_serve_row_counts_429s_and_attainment_over_completed():
     # request 0 only meets both SLOs; the run spans from 0 to request 1's end (1 + 40 + 1 s of decode)
     assert row["goodput_rps"] == pytest.approx(1 / 42.0)
     assert row["ttft_p50_s"] == pytest.approx(2.0) and row["cpu_use"] == pytest.approx(0.1)
+    # of the three completed, request 1 came past the TTFT SLO, request 2 past the TBT SLO
+    assert (row["past_ttft_slo"], row["past_tbt_slo"]) == (1, 1)
+    run = vllm_report.capacity_run(row, 0.5, 0.12)
+    assert "1 past the TTFT SLO, 1 past the TBT SLO" in vllm_report.describe_run(run)
 
 
 def workload(goodput: float, tokens: float, capacity: float) -> dict:

@@ -96,6 +96,11 @@ def serve_row(summary: dict, results: Sequence[RequestResult], cpu_seconds: floa
         "tbt_p50_s": summary["tbt_p50_s"], "goodput_rps": summary["goodput_rps"], "span_s": summary["span_s"],
         "cpu_seconds": cpu_seconds, "wall_seconds": wall_seconds, "cores": cores,
         "cpu_use": cpu_use(cpu_seconds, wall_seconds, cores),
+        # of the completed requests, how many missed each SLO (one may miss both)
+        "past_ttft_slo": sum(1 for r in results if r.status == OK and r.ttft_s is not None
+                             and r.ttft_s > summary["ttft_slo_s"]),
+        "past_tbt_slo": sum(1 for r in results if r.status == OK and r.tbt_s is not None
+                            and r.tbt_s > summary["tbt_slo_s"]),
     }
 
 
@@ -106,12 +111,16 @@ def capacity_run(serve: dict, speed: float, rate_rps: float) -> dict:
     """One run of the capacity search: its speed, arrival rate and share within both SLOs."""
     return {"speed": speed, "rate_rps": rate_rps, "share_within_slo": serve["share_within_slo"],
             "requests": serve["requests"], "within_slo": serve["within_slo"], "rejected": serve["rejected"],
-            "output_tokens_per_s": serve["output_tokens_per_s"]}
+            "output_tokens_per_s": serve["output_tokens_per_s"], "ttft_p90_s": serve["ttft_p90_s"],
+            "past_ttft_slo": serve.get("past_ttft_slo", 0), "past_tbt_slo": serve.get("past_tbt_slo", 0)}
 
 
 def describe_run(run: dict) -> str:
+    missed = f", {run.get('past_ttft_slo', 0)} past the TTFT SLO, {run.get('past_tbt_slo', 0)} past the TBT SLO"
+    p90 = run.get("ttft_p90_s")
     return (f"{run['rate_rps']:.3f} req/s, {run['share_within_slo']:.0%} of {run['requests']} within both SLOs "
-            f"({run['rejected']} rejected), {run['output_tokens_per_s']:.1f} output tok/s")
+            f"({run['rejected']} rejected{missed}), {run['output_tokens_per_s']:.1f} output tok/s"
+            + (f", TTFT p90 {p90:.2f}s" if p90 is not None else ""))
 
 
 def served(run: dict) -> bool:
