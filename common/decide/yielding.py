@@ -17,10 +17,6 @@ the oldest request's queue time acts only where the TTFT SLO is at stake, and ne
 of the prefill's speed beside a busy decode. A request with no deadline (admission "none", a
 pipelined stage: common/decide/admission.py `ttft_deadline`) never calls for a yield.
 
-Nor does it yield while requests of its own wait for a row or KV room: a paced batch finishes its
-streams later, and on a chat load near capacity that filled the batch and kept the next streams
-from their second token past the TBT SLO (docs/benchmarks.md, 2026-12-06 evening).
-
 A yield holds every running request's KV longer (its tokens come slower), so it stops once the
 batch holds more than YIELD_KV_SHARE of the instance's KV room: past that, the room it holds
 would turn arrivals away and read as decode demand to the planner (common/decide/planner.py
@@ -59,12 +55,11 @@ def yield_due(urgent: Iterable[tuple[float, float]], after: float) -> float | No
 
 
 def yield_pause(now: float, last_step_start: float | None, due: bool, tbt_slo_s: float,
-                share: float, kv_held: float = 0.0, joining: int = 0) -> float:
+                share: float, kv_held: float = 0.0) -> float:
     """Seconds a decode instance waits before its next step: while a prefill queue on its machine
     calls for it (`due`: `yield_due` has passed), until `share` x `tbt_slo_s` after its last step
     began; 0 when none does, when it has not stepped yet, with `share` 0 (it never yields), or
-    when its batch holds more than YIELD_KV_SHARE of its KV room (`kv_held`, 0-1), or while
-    `joining` requests of its own wait for a row or KV room."""
-    if share <= 0 or not due or last_step_start is None or kv_held > YIELD_KV_SHARE or joining > 0:
+    when its batch holds more than YIELD_KV_SHARE of its KV room (`kv_held`, 0-1)."""
+    if share <= 0 or not due or last_step_start is None or kv_held > YIELD_KV_SHARE:
         return 0.0
     return max(0.0, last_step_start + share * tbt_slo_s - now)

@@ -244,8 +244,7 @@ class DecodeService:
         began = time.perf_counter()
         while (pause := yield_pause(time.perf_counter(), self.step_started, self.yield_called(cores),
                                     self.cfg.tbt_slo_s, self.cfg.yield_tbt,
-                                    self.engine.reserved_tokens / self.engine.kv_budget_tokens,
-                                    len(self.joins.waiting))) > 0:
+                                    self.engine.reserved_tokens / self.engine.kv_budget_tokens)) > 0:
             await asyncio.sleep(min(pause, YIELD_POLL_S))
         waited = time.perf_counter() - began
         if waited > YIELD_POLL_S / 10:

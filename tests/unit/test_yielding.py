@@ -30,12 +30,6 @@ def test_a_batch_holding_more_than_its_share_of_the_kv_room_does_not_yield():
     assert yield_pause(10.05, 10.0, True, 1.0, 0.25, kv_held=YIELD_KV_SHARE + 0.01) == 0.0
 
 
-def test_a_decode_instance_with_requests_waiting_for_a_row_does_not_yield():
-    """Its own waiting streams need the steps: a paced batch frees its rows later."""
-    assert yield_pause(10.05, 10.0, True, 1.0, 0.25, joining=0) == pytest.approx(0.20)
-    assert yield_pause(10.05, 10.0, True, 1.0, 0.25, joining=1) == 0.0
-
-
 def test_the_most_urgent_waiting_request_is_the_one_whose_deadline_comes_first():
     assert most_urgent([(100.0, 130.0), (90.0, 120.0), (95.0, 125.0)]) == (90.0, 120.0)
     assert most_urgent([(80.0, 0.0), (95.0, 125.0)]) == (95.0, 125.0)  # no deadline: admission off, a pipeline stage
