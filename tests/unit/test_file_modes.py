@@ -43,3 +43,24 @@ def test_what_a_service_writes_is_its_owners_alone(tmp_path):
     for path in made:
         mode = stat.S_IMODE(path.stat().st_mode)
         assert mode & 0o077 == 0, f"{path.relative_to(tmp_path)} is {oct(mode)}"
+
+
+def test_a_log_kept_from_before_with_looser_modes_is_tightened(tmp_path):
+    """`moonbus up` on a home an older build left: its logs folder and log files become the owner's alone."""
+    from common.security import private_dir
+    from tools.moonbus.cluster.processes import open_log
+
+    logs = tmp_path / "logs"
+    logs.mkdir(mode=0o755)
+    old = logs / "decode-0.log"
+    old.write_text("an older line\n")
+    old.chmod(0o644)
+    private_dir(logs)
+    with open_log(old) as log:
+        log.write(b"a new line\n")
+    with open_log(logs / "gateway.log") as log:
+        log.write(b"a first line\n")
+    assert old.read_text() == "an older line\na new line\n"  # appended, not truncated
+    for path in (logs, old, logs / "gateway.log"):
+        mode = stat.S_IMODE(path.stat().st_mode)
+        assert mode & 0o077 == 0, f"{path.name} is {oct(mode)}"

