@@ -33,7 +33,7 @@ from __future__ import annotations
 import bisect
 import collections
 import itertools
-from typing import Callable, Generic, Iterable, TypeVar
+from typing import Callable, Generic, Iterable, Iterator, TypeVar
 
 T = TypeVar("T")
 
@@ -74,6 +74,11 @@ class FairOrder(Generic[T]):
             del self._served[idle]  # its next turn starts at the clock anyway
         self._len -= 1
         return item
+
+    def __iter__(self) -> Iterator[T]:
+        """What waits, in no particular order: where the order does not matter, without `items`'
+        walk through the tenants' turns."""
+        return (entry[3] for lane in self._lanes.values() for entry in lane)
 
     def items(self) -> list[T]:
         """What waits, in the order it will run (if nothing else comes)."""

@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from common import bus, kvfiles, metrics, runner, worker
 from common.pool_client import PoolClient
-from common.cores import ComputeThread
+from common.cores import ComputeThread, CoreShare
 from schemas import subjects
 from schemas.decode import DecodeTask
 from schemas.tokens import Cancel, Probe, ProbeReply, TokenChunk
@@ -251,7 +251,7 @@ class DecodeService:
             self.metrics.yielded_s.inc(waited)
             self.cycle_from = time.perf_counter()
 
-    def yield_called(self, cores) -> bool:
+    def yield_called(self, cores: CoreShare) -> bool:
         due = yield_due(cores.prefill_urgent(), self.cfg.yield_after)
         return due is not None and due <= time.time()
 

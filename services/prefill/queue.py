@@ -44,7 +44,7 @@ class ArrivalQueue(asyncio.Queue):
 
     def _tell(self) -> None:
         if self.on_urgent is not None:
-            self.on_urgent(*most_urgent((t.arrival_ts, t.ttft_deadline_ts) for t in self._queue.items()))
+            self.on_urgent(*most_urgent((t.arrival_ts, t.ttft_deadline_ts) for t in self._queue))
 
     def tasks(self) -> list[PrefillTask]:
         """What waits, in the order it will run."""

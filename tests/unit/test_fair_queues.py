@@ -215,3 +215,13 @@ def test_at_a_decode_instance_a_large_request_lets_other_tenants_join_only_a_few
     assert sum(rounds, []) == [f"g{i}" for i in range(MAX_PASSED)]  # not acme's small one: behind its own large one
     assert joins.passed == {"large": MAX_PASSED}
     assert [t.request_id for t in joins.waiting] == ["large", "acme-small", "g8", "g9", "g10"]
+
+
+def test_iterating_gives_what_waits_as_items_does_in_no_particular_order():
+    queue: FairOrder[str] = FairOrder()
+    for i, tenant in enumerate(("a", "b", "a", "c", "b")):
+        queue.push(f"{tenant}{i}", float(i), tenant=tenant, cost=1 + i)
+    queue.push("stage", 0.5, last=True)
+    assert sorted(queue) == sorted(queue.items())
+    queue.pop()
+    assert sorted(queue) == sorted(queue.items()) and len(list(queue)) == len(queue)
