@@ -8,9 +8,10 @@ t % BLOCK. Nothing moves when requests join or leave: a join writes the request'
 blocks it was given, a departure hands the ids back. K is stored transposed in its block so that
 the attention kernel (kernels/paged_attention.cpp) scores BLOCK tokens per vector instruction.
 
-The pool is allocated once, empty: pages of blocks never written cost nothing, so the memory in
-use follows the tokens held (the high-water mark of them: freed blocks are reused first, last
-freed first, so pages already touched are reused before new ones).
+The pool is allocated once, empty, on huge pages (hugepages.py: every step reads it whole): pages
+of blocks never written cost nothing, so the memory in use follows the tokens held (the
+high-water mark of them, in 2 MiB pages: freed blocks are reused first, last freed first, so
+pages already touched are reused before new ones).
 
 `BLOCK` is the engine's own page size, independent of the cluster's `--block-tokens` (the unit
 of prefix sharing): 16 tokens is one AVX-512 vector of float32 scores, two of AVX2.
@@ -19,6 +20,8 @@ of prefix sharing): 16 tokens is one AVX-512 vector of float32 scores, two of AV
 from __future__ import annotations
 
 import torch
+
+from common.engine import hugepages
 
 BLOCK = 16
 
@@ -30,9 +33,14 @@ class KvPool:
             raise ValueError("a KV pool needs at least one block")
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.num_blocks, self.dtype = num_blocks, dtype
+        k_shape = (num_layers, num_blocks, kv_heads, head_dim, BLOCK)
+        v_shape = (num_layers, num_blocks, kv_heads, BLOCK, head_dim)
         with torch.inference_mode():  # written by steps and loads under the mode (batch.py's NOTE)
-            self.k = torch.empty((num_layers, num_blocks, kv_heads, head_dim, BLOCK), dtype=dtype, device=device)
-            self.v = torch.empty((num_layers, num_blocks, kv_heads, BLOCK, head_dim), dtype=dtype, device=device)
+            if torch.device(device).type == "cpu":  # read whole every step: on huge pages (hugepages.py)
+                self.k, self.v = hugepages.empty(k_shape, dtype), hugepages.empty(v_shape, dtype)
+            else:
+                self.k = torch.empty(k_shape, dtype=dtype, device=device)
+                self.v = torch.empty(v_shape, dtype=dtype, device=device)
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack: the last freed is reused first
 
     @staticmethod
