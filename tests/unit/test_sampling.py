@@ -89,6 +89,27 @@ def test_a_flat_row_past_the_candidates_is_cut_as_a_full_sort_would():
     assert len(set(drawn)) > CANDIDATES // 2
 
 
+def test_a_flat_row_in_a_batch_of_peaked_ones_is_sorted_alone_and_every_row_draws_as_it_would_alone():
+    """Only the flat row is sorted whole; the peaked rows keep their candidates' cut, and each
+    row's token is the one it draws alone, wherever the flat row sits in the batch."""
+    vocab = 4 * CANDIDATES
+    flat = torch.zeros(vocab)
+    flat[: CANDIDATES // 2] = 0.01
+    peaked = make_logits(3, vocab=vocab) * 8.0
+    for at in range(4):
+        rows = list(peaked)
+        rows.insert(at, flat)
+        logits = torch.stack(rows)
+        for seed in range(25):
+            params = [SamplingParams(temperature=1.0, top_p=0.9 if i != at else 0.95, seed=seed * 10 + i)
+                      for i in range(4)]
+            together = sample_rows(logits, params, [2] * 4)
+            assert together == [sample(logits[i], p, step=2) for i, p in enumerate(params)]
+    drawn = [sample_rows(torch.stack([flat, peaked[0]]), [SamplingParams(top_p=0.95, seed=s), SamplingParams(top_p=0.9, seed=s)],
+                         [0, 0])[0] for s in range(200)]
+    assert max(drawn) >= CANDIDATES  # the flat row's kept set still reaches past the candidates
+
+
 def test_seeded_draws_repeat_and_unseeded_ones_vary():
     logits = make_logits(1, spread=0.5)[0]
     seeded = SamplingParams(temperature=1.0, seed=11)
