@@ -3,8 +3,8 @@
 A decode step reads every projection weight and every running request's KV once. On 4 KiB pages
 that read walks the page tables every 4 KiB, and the CPU's prefetcher stops at each page's edge;
 on 2 MiB pages it streams. Measured on an AVX-512 BF16 EPYC (docs/benchmarks.md, 2026-12-06
-night): decode attention over 32 rows of 1,024 tokens, one thread, 56 ms on 4 KiB pages, 43 ms on
-huge ones.
+night), `moonbus bench engine`'s decode attention over 32 rows of 1,024 tokens: 26.2 ms against
+28.2 on two threads (5 alternated runs each, within their spread), no change on one thread.
 
 The kernel gives an anonymous mapping huge pages where it is asked to (`madvise(MADV_HUGEPAGE)`),
 which is what Linux's default THP setting (`madvise`) honours; torch's allocator asks only under
