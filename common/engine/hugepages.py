@@ -25,8 +25,8 @@ HUGE_PAGE = 2 << 20
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor (zeros, in fact: fresh anonymous pages) on huge pages where the
-    system gives them; else torch.empty's."""
+    """An uninitialised CPU tensor on huge pages where the system gives them (fresh anonymous
+    pages: zeros); one under 2 MiB, or where Python has no MADV_HUGEPAGE, is torch.empty's."""
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype)
@@ -39,5 +39,3 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     raw = torch.frombuffer(buf, dtype=torch.uint8)  # holds `buf` for as long as a view of it lives
     start = -raw.data_ptr() % HUGE_PAGE
     return raw[start:start + nbytes].view(dtype).view(shape)
-
-
