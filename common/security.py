@@ -52,7 +52,9 @@ def open_own(path: str | os.PathLike, flags: int, mode: int = 0o600) -> int:
     there would send a write, or a read, to a file of the planter's choosing); refused (UnsafeFile,
     naming the path) where a link, something other than a plain file, or another user's file is
     there, and, with O_EXCL, where anything is. O_TRUNC is applied only once the file is known to
-    be this user's; a FIFO cannot hold the open (O_NONBLOCK until checked)."""
+    be this user's; a FIFO cannot hold the open (O_NONBLOCK until checked). With O_CREAT (the
+    cluster writes it as its own), a file already there with modes beyond `mode` (an older
+    build's) is tightened to them."""
     path = os.fspath(path)
     try:
         fd = os.open(path, (flags & ~os.O_TRUNC) | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
@@ -74,6 +76,8 @@ def open_own(path: str | os.PathLike, flags: int, mode: int = 0o600) -> int:
             raise UnsafeFile(f"{path} belongs to uid {st.st_uid}, not to this user ({os.getuid()}): another user "
                              f"put it there; remove it")
         os.set_blocking(fd, True)
+        if flags & os.O_CREAT and stat.S_IMODE(st.st_mode) & ~mode:
+            os.fchmod(fd, stat.S_IMODE(st.st_mode) & mode)  # a file kept from before with looser modes: tightened
         if flags & os.O_TRUNC:
             os.ftruncate(fd, 0)
     except BaseException:

@@ -64,3 +64,14 @@ def test_a_log_kept_from_before_with_looser_modes_is_tightened(tmp_path):
     for path in (logs, old, logs / "gateway.log"):
         mode = stat.S_IMODE(path.stat().st_mode)
         assert mode & 0o077 == 0, f"{path.name} is {oct(mode)}"
+
+
+def test_a_private_file_rewritten_over_one_with_looser_modes_is_tightened(tmp_path):
+    from common.security import write_private
+
+    kept = tmp_path / "profile.json"
+    kept.write_text("{}")
+    kept.chmod(0o644)
+    write_private(kept, b'{"new": 1}')
+    assert kept.read_bytes() == b'{"new": 1}'
+    assert stat.S_IMODE(kept.stat().st_mode) == 0o600

@@ -128,11 +128,9 @@ def nats_server_binary() -> str:
 
 
 def open_log(path: Path):
-    """A process's log, appended to, its owner's alone: made 0600, and tightened to 0600 where a
-    home kept from before holds it with looser modes (never through a link: common/security.py)."""
-    fd = open_own(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-    os.fchmod(fd, 0o600)
-    return os.fdopen(fd, "ab")
+    """A process's log, appended to, its owner's alone (open_own: made 0600, or tightened to it
+    where a home kept from before holds it with looser modes; never through a link)."""
+    return os.fdopen(open_own(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab")
 
 
 def _die_with_parent() -> None:
