@@ -49,6 +49,13 @@ def has_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & flags())
 
 
+def has_float_vectors() -> bool:
+    """Does this CPU have the float32 vectors the engine's kernels are written for (AVX2 with FMA,
+    or AVX-512)? Elsewhere they build as scalar loops, slower than torch's own."""
+    present = flags()
+    return {"avx2", "fma"} <= present or "avx512f" in present
+
+
 def memory_bytes() -> int:
     """The memory this process may use: the machine's, or its cgroup's limit where that is lower
     (a container with `deploy.resources.limits.memory`)."""

@@ -21,8 +21,9 @@ A slice handed to a sink is never written again, so the streamer reads it withou
 On CUDA the streamer first copies the slice to pinned host memory on a side stream; the sink
 thread waits on that copy's event (written for the GPU path, untested: this tree runs CPU torch).
 
-Attention: in bfloat16 on a CPU with AVX-512 BF16, the engine's C++ flash attention
-(kernels/prefill_attention.cpp: 2.3-3x torch's SDPA on one core here, docs/benchmarks.md), which
+Attention: in bfloat16 on a CPU with AVX-512 BF16 and in float32 on one with AVX2 and FMA or
+AVX-512, the engine's C++ flash attention (kernels/prefill_attention.cpp: in bfloat16 2.3-3x
+torch's SDPA on one core, in float32 on AVX2 1.4x; docs/benchmarks.md), which
 computes as torch's does but sums in its own order, so a prompt's KV agrees with transformers'
 to rounding (tests compare greedy tokens and logits within a tolerance). Elsewhere, or with
 `attention="sdpa"`: the first chunk of a prompt without prefix runs the same ops as the plain

@@ -219,7 +219,8 @@ class Llama:
         """A prompt chunk's attention: q [1, Hq, n, D] at positions start .. start + n - 1 over
         keys, values [Hkv, start + n, D] (the prefix's, then the chunk's own); `mask` as
         `attention` takes it (None for a first chunk). `kernel` (`prefill_kernel`): the engine's
-        C++ flash attention on the CPU's bfloat16 dot products, else torch's SDPA."""
+        C++ flash attention (float32 on the CPU's float32 vectors, bfloat16 on its bfloat16 dot
+        products), else torch's SDPA."""
         if kernel:
             return torch.ops.moonbus.prefill_attention(q[0].transpose(0, 1), keys, values, start,
                                                        self.scale).transpose(0, 1)[None]
@@ -232,20 +233,23 @@ class Llama:
 
     def prefill_kernel(self, choice: str = "auto") -> bool:
         """Whether a prefill attends with the C++ kernel (common/engine/kernels/prefill_attention.cpp):
-        `choice` auto (where it applies: bfloat16 weights, a CPU with AVX-512 BF16, a head size
-        that is a multiple of 16, the kernels built or buildable), kernel (it must apply: raises
-        kernels.KernelUnavailable where it cannot) or sdpa (torch's, as before the kernel).
-        Measured side by side in `moonbus bench engine` (its floors rows)."""
+        `choice` auto (where it applies: a head size that is a multiple of 16, the kernels built or
+        buildable, and float32 weights on a CPU with AVX2 and FMA or AVX-512, or bfloat16 weights on
+        one with AVX-512 BF16), kernel (it must apply: raises kernels.KernelUnavailable where it
+        cannot) or sdpa (torch's, as before the kernel). Measured side by side in `moonbus bench
+        engine` (its floors rows)."""
         if choice not in PREFILL_ATTENTION:
             raise ValueError(f"prefill attention {choice!r} is not one of {PREFILL_ATTENTION}")
         if choice == "sdpa":
             return False
-        fits = self.dtype == torch.bfloat16 and self.head_dim % 16 == 0 and machine.has_bf16()
+        fits = self.head_dim % 16 == 0 and (machine.has_bf16() if self.dtype == torch.bfloat16
+                                            else self.dtype == torch.float32 and machine.has_float_vectors())
         if choice == "kernel":
             kernels.require()
             if not (fits and kernels.provides("prefill_attention")):
-                raise kernels.KernelUnavailable("the prefill attention kernel runs bfloat16 weights with a head size "
-                                                "that is a multiple of 16 on a CPU with AVX-512 BF16")
+                raise kernels.KernelUnavailable("the prefill attention kernel runs a head size that is a multiple of 16, "
+                                                "float32 weights on a CPU with AVX2 and FMA or AVX-512, bfloat16 "
+                                                "weights on one with AVX-512 BF16")
             return True
         return fits and kernels.provides("prefill_attention")
 

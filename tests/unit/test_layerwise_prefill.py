@@ -87,10 +87,12 @@ def test_unchunked_equals_transformers_forward_exactly(model, prompt, whole):
 
 
 def test_the_engines_own_attention_agrees_with_transformers_to_rounding(model, prompt, whole):
-    """What a worker runs (attention "auto"): in bfloat16 on a CPU with AVX-512 BF16 the C++
-    kernel, which sums in its own order; elsewhere torch's SDPA, as transformers runs it."""
+    """What a worker runs (attention "auto"): the C++ kernel, which sums in its own order, in
+    bfloat16 on a CPU with AVX-512 BF16 and in float32 on one with AVX2 and FMA or AVX-512;
+    elsewhere torch's SDPA, as transformers runs it."""
     engine_ = LayerwisePrefill(Llama.from_hf(model))
-    assert engine_.kernel == (model.dtype == torch.bfloat16 and machine.has_bf16() and kernels.load())
+    cpu_fits = machine.has_bf16() if model.dtype == torch.bfloat16 else machine.has_float_vectors()
+    assert engine_.kernel == (cpu_fits and kernels.load())
     result = engine_.run(prompt)
     assert_close_to_scale(result.kv, whole[0])
     assert_close_to_scale(result.logits, whole[1], model.dtype)

@@ -2,8 +2,9 @@
 
 `paged_attention.cpp`: decode attention over the paged KV pool, one call per layer for the whole
 batch (`torch.ops.moonbus.decode_attention`). `prefill_attention.cpp`: a prompt chunk's causal
-attention in bfloat16 on the CPU's bfloat16 dot products (`torch.ops.moonbus.prefill_attention`;
-built only where the CPU has AVX-512 BF16, `Llama.prefill_kernel` says where it runs). `make` builds them (`python -m common.engine.kernels`);
+attention (`torch.ops.moonbus.prefill_attention`), in float32 on the CPU's float32 vectors and in
+bfloat16 on its bfloat16 dot products (that path built only where the CPU has AVX-512 BF16;
+`Llama.prefill_kernel` says where it runs). `vec.h`: the float32 vectors both are written on. `make` builds them (`python -m common.engine.kernels`);
 a process that finds no build for this CPU builds it on first use when a C++ compiler is there.
 
 Built with -march=native: the library is keyed by the source, torch's version, the flags and the
@@ -32,10 +33,10 @@ from common import machine
 
 log = logging.getLogger(__name__)
 
-# the decode kernel; the prefill one (bfloat16 on AVX-512 BF16 CPUs only: elsewhere its op is not
-# defined and prefill attends with torch's SDPA, `has_prefill_attention`)
+# the decode kernel, the prefill one (its bfloat16 path on AVX-512 BF16 CPUs only) and RMSNorm
 SOURCES = [Path(__file__).with_name("paged_attention.cpp"), Path(__file__).with_name("prefill_attention.cpp"),
            Path(__file__).with_name("norm.cpp")]
+HEADERS = [Path(__file__).with_name("vec.h")]  # what the sources include: part of the build's key
 NAME = "moonbus_kernels"
 # MOONBUS_KERNEL_MARCH builds for another CPU than this one (e.g. x86-64-v3: AVX2 without
 # AVX-512), to test that path on a machine that has more
@@ -50,7 +51,7 @@ class KernelUnavailable(RuntimeError):
 
 
 def _key() -> str:
-    return hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + torch.__version__.encode() + ",".join(machine.vector_flags()).encode()
+    return hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES + HEADERS) + torch.__version__.encode() + ",".join(machine.vector_flags()).encode()
                           + " ".join(CFLAGS).encode()).hexdigest()[:16]
 
 
@@ -129,8 +130,7 @@ def require(build_if_missing: bool = True) -> None:
 
 
 def provides(op: str) -> bool:
-    """Whether the kernels load here (built or buildable) and define `torch.ops.moonbus.<op>` (the
-    prefill kernel exists only where the CPU has AVX-512 BF16)."""
+    """Whether the kernels load here (built or buildable) and define `torch.ops.moonbus.<op>`."""
     return load() and hasattr(torch.ops.moonbus, op)
 
 

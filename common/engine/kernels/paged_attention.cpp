@@ -40,6 +40,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
 constexpr int kMaxGroup = 16;     // query heads per kv head the kernel supports
@@ -47,85 +49,7 @@ constexpr int kMaxHeads = 64;     // query heads the kernel supports
 constexpr int kMaxHeadDim = 256;  // head_dim the kernel supports
 constexpr int kMaxBlock = 256;    // block_size the kernel supports
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-
-// ---- vectors of float32: AVX-512 (16 lanes), AVX2 (8 lanes) or one lane, by what -march=native has
-#if defined(__AVX512F__)
-#include <immintrin.h>
-constexpr int kLanes = 16;
-using vf = __m512;
-inline vf vzero() { return _mm512_setzero_ps(); }
-inline vf vset(float x) { return _mm512_set1_ps(x); }
-inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
-inline vf vload(const c10::BFloat16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline void vstore(float* p, vf x) { _mm512_storeu_ps(p, x); }
-inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
-inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
-inline float vsum(vf x) { return _mm512_reduce_add_ps(x); }
-#elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-constexpr int kLanes = 8;
-using vf = __m256;
-inline vf vzero() { return _mm256_setzero_ps(); }
-inline vf vset(float x) { return _mm256_set1_ps(x); }
-inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
-inline vf vload(const c10::BFloat16* p) {
-  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-inline void vstore(float* p, vf x) { _mm256_storeu_ps(p, x); }
-inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
-inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
-inline float vsum(vf x) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#else
-constexpr int kLanes = 1;
-using vf = float;
-inline vf vzero() { return 0.f; }
-inline vf vset(float x) { return x; }
-inline vf vload(const float* p) { return *p; }
-inline vf vload(const c10::BFloat16* p) { return to_float(*p); }
-inline void vstore(float* p, vf x) { *p = x; }
-inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
-inline vf vmul(vf a, vf b) { return a * b; }
-inline vf vadd(vf a, vf b) { return a + b; }
-inline float vsum(vf x) { return x; }
-#endif
-
-// exp(x) for x <= 0 (a score minus the running max), float32-accurate to a few ulp: 2^n * p(r)
-// with x = n ln2 + r, |r| <= ln2 / 2, p Cephes' degree-6 polynomial of expf. Scalar, written so
-// that a loop over it vectorises.
-inline float exp_nonpositive(float x) {
-  x = x < -87.f ? -87.f : x;
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
+using namespace moonbus_vec;
 
 template <typename scalar_t>
 void write_new_kv(const scalar_t* k_new, const scalar_t* v_new, scalar_t* k_cache, scalar_t* v_cache,
