@@ -56,9 +56,9 @@ struct Shape {
 
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "prefill_attention: ", what); }
 
-// Runs item(block, head) for every (query block of `query_block` queries, head), the blocks in the
-// order 0, last, 1, last - 1, ...: a thread's contiguous share of them holds short and long rows of
-// the causal triangle alike.
+// Runs item(first, last, head) for every query block [first, last) of `query_block` queries and
+// every head, the blocks in the order 0, last, 1, last - 1, ...: a thread's contiguous share of
+// them holds short and long rows of the causal triangle alike.
 template <typename F>
 void for_each_item(const Shape& s, int64_t query_block, const F& item) {
   const int64_t blocks = (s.n + query_block - 1) / query_block;
