@@ -43,6 +43,25 @@ def docker(*args: str, timeout_s: float = 120, check: bool = True) -> str:
     return result.stdout
 
 
+def inspect_present(*ids: str) -> list[dict]:
+    """`docker inspect` of those of `ids` that are still there: a swarm prunes old tasks as a
+    service scales or rolls (it keeps a few per slot), so a task listed a moment ago may be gone,
+    and one missing id fails the whole command."""
+    try:
+        return json.loads(docker("inspect", *ids))
+    except SwarmError as exc:
+        if "No such object" not in str(exc):
+            raise
+    found = []
+    for one in ids:
+        try:
+            found.extend(json.loads(docker("inspect", one)))
+        except SwarmError as exc:
+            if "No such object" not in str(exc):
+                raise
+    return found
+
+
 @dataclass
 class Swarm:
     node_id: str
@@ -114,7 +133,7 @@ class Stack:
         ids = docker("stack", "ps", "-q", "--no-trunc", self.name, check=False).split()
         if not ids:
             return []
-        raw = json.loads(docker("inspect", *ids))
+        raw = inspect_present(*ids)
         names = {s["ID"]: n for n, s in self.services().items()}
         return [Task(t["ID"], names.get(t["ServiceID"], t["ServiceID"]), t.get("Slot"), t["Status"]["State"],
                      t["DesiredState"], t["Spec"]["ContainerSpec"]["Image"].split("@")[0],
