@@ -134,27 +134,10 @@ void attend_span(const float* q, const scalar_t* k_cache, const scalar_t* v_cach
   }
   // the weights: exp(score - the span's max), summed; rounded as torch rounds them in bfloat16
   constexpr bool kRound = std::is_same<scalar_t, c10::BFloat16>::value;
-  // (whole vectors of the span, then its rest one at a time)
-  const int64_t full = span / kLanes * kLanes;
   for (int64_t g = 0; g < heads; ++g) {
     float* sg = scores(g);
-    vf vm = vset(-std::numeric_limits<float>::infinity());
-    for (int64_t i = 0; i < full; i += kLanes) vm = vmax(vm, vload(sg + i));
-    float m = vhmax(vm);
-    for (int64_t i = full; i < span; ++i) m = std::max(m, sg[i]);
-    const vf vmax_ = vset(m);
-    vf vtotal = vzero();
-    for (int64_t i = 0; i < full; i += kLanes) {
-      const vf p = vexp_nonpositive(vsub(vload(sg + i), vmax_));
-      vtotal = vadd(vtotal, p);
-      vstore(sg + i, p);
-    }
-    float total = vsum(vtotal);
-    for (int64_t i = full; i < span; ++i) {
-      const float p = exp_nonpositive(sg[i] - m);
-      total += p;
-      sg[i] = p;
-    }
+    const float m = max_of(sg, span);
+    const float total = exp_in_place(sg, span, m);
     if (kRound)
       for (int64_t i = 0; i < span; ++i) sg[i] = round_to_bfloat16(sg[i]);
     max_out[g] = m;

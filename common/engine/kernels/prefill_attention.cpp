@@ -173,27 +173,9 @@ void attend_block(const float* q, const float* keys, const float* v, const Shape
         std::fill(w, w + kKeyBlock, 0.f);
         continue;
       }
-      // whole vectors of seen keys, then the rest (a block on the diagonal) one at a time
-      const int64_t full = seen / kLanes * kLanes;
-      vf m = vset(-std::numeric_limits<float>::infinity());
-      for (int64_t j = 0; j < full; j += kLanes) m = vmax(m, vload(w + j));
-      float block_max = vhmax(m);
-      for (int64_t j = full; j < seen; ++j) block_max = std::max(block_max, w[j]);
-      const float new_max = std::max(maxes[r], block_max);
+      const float new_max = std::max(maxes[r], max_of(w, seen));
       const float rescale = maxes[r] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(maxes[r] - new_max);
-      const vf vmax_ = vset(new_max);
-      vf vtotal = vzero();
-      for (int64_t j = 0; j < full; j += kLanes) {
-        const vf p = vexp_nonpositive(vsub(vload(w + j), vmax_));
-        vtotal = vadd(vtotal, p);
-        vstore(w + j, p);
-      }
-      float total = vsum(vtotal);
-      for (int64_t j = full; j < seen; ++j) {
-        const float p = exp_nonpositive(w[j] - new_max);
-        total += p;
-        w[j] = p;
-      }
+      const float total = exp_in_place(w, seen, new_max);
       std::fill(w + seen, w + kKeyBlock, 0.f);
       sums[r] = sums[r] * rescale + total;
       maxes[r] = new_max;

@@ -5,6 +5,7 @@
 
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -143,6 +144,36 @@ inline vf vexp_nonpositive(vf x) {
   vf p = vset(kExpP[0]);
   for (int i = 1; i < 6; ++i) p = vfma(p, r, vset(kExpP[i]));
   return vmul(vfma(vmul(p, r), r, vadd(r, vset(1.f))), vpow2(n));
+}
+
+// The largest of x[0, n) (-inf when n is 0): whole vectors, then the rest one at a time.
+inline float max_of(const float* x, int64_t n) {
+  const int64_t full = n / kLanes * kLanes;
+  vf m = vset(-INFINITY);
+  for (int64_t i = 0; i < full; i += kLanes) m = vmax(m, vload(x + i));
+  float out = vhmax(m);
+  for (int64_t i = full; i < n; ++i) out = std::max(out, x[i]);
+  return out;
+}
+
+// x[i] = exp(x[i] - m) for i < n, each x[i] <= m (a softmax's weights before their sum divides
+// them); returns their sum.
+inline float exp_in_place(float* x, int64_t n, float m) {
+  const int64_t full = n / kLanes * kLanes;
+  const vf vm = vset(m);
+  vf vtotal = vzero();
+  for (int64_t i = 0; i < full; i += kLanes) {
+    const vf p = vexp_nonpositive(vsub(vload(x + i), vm));
+    vtotal = vadd(vtotal, p);
+    vstore(x + i, p);
+  }
+  float total = vsum(vtotal);
+  for (int64_t i = full; i < n; ++i) {
+    const float p = exp_nonpositive(x[i] - m);
+    total += p;
+    x[i] = p;
+  }
+  return total;
 }
 
 }  // namespace moonbus_vec
