@@ -50,7 +50,7 @@ from dataclasses import dataclass, field, replace
 from heapq import merge
 from itertools import accumulate
 from operator import itemgetter
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from common.decide.perf import Profile
 from common.decide.policy import Decision, DecodeCandidate
@@ -175,6 +175,27 @@ class DecodeLoadSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
+class DecodeLoads:
+    """The decode loads a route may judge, each made only when it is judged (`load_of`): a request
+    admitted on its policy's decode instance needs that instance's load alone (`judge`), and the
+    conductor makes each again after every report that touches it."""
+
+    now: float
+    ids: tuple[str, ...]  # every live decode instance, in the candidates' order
+    load_of: Callable[[str], DecodeLoad]
+
+    @classmethod
+    def made(cls, snapshot: DecodeLoadSnapshot) -> DecodeLoads:
+        """Loads already made (a test's, a caller that holds them all)."""
+        by_id = {d.decode_id: d for d in snapshot.decode}
+        return cls(snapshot.now, tuple(by_id), by_id.__getitem__)
+
+    def snapshot(self, ids: Sequence[str]) -> DecodeLoadSnapshot:
+        load_of = self.load_of
+        return DecodeLoadSnapshot(self.now, tuple([load_of(i) for i in ids]))
+
+
+@dataclass(frozen=True, slots=True)
 class Verdict:
     admit: bool
     reason: str
@@ -242,7 +263,7 @@ def admit(ttft_s: float, context_tokens: int, load: DecodeLoadSnapshot, settings
 _by_tbt_then_id = itemgetter(0, 1)
 
 
-def judge(decision: Decision, context_tokens: int, load: DecodeLoadSnapshot, settings: AdmissionSettings,
+def judge(decision: Decision, context_tokens: int, loads: DecodeLoads, settings: AdmissionSettings,
           perf: Profile, colocate: bool = False, resumed: bool = False, ttft_margin: float = 1.0) -> tuple[Verdict, Decision]:
     """Admission of the policy's decision, and where the request goes if admitted: the policy's decode
     instance when it meets the TBT SLO at the moment judged (the prefill's end, predictively), else
@@ -252,18 +273,28 @@ def judge(decision: Decision, context_tokens: int, load: DecodeLoadSnapshot, set
     admitted for one instance was sent to another, and rejected there when its KV arrived.
     `resumed`: a later attempt of a request admitted at its arrival (its instance was lost); its
     client already has a stream, so it is not judged again (it would be rejected for the very
-    delay the loss caused, and its stream would end in an error)."""
+    delay the loss caused, and its stream would end in an error).
+    The policy's instance is judged first, alone: when it meets the TBT SLO, `admit` names it
+    whatever the others' loads are, so theirs are made only when it does not (the same verdict)."""
     if resumed:
         return Verdict(True, "resumed: admitted at its arrival", ttft_s=decision.ttft_s), decision
-    costs = decision.decode_costs
-    if not colocate and all([c.fits for c in costs]) and len(costs) == len(load.decode) \
-            and all([c.instance_id == d.decode_id for c, d in zip(costs, load.decode)]):
-        judged = load  # every instance is eligible (the common case: the loads are the costs' instances)
+    costs, ids = decision.decode_costs, loads.ids
+    if not colocate and all([c.fits for c in costs]) and len(costs) == len(ids) \
+            and all([c.instance_id == i for c, i in zip(costs, ids)]):
+        eligible = ids  # every instance is eligible (the common case: the loads are the costs' instances)
     else:
-        eligible = {c.instance_id for c in costs if c.fits and (not colocate or c.node == decision.prefill_node)}
-        judged = DecodeLoadSnapshot(load.now, tuple([d for d in load.decode if d.decode_id in eligible]))
-    verdict = admit(decision.ttft_s, context_tokens, judged, settings, perf, chosen=decision.decode_id,
-                    ttft_margin=ttft_margin)
+        fit = {c.instance_id for c in costs if c.fits and (not colocate or c.node == decision.prefill_node)}
+        eligible = tuple([i for i in ids if i in fit])
+    chosen = decision.decode_id
+    verdict = None
+    if chosen in eligible:
+        verdict = admit(decision.ttft_s, context_tokens, loads.snapshot((chosen,)), settings, perf, chosen=chosen,
+                        ttft_margin=ttft_margin)
+        if not verdict.admit and verdict.decode_id:  # the TBT SLO broke on it: the others are judged
+            verdict = None
+    if verdict is None:
+        verdict = admit(decision.ttft_s, context_tokens, loads.snapshot(eligible), settings, perf, chosen=chosen,
+                        ttft_margin=ttft_margin)
     if verdict.admit and verdict.decode_id and verdict.decode_id != decision.decode_id:
         cost = next(c for c in decision.decode_costs if c.instance_id == verdict.decode_id)
         decision = replace(decision, decode_id=cost.instance_id, decode_node=cost.node, tbt_s=cost.tbt_s,

@@ -708,7 +708,8 @@ class ClusterState:
         return load
 
     def decode_loads(self, decode: Iterable[DecodeCandidate], now: float) -> tuple[DecodeLoad, ...]:
-        """decode_load of each of these candidates' instances, in their order (one call per route)."""
+        """decode_load of each of these candidates' instances, in their order (a route that finds no
+        KV room; admission makes only those it judges: admission.judge)."""
         kept = self._decode_loads
         return tuple([kept.get(d.instance_id) or self.decode_load(d.instance_id, now) for d in decode])
 

@@ -24,10 +24,11 @@ clock.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Callable, Mapping, Sequence
 
 from common.decide import admission, policy
-from common.decide.admission import AdmissionSettings, DecodeLoadSnapshot, Verdict
+from common.decide.admission import AdmissionSettings, DecodeLoads, Verdict
 from common.decide.cluster_state import ClusterState, Routed
 from common.decide.index import PrefixIndex
 from common.decide.perf import Profile
@@ -103,7 +104,7 @@ def route(request: ToRoute, index: PrefixIndex | None, state: ClusterState, now:
     mark("decide")
     if isinstance(decision, NoInstances):
         return _no_route(decision, snapshot, state, now, request.prompt_tokens, admit)
-    loads = DecodeLoadSnapshot(now, state.decode_loads(snapshot.decode, now))
+    loads = DecodeLoads(now, tuple([d.instance_id for d in snapshot.decode]), partial(state.decode_load, now=now))
     verdict, decision = admission.judge(decision, request.prompt_tokens, loads, admit, perf, settings.colocate,
                                         resumed=request.attempt > 0, ttft_margin=state.ttft_margin.value)
     mark("judge")

@@ -5,11 +5,13 @@ within the SLO while it already runs at most 8 requests. Every request here stay
 (DecodeLoad takes each request's own leave time; these hand-built ones all leave 5 s after joining).
 """
 
+from dataclasses import replace
+
 import pytest
 
 from common.decide.perf import DecodeModel, PrefillModel, Profile
 from common.decide import admission
-from common.decide.admission import AdmissionSettings, DecodeLoad, DecodeLoadSnapshot, admit, has_room, kv_reservation, late_verdict
+from common.decide.admission import AdmissionSettings, DecodeLoad, DecodeLoads, DecodeLoadSnapshot, admit, has_room, kv_reservation, late_verdict
 from common.decide.policy import Decision, DecodeCandidate, DecodeCost
 
 PERF = Profile(PrefillModel((0.0, 0.001, 0.0, 0.0)), DecodeModel((0.01, 0.01, 0.0)))
@@ -107,15 +109,43 @@ def test_the_request_goes_where_admission_found_room_when_its_prefill_ends():
     # d0 (the policy's pick) fills up with prefills landing before 102; d1 will have drained; d2 is busy
     load = make_load(make_instance("d0", decoding={99.0: 2}, in_prefill={101.0: 10}),
                      make_instance("d1", decoding={96.0: 10}), make_instance("d2", decoding={99.0: 8}))
-    verdict, decision = admission.judge(decision_for("d0"), 100, load, make_settings("predictive"), PERF)
+    verdict, decision = admission.judge(decision_for("d0"), 100, DecodeLoads.made(load), make_settings("predictive"), PERF)
     assert verdict.admit and decision.decode_id == verdict.decode_id == "d1" and decision.decode_node == "n-d1"
     assert "within the TBT SLO when the prefill ends" in decision.reason
     # the policy's pick stays when it is within the SLO at that moment, though another is lighter
-    verdict, decision = admission.judge(decision_for("d2"), 100, load, make_settings("predictive"), PERF)
+    verdict, decision = admission.judge(decision_for("d2"), 100, DecodeLoads.made(load), make_settings("predictive"), PERF)
     assert verdict.admit and decision.decode_id == "d2" and decision.reason == "policy's pick"
     # an instance without KV room for the request is never the one
-    verdict, decision = admission.judge(decision_for("d0", fits=("d0", "d2")), 100, load, make_settings("predictive"), PERF)
+    verdict, decision = admission.judge(decision_for("d0", fits=("d0", "d2")), 100, DecodeLoads.made(load), make_settings("predictive"), PERF)
     assert verdict.admit and decision.decode_id == "d2"
+
+
+def test_the_policys_instance_is_judged_alone_when_it_meets_the_tbt_slo():
+    load = make_load(make_instance("d0", decoding={99.0: 2}, in_prefill={101.0: 10}),
+                     make_instance("d1", decoding={96.0: 10}), make_instance("d2", decoding={99.0: 8}))
+    made = DecodeLoads.made(load)
+    asked: list[str] = []
+
+    def load_of(decode_id: str):
+        asked.append(decode_id)
+        return made.load_of(decode_id)
+
+    loads = DecodeLoads(made.now, made.ids, load_of)
+    settings = make_settings("predictive")
+    # d2 meets the SLO when the prefill ends: only its load is made, and the verdict is the one of all three
+    verdict, decision = admission.judge(decision_for("d2"), 100, loads, settings, PERF)
+    assert asked == ["d2"]
+    assert verdict == admission.admit(2.0, 100, load, settings, PERF, chosen="d2") and decision.decode_id == "d2"
+    # d0 breaks it then: every instance is judged, and the request goes to the lightest
+    asked.clear()
+    verdict, decision = admission.judge(decision_for("d0"), 100, loads, settings, PERF)
+    assert asked == ["d0", "d0", "d1", "d2"]
+    assert verdict == admission.admit(2.0, 100, load, settings, PERF, chosen="d0") and decision.decode_id == "d1"
+    # a TTFT past the SLO needs no decode load at all beyond the first look
+    asked.clear()
+    late = replace(decision_for("d2"), ttft_s=99.0)
+    verdict, _ = admission.judge(late, 100, loads, settings, PERF)
+    assert not verdict.admit and "ttft" in verdict.reason and asked == ["d2"]
 
 
 def test_load_at_counts_arrivals_and_departures():
@@ -209,9 +239,9 @@ def test_a_resumed_attempt_is_not_judged_again():
     load = make_load(make_instance("d0", decoding={99.0: 20}))  # far over the TBT SLO
     late = Decision("r", "kvcache-centric", "p0", "n-p0", "d0", "n-d0", 0, None, 99.0, 97.0, 2.0, 0.0, 0.02, 0, None,
                     "policy's pick", (), (DecodeCost("d0", "n-d0", 20, 2000, 0.2, True),))
-    verdict, _ = admission.judge(late, 100, load, make_settings("predictive"), PERF)
+    verdict, _ = admission.judge(late, 100, DecodeLoads.made(load), make_settings("predictive"), PERF)
     assert not verdict.admit
-    verdict, decision = admission.judge(late, 100, load, make_settings("predictive"), PERF, resumed=True)
+    verdict, decision = admission.judge(late, 100, DecodeLoads.made(load), make_settings("predictive"), PERF, resumed=True)
     assert verdict.admit and decision == late
 
 
