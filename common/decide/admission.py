@@ -176,9 +176,9 @@ class DecodeLoadSnapshot:
 
 @dataclass(frozen=True, slots=True)
 class DecodeLoads:
-    """The decode loads a route may judge, each made only when it is judged (`load_of`): a request
+    """The decode loads a route may judge, each made when first asked for (`load_of`): a request
     admitted on its policy's decode instance needs that instance's load alone (`judge`), and the
-    conductor makes each again after every report that touches it."""
+    conductor drops an instance's load at every report that touches it."""
 
     now: float
     ids: tuple[str, ...]  # every live decode instance, in the candidates' order
