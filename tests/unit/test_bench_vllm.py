@@ -386,6 +386,10 @@ def test_the_command_drives_each_server_and_prints_one_json_with_why_one_failed(
     text = vllm_report.format_report(result)
     assert "FAILED: RuntimeError: no AVX-512" in text and "moonbus: moonbus's cores; started in" in text
     assert "capacity" in text and "chat (" in text
+    assert "0.500 req/s at speed 0.5" in text  # a row a second of trace time, at half speed
+    # a slice whose rows share one timestamp (the trace's first rows) has no rate: it arrives at once
+    result["workloads"]["chat"]["rate_rps"] = 0.0
+    assert "all arriving at once at speed" in vllm_report.format_report(result)
 
 
 def test_the_search_runs_on_its_own_longer_slice_from_the_first_speed_on(monkeypatch, tmp_path):

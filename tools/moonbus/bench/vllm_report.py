@@ -263,7 +263,7 @@ def format_report(result: dict) -> str:
              f"{result['vllm']}", ""]
     for workload, about in result["workloads"].items():
         lines += [f"{workload} ({'; '.join(about['scalings'])}; mean output {about['output_tokens_mean']:.0f} tokens; "
-                  f"{about['rate_rps']:.3f} req/s at speed {result['speed']:g})"]
+                  f"{_arrivals(about['rate_rps'])} at speed {result['speed']:g})"]
         head = (f"  {'server':<16} {'done':>4} {'429':>4} {'fail':>4} {'in SLO':>6} {'out tok/s':>9} {'TTFT p50':>9} "
                 f"{'p90':>7} {'p99':>7} {'ITL p50':>8} {'p90':>7} {'goodput':>9} {'CPU':>5} {'capacity':>12}")
         lines += [head, "  " + "-" * (len(head) - 2)]
@@ -302,3 +302,9 @@ def format_report(result: dict) -> str:
                   f"with at least {CAPACITY_SHARE:.0%} in SLO ('+': no faster run failed); goodput = within both SLOs "
                   f"per second of the run; CPU = the server's process tree, CPU-seconds / wall-seconds / cores"]
     return "\n".join(lines)
+
+
+def _arrivals(rate_rps: float) -> str:
+    """A workload's arrival rate as the report says it: a slice whose rows share one timestamp
+    (the trace's first rows all arrive at 0) arrives all at once, it has no rate."""
+    return f"{rate_rps:.3f} req/s" if rate_rps > 0 else "all arriving at once"
