@@ -699,19 +699,14 @@ class ClusterState:
                                           context + coming_tokens, kv_free - coming_room if kv_free is not None else None,
                                           self.learned.factor(instance_id, "step")))
 
-    def decode_load(self, decode_id: str, now: float) -> DecodeLoad:
-        """Admission's view: who decodes there since when, who will join and when (times are
-        absolute, so the view stays valid until the next change)."""
+    def decode_load(self, decode_id: str) -> DecodeLoad:
+        """Admission's view: who decodes there since when, who will join and when. Its times are
+        absolute, so it needs no clock and stays valid until a report or one of our requests
+        touches the instance (`touched`); made when first asked for (admission.DecodeLoads)."""
         load = self._decode_loads.get(decode_id)
         if load is None:
             load = self._decode_loads[decode_id] = self._build_decode_load(decode_id)
         return load
-
-    def decode_loads(self, decode: Iterable[DecodeCandidate], now: float) -> tuple[DecodeLoad, ...]:
-        """decode_load of each of these candidates' instances, in their order (a route that finds no
-        KV room; admission makes only those it judges: admission.judge)."""
-        kept = self._decode_loads
-        return tuple([kept.get(d.instance_id) or self.decode_load(d.instance_id, now) for d in decode])
 
     def _build_decode_load(self, decode_id: str) -> DecodeLoad:
         """Each request's leave time: now (its report) plus the tokens it will still generate

@@ -24,7 +24,6 @@ clock.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import Callable, Mapping, Sequence
 
 from common.decide import admission, policy
@@ -99,12 +98,12 @@ def route(request: ToRoute, index: PrefixIndex | None, state: ClusterState, now:
                        request.prompt_tokens + request.max_tokens)
     settings = state.policy_settings(settings)  # with the balancing threshold learned so far
     decision = policy.decide(info, snapshot, settings, perf)
+    loads = DecodeLoads(now, tuple([d.instance_id for d in snapshot.decode]), state.decode_load)
     if isinstance(decision, NoInstances) and decision.overloaded:
-        decision = wait_for_room(info, snapshot, state, now, settings, admit, perf) or decision
+        decision = wait_for_room(info, snapshot, loads, settings, admit, perf) or decision
     mark("decide")
     if isinstance(decision, NoInstances):
-        return _no_route(decision, snapshot, state, now, request.prompt_tokens, admit)
-    loads = DecodeLoads(now, tuple([d.instance_id for d in snapshot.decode]), partial(state.decode_load, now=now))
+        return _no_route(decision, snapshot, loads, state, request.prompt_tokens, admit)
     verdict, decision = admission.judge(decision, request.prompt_tokens, loads, admit, perf, settings.colocate,
                                         resumed=request.attempt > 0, ttft_margin=state.ttft_margin.value)
     mark("judge")
@@ -134,12 +133,13 @@ def beyond_capacity(state: ClusterState, prompt_tokens: int, max_tokens: int) ->
     return ""
 
 
-def wait_for_room(info: RequestInfo, snapshot: ClusterSnapshot, state: ClusterState, now: float,
-                  settings: PolicySettings, admit: AdmissionSettings, perf: Profile) -> Decision | None:
+def wait_for_room(info: RequestInfo, snapshot: ClusterSnapshot, loads: DecodeLoads, settings: PolicySettings,
+                  admit: AdmissionSettings, perf: Profile) -> Decision | None:
     """The route to a decode instance whose KV room frees, as its requests leave, within the
-    TTFT SLO (the request waits in its queue); None when none's does."""
+    TTFT SLO (the request waits in its queue); None when none's does. `loads`: the snapshot's
+    decode instances', in its order."""
     horizon = admit.ttft_slo_s
-    later = admission.room_within(snapshot.decode, state.decode_loads(snapshot.decode, now), now, horizon)
+    later = admission.room_within(snapshot.decode, loads.snapshot(loads.ids).decode, loads.now, horizon)
     decision = policy.decide(info, replace(snapshot, decode=later), settings, perf)
     if isinstance(decision, NoInstances):
         return None
@@ -147,11 +147,11 @@ def wait_for_room(info: RequestInfo, snapshot: ClusterSnapshot, state: ClusterSt
                                     f"freed as its requests leave within {horizon:g}s")
 
 
-def _no_route(decision: NoInstances, snapshot: ClusterSnapshot, state: ClusterState, now: float,
+def _no_route(decision: NoInstances, snapshot: ClusterSnapshot, loads: DecodeLoads, state: ClusterState,
               prompt_tokens: int, admit: AdmissionSettings) -> RouteOutcome:
+    now = loads.now
     if decision.overloaded:  # instances exist, their KV room is taken: an overload, not an outage
-        retry = admission.kv_retry_after(prompt_tokens, snapshot.decode, state.decode_loads(snapshot.decode, now), now,
-                                         admit)
+        retry = admission.kv_retry_after(prompt_tokens, snapshot.decode, loads.snapshot(loads.ids).decode, now, admit)
         return RouteOutcome(429, f"rejected at arrival: {decision.reason}", retry, snapshot=snapshot)
     if decision.role and state.recovering(decision.role, now):  # lost capacity, coming back
         return RouteOutcome(429, f"rejected at arrival: {decision.reason} while one is being restarted",

@@ -77,7 +77,7 @@ def test_a_decode_instance_counts_what_is_coming_to_it_exactly_once():
     state.heard(prefill(coming=[Coming("a", "d0", 2.5, 100, 11)]), now=1.5)  # queued at p0, at most 11 tokens
     [d] = state.decode_candidates(now=1.5)
     assert (d.num_running, d.context_tokens) == (2, 150)
-    load = state.decode_load("d0", now=1.5)
+    load = state.decode_load("d0")
     # x leaves after its 20 tokens still to come; a joins when its prefill ends, leaves after 10 more
     assert (load.leaves, load.leave_context) == (pytest.approx((1.2,)), (50,))
     assert (load.joins, load.join_leaves, load.join_context) == ((4.0,), pytest.approx((4.1,)), (100,))
@@ -93,9 +93,9 @@ def test_after_our_broker_came_back_the_loads_count_from_then():
     state = cluster()
     # x has generated 5 of at most 25 tokens; steps take 0.01 s: it leaves 0.2 s after its report
     state.heard(decode(joined=[Joined("x", 2.0, 50, 5, 25)]), now=1.0)
-    assert state.decode_load("d0", now=1.0).leaves == pytest.approx((1.2,))
+    assert state.decode_load("d0").leaves == pytest.approx((1.2,))
     state.refresh(now=10.0)  # our own broker connection was down until now: every report counts as new
-    assert state.decode_load("d0", now=10.0).leaves == pytest.approx((10.2,))
+    assert state.decode_load("d0").leaves == pytest.approx((10.2,))
 
 
 def test_after_our_broker_came_back_what_is_coming_counts_from_then():
@@ -333,7 +333,7 @@ def test_views_kept_between_changes_equal_views_built_afresh(seed):
     nodes = ("n0", "n1", "n2")
 
     def views():
-        return ([state.decode_load(d, now) for d in decodes], state.decode_candidates(now),
+        return ([state.decode_load(d) for d in decodes], state.decode_candidates(now),
                 [state.prefill_queue_s(p, now) for p in prefills], {d: list(state.coming_to(d)) for d in decodes},
                 state.prefill_candidates(now), dict(state.sender_queued_bytes()),
                 [i.instance_id for i in state.of_role("prefill")], [i.instance_id for i in state.of_role("decode")])
@@ -454,7 +454,7 @@ def test_a_request_its_prefill_could_not_begin_in_time_ends_and_the_ttft_margin_
     for i in range(8):  # predicted 10 s (4 of queue, 6 of work); found at 14 s: it would have come at 20 s
         state.route(routed(f"r{i}", at=0.0, work=6.0, ttft=10.0))
         assert state.unstarted(f"r{i}", 0, 14.0) is not None
-    assert not state.routed and state.decode_load("d0", 14.0).joins == ()
+    assert not state.routed and state.decode_load("d0").joins == ()
     assert state.ttft_margin.value == 2.0
     state.route(routed("r9", at=0.0, attempt=1))
     assert state.unstarted("r9", 0, 14.0) is None and "r9" in state.routed  # another attempt's: not this one

@@ -61,7 +61,7 @@ def test_the_state_learns_each_measurement_once_and_prices_the_instance_by_it():
         state.heard(WorkerInfo("decode-0", "decode", "node-d0", decode=DecodeReport(
             1, 10, 0, None, 0.0, [], Measured(seq, 0.2, 10, batch=1))), now=5.0)
     assert state.decode_candidates(now=5.0)[0].step_factor == pytest.approx(4.0)  # 0.2 s against 0.05
-    assert state.decode_load("decode-0", 5.0).step_factor == pytest.approx(4.0)
+    assert state.decode_load("decode-0").step_factor == pytest.approx(4.0)
 
 
 @pytest.mark.parametrize("factor", [0.5, 2.0])

@@ -67,10 +67,10 @@ def _outcome_print(outcome) -> str:
 def _views_print(state: ClusterState, now: float) -> str:
     decodes = [d for d in DECODES if state.get(d) is not None]
     for d in decodes:  # what the state says of a view's order (the Retry-After scan trusts it) holds
-        load = state.decode_load(d, now)
+        load = state.decode_load(d)
         assert not load._orderly or replace(load)._orderly, load
     return repr((state.prefill_candidates(now), state.decode_candidates(now),
-                 [state.decode_load(d, now) for d in decodes], [list(state.coming_to(d)) for d in decodes],
+                 [state.decode_load(d) for d in decodes], [list(state.coming_to(d)) for d in decodes],
                  sorted(state.sender_queued_bytes().items()), [state.prefill_queue_s(p, now) for p in PREFILLS]))
 
 
