@@ -38,7 +38,7 @@ browser:
 	@sh tools/ensure_packages.sh "the dashboard's browser test" "/usr/bin/chromium /usr/bin/chromedriver" "chromium chromium-driver"
 
 # -rs: every skip says why. .ci/run sets MOONBUS_REQUIRE=all, which turns a skip of a required
-# component (rdma, compose, hosts, browser, mooncake, kernel, history: tests/required.py) into a failure.
+# component (rdma, compose, hosts, mounts, browser, mooncake, kernel, history: tests/required.py) into a failure.
 test: setup browser docker-tools rdma-tools history
 	$(PY) -m pytest -q -rs -p no:cacheprovider --durations=25 tests
 

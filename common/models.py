@@ -19,6 +19,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +42,10 @@ TINY_CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, n
                    num_key_value_heads=2, max_position_embeddings=4096)
 # NOTE: built-in models are rebuilt when this changes, so cached copies never go stale.
 BUILD_VERSION = "1"
+# a process that cannot write the model store waits this long for the model to appear there
+# (compose's model-init converts SmolLM2 in 20-45 s on 2 cores), looking every MODEL_POLL_S
+MODEL_WAIT_S = 900.0
+MODEL_POLL_S = 0.5
 
 
 DTYPES = ("bfloat16", "float32")  # compute and KV dtypes a worker can run
@@ -109,11 +114,16 @@ def resolve(model: str, home: Path) -> ModelRef:
     )
 
 
-def prepare(model: str, home: Path) -> ModelRef:
-    """Make sure the model's local directory exists, building it once (safe across processes)."""
+def prepare(model: str, home: Path, wait_s: float = MODEL_WAIT_S) -> ModelRef:
+    """Make sure the model's local directory exists, building it once (safe across processes).
+    Where this process cannot write there (a read-only model store: every container but compose's
+    model-init mounts it so, and a swarm starts them all at once), it waits up to `wait_s` for the
+    process that prepares it, saying so once, rather than failing and being restarted until then."""
     ref = resolve(model, home)
     if (ref.path / "config.json").is_file():
         return ref
+    if not _writable(ref.path.parent):
+        return _wait_for(ref, wait_s)
     home.mkdir(mode=0o700, parents=True, exist_ok=True)  # a home made here is its owner's alone (an existing one is kept)
     ref.path.parent.mkdir(mode=0o700, exist_ok=True)
     with FileLock(ref.path.parent / ".lock", mode=0o600):  # across processes
@@ -131,6 +141,31 @@ def prepare(model: str, home: Path) -> ModelRef:
         if converted:
             _keep_machine_copy(tmp)
         tmp.rename(ref.path)
+    return ref
+
+
+def _writable(folder: Path) -> bool:
+    """Whether this process could create `folder` or write in it: the nearest existing one of it
+    and its parents is writable (access(2) says no on a read-only mount, even to root)."""
+    for existing in (folder, *folder.parents):
+        if existing.exists():
+            return os.access(existing, os.W_OK | os.X_OK)
+    return False
+
+
+def _wait_for(ref: ModelRef, wait_s: float) -> ModelRef:
+    """The model as another process prepares it into a store this one only reads."""
+    log.warning("model %s is not in %s yet, and this process cannot write there: waiting up to %gs for the "
+                "process that prepares it (compose's model-init; `python -m common.models`)",
+                ref.name, ref.path.parent, wait_s)
+    deadline = time.monotonic() + wait_s
+    while not (ref.path / "config.json").is_file():  # it appears whole: the preparer renames its folder in
+        if time.monotonic() >= deadline:
+            raise ModelNotFound(f"model {ref.name!r} did not appear in {ref.path.parent} within {wait_s:g}s, and "
+                                f"this process cannot write there to prepare it: run `python -m common.models "
+                                f"{ref.name}` where that store is writable")
+        time.sleep(MODEL_POLL_S)
+    log.info("model %s is there now", ref.name)
     return ref
 
 
@@ -363,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", nargs="?", default=os.environ.get("MOONBUS_MODEL", SMOLLM2))
     parser.add_argument("--home", type=Path, default=Path(os.environ.get("MOONBUS_HOME", default_home())))
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     ref = prepare(args.model, args.home)
     print(f"{ref.name}: {ref.path}")
     return 0

@@ -7,6 +7,8 @@ failure, so a run that must prove them cannot pass with them untested:
     rdma      soft-RoCE in the qemu VM (tests/integration/test_rdma_vm.py)
     compose   a Docker engine and compose (tests/integration/test_compose_e2e.py, tests/unit/test_compose.py)
     hosts     network namespaces for nodes on separate hosts (tests/integration/test_hosts.py)
+    mounts    a private mount namespace (root and unshare(1)) with a read-only bind mount, the model
+              store as containers mount it (tests/unit/test_models.py)
     browser   headless chromium and chromedriver (tests/integration/test_dashboard.py)
     mooncake  Mooncake's Transfer Engine, the transfer bench's baseline (tests/integration/test_bench_transfer.py)
     kernel    the engine's C++ kernels built for this CPU (tests/unit/test_attention_kernel.py,
@@ -21,7 +23,7 @@ import os
 
 import pytest
 
-COMPONENTS = ("rdma", "compose", "hosts", "browser", "mooncake", "kernel", "history")
+COMPONENTS = ("rdma", "compose", "hosts", "mounts", "browser", "mooncake", "kernel", "history")
 
 
 def required(component: str) -> bool:

@@ -1,13 +1,23 @@
 """Where models come from: the machine's converted copy of SmolLM2, taken by a new home instead of
-converting again (the conversion itself runs in tests/integration/test_real_model.py)."""
+converting again (the conversion itself runs in tests/integration/test_real_model.py); a process
+that only reads the model store waiting for the one that prepares it."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
 import pytest
 
 from common import models
+from tests import required
+from tests.wait import until_sync
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -57,3 +67,50 @@ def test_an_empty_model_cache_setting_keeps_no_machine_copy(machine_cache, monke
     monkeypatch.setenv("MOONBUS_MODEL_CACHE", "")
     assert models.machine_copy() is None
     assert not models._take_machine_copy(machine_cache / "out")
+
+
+def _read_only(home: Path, command: str) -> list[str]:
+    """`command` run in a private mount namespace where `home` is a read-only bind mount (as every
+    container but compose's model-init mounts the model store); the test still writes `home`."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("mount") is None:
+        required.missing("mounts", "a read-only bind mount in a private mount namespace needs root, unshare(1) "
+                                   "and mount(8)")
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        required.missing("mounts", f"unshare -m: {probe.stderr.strip()}")
+    return ["unshare", "-m", "sh", "-c",
+            f"mount --bind {home} {home} && mount -o remount,bind,ro {home} && exec {command}"]
+
+
+def test_a_process_that_only_reads_the_model_store_waits_for_the_model_to_appear(tmp_path):
+    home = tmp_path / "home"
+    (home / "models").mkdir(parents=True)
+    proc = subprocess.Popen(_read_only(home, f"{sys.executable} -m common.models {models.TINY_RANDOM} --home {home}"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    said: list[str] = []
+    reader = threading.Thread(target=lambda: said.extend(proc.stderr), daemon=True)
+    reader.start()
+    try:
+        until_sync(lambda: any("waiting up to" in line for line in said) or proc.poll() is not None,
+                   "the reader says it waits for the model", timeout_s=300)
+        assert proc.poll() is None, "".join(said)  # it waits; it did not fail on the read-only store
+        ref = models.prepare(models.TINY_RANDOM, home)  # the preparer (model-init), where the store is writable
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    reader.join(timeout=60)
+    assert proc.returncode == 0, "".join(said)
+    assert out.strip() == f"{ref.name}: {ref.path}"
+    assert any("is there now" in line for line in said)
+
+
+def test_a_reader_gives_up_on_a_model_that_never_appears_saying_where_to_prepare_it(tmp_path):
+    home = tmp_path / "home"
+    (home / "models").mkdir(parents=True)
+    code = ("from pathlib import Path; from common import models; "
+            f"models.prepare({models.TINY_RANDOM!r}, Path({str(home)!r}), wait_s=0)")
+    done = subprocess.run(_read_only(home, f"{sys.executable} -c \"{code}\""), capture_output=True, text=True,
+                          cwd=REPO, timeout=300)
+    assert done.returncode != 0
+    assert "ModelNotFound" in done.stderr and "python -m common.models tiny-random" in done.stderr, done.stderr
+    assert not any((home / "models").iterdir())  # it wrote nothing there
