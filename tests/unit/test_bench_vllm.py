@@ -106,6 +106,18 @@ def test_serve_row_counts_429s_and_attainment_over_completed():
     assert "1 past the TTFT SLO, 1 past the TBT SLO" in vllm_report.describe_run(run)
 
 
+def test_a_run_says_why_its_requests_were_rejected():
+    results = [make_result(0), make_result(1, REJECTED_ARRIVAL), make_result(2, REJECTED_ARRIVAL),
+               make_result(3, REJECTED_ARRIVAL), make_result(4, REJECTED_LATE)]
+    results[1].error = results[2].error = "HTTP 429: rejected at arrival: ttft 41.2s (x1.30 margin: 53.6s) > slo 30s"
+    results[3].error = "HTTP 429: rejected at arrival: no decode instance has KV room for the prompt"
+    results[4].error = "HTTP 429: rejected late: tbt 1.2s > slo 1s"
+    row = vllm_report.serve_row(summarize(results, 30.0, 1.0), results, cpu_seconds=1.0, wall_seconds=10.0, cores=2)
+    assert row["rejections"] == {"arrival: ttft": 2, "arrival: kv room": 1, "late: tbt": 1}
+    said = vllm_report.describe_run(vllm_report.capacity_run(row, 0.25, 0.5))
+    assert "4 rejected (arrival: ttft 2, arrival: kv room 1, late: tbt 1)" in said
+
+
 def workload(goodput: float, tokens: float, capacity: float) -> dict:
     return {"serve": {"goodput_rps": goodput, "output_tokens_per_s": tokens},
             "capacity": {"capacity_rps": capacity, "bounded": True, "runs": []}}

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from tools.moonbus.traces.measures import OK, RequestResult, percentile
+from tools.moonbus.traces.measures import OK, RequestResult, percentile, rejection_reasons
 
 GOODPUT_GOAL = 1.0  # the prefill-heavy load keeps today's goodput: >= 1.0x vLLM CPU's at its defaults
 CHAT_TOKENS_GOAL = {"vllm": 1.5, "vllm-all-cores": 1.0}  # issue 36: chat output tokens/s over each vLLM run
@@ -87,6 +87,7 @@ def serve_row(summary: dict, results: Sequence[RequestResult], cpu_seconds: floa
         "requests": summary["requests"], "completed": completed,
         "rejected": summary["rejected_arrival"] + summary["rejected_late"],
         "rejected_arrival": summary["rejected_arrival"], "rejected_late": summary["rejected_late"],
+        "rejections": rejection_reasons(results),  # "arrival: ttft" -> how many, and so on
         "failed": summary["failed"], "within_slo": summary["meets_slo"],
         "slo_attainment": summary["meets_slo"] / completed if completed else 0.0,
         "share_within_slo": summary["effective_capacity"],
@@ -111,15 +112,18 @@ def capacity_run(serve: dict, speed: float, rate_rps: float) -> dict:
     """One run of the capacity search: its speed, arrival rate and share within both SLOs."""
     return {"speed": speed, "rate_rps": rate_rps, "share_within_slo": serve["share_within_slo"],
             "requests": serve["requests"], "within_slo": serve["within_slo"], "rejected": serve["rejected"],
+            "rejections": serve.get("rejections", {}),
             "output_tokens_per_s": serve["output_tokens_per_s"], "ttft_p90_s": serve["ttft_p90_s"],
             "past_ttft_slo": serve.get("past_ttft_slo", 0), "past_tbt_slo": serve.get("past_tbt_slo", 0)}
 
 
 def describe_run(run: dict) -> str:
     missed = f", {run.get('past_ttft_slo', 0)} past the TTFT SLO, {run.get('past_tbt_slo', 0)} past the TBT SLO"
+    why = ", ".join(f"{reason} {n}" for reason, n in run.get("rejections", {}).items())
     p90 = run.get("ttft_p90_s")
     return (f"{run['rate_rps']:.3f} req/s, {run['share_within_slo']:.0%} of {run['requests']} within both SLOs "
-            f"({run['rejected']} rejected{missed}), {run['output_tokens_per_s']:.1f} output tok/s"
+            f"({run['rejected']} rejected{f' ({why})' if why else ''}{missed}), "
+            f"{run['output_tokens_per_s']:.1f} output tok/s"
             + (f", TTFT p90 {p90:.2f}s" if p90 is not None else ""))
 
 
