@@ -42,7 +42,7 @@ TINY_CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, n
                    num_key_value_heads=2, max_position_embeddings=4096)
 # NOTE: built-in models are rebuilt when this changes, so cached copies never go stale.
 BUILD_VERSION = "1"
-# a process that cannot write the model store waits this long for the model to appear there
+# a service that cannot write the model store waits this long for the model to appear there
 # (compose's model-init converts SmolLM2 in 20-45 s on 2 cores), looking every MODEL_POLL_S
 MODEL_WAIT_S = 900.0
 MODEL_POLL_S = 0.5
@@ -114,11 +114,12 @@ def resolve(model: str, home: Path) -> ModelRef:
     )
 
 
-def prepare(model: str, home: Path, wait_s: float = MODEL_WAIT_S) -> ModelRef:
+def prepare(model: str, home: Path, wait_s: float = 0.0) -> ModelRef:
     """Make sure the model's local directory exists, building it once (safe across processes).
-    Where this process cannot write there (a read-only model store: every container but compose's
-    model-init mounts it so, and a swarm starts them all at once), it waits up to `wait_s` for the
-    process that prepares it, saying so once, rather than failing and being restarted until then."""
+    Where this process cannot write there, it fails at once saying where to prepare it, or, with
+    `wait_s` (the services: MODEL_WAIT_S), waits that long for the process that prepares it, saying
+    so once: every container but compose's model-init mounts the model store read-only, and a
+    swarm starts them all at once, so a service that failed there was restarted until then."""
     ref = resolve(model, home)
     if (ref.path / "config.json").is_file():
         return ref
@@ -155,14 +156,16 @@ def _writable(folder: Path) -> bool:
 
 def _wait_for(ref: ModelRef, wait_s: float) -> ModelRef:
     """The model as another process prepares it into a store this one only reads."""
-    log.warning("model %s is not in %s yet, and this process cannot write there: waiting up to %gs for the "
-                "process that prepares it (compose's model-init; `python -m common.models`)",
-                ref.name, ref.path.parent, wait_s)
+    if wait_s > 0:
+        log.warning("model %s is not in %s yet, and this process cannot write there: waiting up to %gs for the "
+                    "process that prepares it (compose's model-init; `python -m common.models`)",
+                    ref.name, ref.path.parent, wait_s)
     deadline = time.monotonic() + wait_s
     while not (ref.path / "config.json").is_file():  # it appears whole: the preparer renames its folder in
         if time.monotonic() >= deadline:
-            raise ModelNotFound(f"model {ref.name!r} did not appear in {ref.path.parent} within {wait_s:g}s, and "
-                                f"this process cannot write there to prepare it: run `python -m common.models "
+            raise ModelNotFound(f"model {ref.name!r} is not in {ref.path.parent}"
+                                + (f" (waited {wait_s:g}s)" if wait_s > 0 else "")
+                                + f", and this process cannot write there to prepare it: run `python -m common.models "
                                 f"{ref.name}` where that store is writable")
         time.sleep(MODEL_POLL_S)
     log.info("model %s is there now", ref.name)
@@ -225,7 +228,7 @@ def load_for_worker(model: str, home: Path, threads: int = 0, dtype: str = "auto
 
     if threads:
         torch.set_num_threads(threads)
-    ref = prepare(model, home)
+    ref = prepare(model, home, MODEL_WAIT_S)
     dtype = resolve_dtype(dtype)
     share = cores.for_worker(role, threads) if role else None
     return WorkerModel(ref, Llama.load(ref.path, dtype), eos_token_id(ref), read_shape(ref), dtype, share)

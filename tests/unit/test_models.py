@@ -85,7 +85,10 @@ def _read_only(home: Path, command: str) -> list[str]:
 def test_a_process_that_only_reads_the_model_store_waits_for_the_model_to_appear(tmp_path):
     home = tmp_path / "home"
     (home / "models").mkdir(parents=True)
-    proc = subprocess.Popen(_read_only(home, f"{sys.executable} -m common.models {models.TINY_RANDOM} --home {home}"),
+    code = ("import logging; from pathlib import Path; from common import models; logging.basicConfig(level=logging.INFO); "
+            f"ref = models.prepare({models.TINY_RANDOM!r}, Path({str(home)!r}), models.MODEL_WAIT_S); "
+            "print(f'{ref.name}: {ref.path}')")  # as a service prepares it
+    proc = subprocess.Popen(_read_only(home, f"{sys.executable} -c \"{code}\""),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     said: list[str] = []
     reader = threading.Thread(target=lambda: said.extend(proc.stderr), daemon=True)
@@ -104,13 +107,11 @@ def test_a_process_that_only_reads_the_model_store_waits_for_the_model_to_appear
     assert any("is there now" in line for line in said)
 
 
-def test_a_reader_gives_up_on_a_model_that_never_appears_saying_where_to_prepare_it(tmp_path):
+def test_a_command_that_cannot_write_the_model_store_fails_at_once_saying_where_to_prepare_it(tmp_path):
     home = tmp_path / "home"
     (home / "models").mkdir(parents=True)
-    code = ("from pathlib import Path; from common import models; "
-            f"models.prepare({models.TINY_RANDOM!r}, Path({str(home)!r}), wait_s=0)")
-    done = subprocess.run(_read_only(home, f"{sys.executable} -c \"{code}\""), capture_output=True, text=True,
-                          cwd=REPO, timeout=300)
+    done = subprocess.run(_read_only(home, f"{sys.executable} -m common.models {models.TINY_RANDOM} --home {home}"),
+                          capture_output=True, text=True, cwd=REPO, timeout=300)  # no wait outside the services
     assert done.returncode != 0
     assert "ModelNotFound" in done.stderr and "python -m common.models tiny-random" in done.stderr, done.stderr
     assert not any((home / "models").iterdir())  # it wrote nothing there
