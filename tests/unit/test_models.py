@@ -98,12 +98,12 @@ def test_a_process_that_only_reads_the_model_store_waits_for_the_model_to_appear
                    "the reader says it waits for the model", timeout_s=300)
         assert proc.poll() is None, "".join(said)  # it waits; it did not fail on the read-only store
         ref = models.prepare(models.TINY_RANDOM, home)  # the preparer (model-init), where the store is writable
-        out, _ = proc.communicate(timeout=300)
+        proc.wait(timeout=300)  # (its stderr is the reader's alone: communicate() would race it for the lines)
     finally:
         proc.kill()
     reader.join(timeout=60)
     assert proc.returncode == 0, "".join(said)
-    assert out.strip() == f"{ref.name}: {ref.path}"
+    assert proc.stdout.read().strip() == f"{ref.name}: {ref.path}"
     assert any("is there now" in line for line in said)
 
 
