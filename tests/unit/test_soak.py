@@ -287,7 +287,12 @@ async def test_send_one_records_request_id_status_and_stream_error_code():
     async def handler(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         if body["max_tokens"] == 1:
-            return web.json_response({"error": {"code": 429}}, status=429, headers={"X-Request-Id": "cmpl-r"})
+            return web.json_response({"error": {"message": "rejected at arrival: ttft 31.2s > slo 30s", "code": "overloaded"}},
+                                     status=429, headers={"X-Request-Id": "cmpl-r"})
+        if body["max_tokens"] == 2:  # admitted, then turned away by its prefill instance before its first token
+            return web.json_response({"error": {"message": "rejected: prefill instance p0 would begin it 27.4s after it "
+                                                           "was queued", "code": "overloaded"}},
+                                     status=429, headers={"X-Request-Id": "cmpl-l"})
         resp = web.StreamResponse(headers={"X-Request-Id": "cmpl-s"})
         await resp.prepare(request)
         await resp.write(b'data: {"choices": [{"token_ids": [5]}]}\n\n')
@@ -304,10 +309,13 @@ async def test_send_one_records_request_id_status_and_stream_error_code():
     try:
         async with aiohttp.ClientSession() as session:
             rejected = await replay.send_one(session, url, "m", 0, [5, 6], 1, 0.0, 0.0)
+            late = await replay.send_one(session, url, "m", 2, [5, 6], 2, 0.0, 0.0)
             broken = await replay.send_one(session, url, "m", 1, [5, 6], 4, 0.0, 0.0)
     finally:
         await runner.cleanup()
     assert (rejected.status, rejected.http_status, rejected.request_id, rejected.error_code) == (REJECTED_ARRIVAL, 429, "cmpl-r", 0)
+    # the measures count it as turned away after admission; the soak, as any HTTP 429
+    assert (late.status, late.http_status, late.request_id, sv.classify(late).kind) == (REJECTED_LATE, 429, "cmpl-l", "429")
     assert (broken.status, broken.http_status, broken.request_id, broken.error_code) == (FAILED, 200, "cmpl-s", 503)
     assert broken.output_tokens == 1
     # a stream that started and broke is a failed request, not a 503 (its migration failed)

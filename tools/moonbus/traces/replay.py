@@ -12,8 +12,9 @@ same load: aiperf reads it with `--custom-dataset-type mooncake_trace
 --prompt-input-tokens-block-size B`, building its prompts from the hash ids as this command does
 (shared ids, shared prefixes), with its own text.
 
-Per request: status (ok / rejected_arrival = HTTP 429 before any token / rejected_late = a 429
-after the stream started / failed), TTFT, every inter-token interval (a chunk carrying k tokens
+Per request: status (ok / rejected_arrival = HTTP 429 at arrival / rejected_late = a 429 after
+admission: an HTTP 429 whose message begins "rejected: " (its prefill or decode instance turned it
+away before its first token) or a 429 event after the stream started / failed), TTFT, every inter-token interval (a chunk carrying k tokens
 counts one interval then k-1 of zero), cached tokens from usage. Writes results.jsonl and
 summary.json to --out, prints the summary (tools.moonbus.traces.measures), and with --plot the PNGs.
 """
@@ -89,7 +90,7 @@ async def send_one(session: aiohttp.ClientSession, url: str, model: str, index: 
             r.http_status, r.request_id = resp.status, resp.headers.get("X-Request-Id", "")
             if resp.status != 200:
                 text = await resp.text()
-                r.status = REJECTED_ARRIVAL if resp.status == 429 else FAILED
+                r.status = (_rejection_stage(text) if resp.status == 429 else FAILED)
                 r.error = f"HTTP {resp.status}: {text[:200]}"
                 return r
             async for line in resp.content:
@@ -134,6 +135,17 @@ async def send_one(session: aiohttp.ClientSession, url: str, model: str, index: 
     r.intervals = [[x, 1] for x in intervals]
     r.tbt_s = tbt_of(intervals)
     return r
+
+
+def _rejection_stage(body: str) -> str:
+    """An HTTP 429's stage: late when an instance turned the admitted request away before its first
+    token (the gateway's message then begins "rejected: "; the conductor's, "rejected at arrival: ";
+    the gateway's own limits name neither), else at arrival."""
+    try:
+        message = orjson.loads(body)["error"]["message"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return REJECTED_ARRIVAL
+    return REJECTED_LATE if isinstance(message, str) and message.startswith("rejected: ") else REJECTED_ARRIVAL
 
 
 async def replay(rows: list[TraceRow], args: argparse.Namespace) -> list[RequestResult]:
