@@ -14,11 +14,14 @@ tokenizer) under $MOONBUS_HOME/models/, which every process on the machine loads
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import importlib.util
 import logging
 import os
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,17 +117,18 @@ def resolve(model: str, home: Path) -> ModelRef:
     )
 
 
-def prepare(model: str, home: Path, wait_s: float = 0.0) -> ModelRef:
+def prepare(model: str, home: Path, wait_s: float = 0.0, given_up: threading.Event | None = None) -> ModelRef:
     """Make sure the model's local directory exists, building it once (safe across processes).
     Where this process cannot write there, it fails at once saying where to prepare it, or, with
     `wait_s` (the services: MODEL_WAIT_S), waits that long for the process that prepares it, saying
     so once: every container but compose's model-init mounts the model store read-only, and a
-    swarm starts them all at once, so a service that failed there was restarted until then."""
+    swarm starts them all at once, so a service that failed there was restarted until then.
+    `given_up` set: the wait ends at once (ModelNotFound; `prepare_for_service`)."""
     ref = resolve(model, home)
     if (ref.path / "config.json").is_file():
         return ref
     if not _writable(ref.path.parent):
-        return _wait_for(ref, wait_s)
+        return _wait_for(ref, wait_s, given_up or threading.Event())
     home.mkdir(mode=0o700, parents=True, exist_ok=True)  # a home made here is its owner's alone (an existing one is kept)
     ref.path.parent.mkdir(mode=0o700, exist_ok=True)
     with FileLock(ref.path.parent / ".lock", mode=0o600):  # across processes
@@ -154,7 +158,26 @@ def _writable(folder: Path) -> bool:
     return False
 
 
-def _wait_for(ref: ModelRef, wait_s: float) -> ModelRef:
+async def prepare_for_service(model: str, home: Path, stop: asyncio.Event) -> ModelRef | None:
+    """`prepare` as a service runs it: off its event loop, waiting up to MODEL_WAIT_S for the
+    model; None when `stop` (its SIGTERM) comes first, so that a service stopped while it waits
+    for model-init exits at once, its waiting thread ended."""
+    given_up = threading.Event()
+    preparing = asyncio.ensure_future(asyncio.to_thread(prepare, model, home, MODEL_WAIT_S, given_up))
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait((preparing, stopped), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if preparing.done():
+        return preparing.result()
+    given_up.set()
+    with contextlib.suppress(ModelNotFound):
+        await preparing  # (within one poll)
+    return None
+
+
+def _wait_for(ref: ModelRef, wait_s: float, given_up: threading.Event) -> ModelRef:
     """The model as another process prepares it into a store this one only reads."""
     if wait_s > 0:
         log.warning("model %s is not in %s yet, and this process cannot write there: waiting up to %gs for the "
@@ -162,12 +185,14 @@ def _wait_for(ref: ModelRef, wait_s: float) -> ModelRef:
                     ref.name, ref.path.parent, wait_s)
     deadline = time.monotonic() + wait_s
     while not (ref.path / "config.json").is_file():  # it appears whole: the preparer renames its folder in
+        if given_up.is_set():
+            raise ModelNotFound(f"model {ref.name!r}: stopped while waiting for it in {ref.path.parent}")
         if time.monotonic() >= deadline:
             raise ModelNotFound(f"model {ref.name!r} is not in {ref.path.parent}"
                                 + (f" (waited {wait_s:g}s)" if wait_s > 0 else "")
                                 + f", and this process cannot write there to prepare it: run `python -m common.models "
                                 f"{ref.name}` where that store is writable")
-        time.sleep(MODEL_POLL_S)
+        given_up.wait(MODEL_POLL_S)
     log.info("model %s is there now", ref.name)
     return ref
 
@@ -228,7 +253,7 @@ def load_for_worker(model: str, home: Path, threads: int = 0, dtype: str = "auto
 
     if threads:
         torch.set_num_threads(threads)
-    ref = prepare(model, home, MODEL_WAIT_S)
+    ref = prepare(model, home)  # (the services wait for it first: prepare_for_service)
     dtype = resolve_dtype(dtype)
     share = cores.for_worker(role, threads) if role else None
     return WorkerModel(ref, Llama.load(ref.path, dtype), eos_token_id(ref), read_shape(ref), dtype, share)

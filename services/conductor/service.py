@@ -463,7 +463,9 @@ def settle_collector() -> None:
 
 
 async def serve(cfg: ConductorConfig, stop: asyncio.Event) -> bool:
-    ref = await asyncio.to_thread(models.prepare, cfg.model, cfg.home, models.MODEL_WAIT_S)  # may wait for model-init
+    ref = await models.prepare_for_service(cfg.model, cfg.home, stop)  # may wait for model-init
+    if ref is None:
+        return True  # stopped while it waited
     perf, source = profiles.load(cfg.home, cfg.model, cfg.profile, cfg.dtype)
     nc = await bus.connect(cfg.nats_url, cfg.instance_id, cfg.nats_auth)
     await bus.ensure_events_stream(nc, replicas=cfg.events_replicas)

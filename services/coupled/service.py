@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 
 async def serve(cfg: CoupledConfig, stop: runner.Stop) -> bool:
     pcfg, dcfg = cfg.prefill, cfg.decode
+    if await models.prepare_for_service(pcfg.model, pcfg.home, stop) is None:  # may wait for model-init
+        return True  # stopped while it waited
     compute = ComputeThread.start(pcfg.threads)  # one thread computes both halves' work, one at a time
     worker = await compute.run(models.load_for_worker, pcfg.model, pcfg.home, pcfg.threads, pcfg.dtype, "coupled")
     model, eos, ref = worker.model, worker.eos_token_id, worker.ref

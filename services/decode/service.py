@@ -12,6 +12,8 @@ from services.decode.config import DecodeConfig
 
 
 async def serve(cfg: DecodeConfig, stop: runner.Stop) -> bool:
+    if await models.prepare_for_service(cfg.model, cfg.home, stop) is None:  # may wait for model-init
+        return True  # stopped while it waited
     compute = ComputeThread.start(cfg.threads)  # the model loads, the pool is made and the batch steps there
     worker_model = await compute.run(models.load_for_worker, cfg.model, cfg.home, cfg.threads, cfg.dtype, "decode")
     perf, source = profiles.load(cfg.home, cfg.model, cfg.profile, cfg.dtype)

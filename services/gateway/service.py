@@ -25,7 +25,9 @@ log = logging.getLogger(__name__)
 
 
 async def serve(cfg: GatewayConfig, stop: asyncio.Event) -> bool:
-    ref = await asyncio.to_thread(models.prepare, cfg.model, cfg.home, models.MODEL_WAIT_S)  # may wait for model-init
+    ref = await models.prepare_for_service(cfg.model, cfg.home, stop)  # may wait for model-init
+    if ref is None:
+        return True  # stopped while it waited
     tokenizer = await asyncio.to_thread(models.load_tokenizer, ref)
     shape = models.read_shape(ref)
     nc = await bus.connect(cfg.nats_url, cfg.instance_id, cfg.nats_auth)

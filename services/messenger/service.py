@@ -343,7 +343,9 @@ class MessengerService:
 async def serve(cfg: MessengerConfig, stop: asyncio.Event) -> None:
     security.private_dir(cfg.shm_dir)  # its KV files and slab are this user's alone
     kvfiles.sweep(cfg.shm_dir, kvfiles.IN, temporary_only=True)  # transfers a dead predecessor was landing
-    ref = await asyncio.to_thread(models.prepare, cfg.model, cfg.home, models.MODEL_WAIT_S)  # may wait for model-init
+    ref = await models.prepare_for_service(cfg.model, cfg.home, stop)  # may wait for model-init
+    if ref is None:
+        return True  # stopped while it waited
     shape = models.read_shape(ref)
     layout = shape.kv_layout(cfg.block_tokens, cfg.dtype)
     dram_blocks = cfg.dram_blocks if cfg.dram_blocks > 0 else max(1, capacity_in_blocks(cfg.dram_bytes, layout))

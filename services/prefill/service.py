@@ -9,6 +9,8 @@ from services.prefill.config import PrefillConfig
 
 
 async def serve(cfg: PrefillConfig, stop: runner.Stop) -> bool:
+    if await models.prepare_for_service(cfg.model, cfg.home, stop) is None:  # may wait for model-init
+        return True  # stopped while it waited
     compute = ComputeThread.start(cfg.threads)  # the model loads and prompts are computed there
     loaded = await compute.run(models.load_for_worker, cfg.model, cfg.home, cfg.threads, cfg.dtype, "prefill")
     nc = await bus.connect(cfg.nats_url, cfg.instance_id, cfg.nats_auth)

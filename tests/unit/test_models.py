@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -105,6 +106,40 @@ def test_a_process_that_only_reads_the_model_store_waits_for_the_model_to_appear
     assert proc.returncode == 0, "".join(said)
     assert proc.stdout.read().strip() == f"{ref.name}: {ref.path}"
     assert any("is there now" in line for line in said)
+
+
+def test_a_service_stopped_while_it_waits_for_the_model_exits_at_once(tmp_path):
+    home = tmp_path / "home"
+    (home / "models").mkdir(parents=True)
+    code = ("import asyncio, logging, signal, threading; from pathlib import Path; from common import models; "
+            "logging.basicConfig(level=logging.INFO)\n"
+            "async def main():\n"
+            "    stop = asyncio.Event()\n"
+            "    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)\n"
+            f"    ref = await models.prepare_for_service({models.TINY_RANDOM!r}, Path({str(home)!r}), stop)\n"
+            "    print(ref)\n"
+            "asyncio.run(main())")  # as a service waits, and hears its SIGTERM
+    script = tmp_path / "wait.py"
+    script.write_text(code)
+    proc = subprocess.Popen(_read_only(home, f"{sys.executable} {script}"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    said: list[str] = []
+    reader = threading.Thread(target=lambda: said.extend(proc.stderr), daemon=True)
+    reader.start()
+    try:
+        until_sync(lambda: any("waiting up to" in line for line in said) or proc.poll() is not None,
+                   "the service says it waits for the model", timeout_s=300)
+        assert proc.poll() is None, "".join(said)
+        proc.send_signal(signal.SIGTERM)
+        # well before MODEL_WAIT_S: asyncio.run's end joins its executor's threads, so it exits only
+        # once the waiting thread has ended
+        proc.wait(timeout=300)
+    finally:
+        proc.kill()
+    reader.join(timeout=60)
+    assert proc.returncode == 0, "".join(said)
+    assert proc.stdout.read().split() == ["None"]  # no model: the service returns
+    assert not any((home / "models").iterdir())
 
 
 def test_a_command_that_cannot_write_the_model_store_fails_at_once_saying_where_to_prepare_it(tmp_path):
