@@ -194,6 +194,11 @@ class DecodeLoads:
         load_of = self.load_of
         return DecodeLoadSnapshot(self.now, tuple([load_of(i) for i in ids]))
 
+    def every(self) -> tuple[DecodeLoad, ...]:
+        """Every live decode instance's load, in the candidates' order."""
+        load_of = self.load_of
+        return tuple([load_of(i) for i in self.ids])
+
 
 @dataclass(frozen=True, slots=True)
 class Verdict:

@@ -139,7 +139,7 @@ def wait_for_room(info: RequestInfo, snapshot: ClusterSnapshot, loads: DecodeLoa
     TTFT SLO (the request waits in its queue); None when none's does. `loads`: the snapshot's
     decode instances', in its order."""
     horizon = admit.ttft_slo_s
-    later = admission.room_within(snapshot.decode, loads.snapshot(loads.ids).decode, loads.now, horizon)
+    later = admission.room_within(snapshot.decode, loads.every(), loads.now, horizon)
     decision = policy.decide(info, replace(snapshot, decode=later), settings, perf)
     if isinstance(decision, NoInstances):
         return None
@@ -151,7 +151,7 @@ def _no_route(decision: NoInstances, snapshot: ClusterSnapshot, loads: DecodeLoa
               prompt_tokens: int, admit: AdmissionSettings) -> RouteOutcome:
     now = loads.now
     if decision.overloaded:  # instances exist, their KV room is taken: an overload, not an outage
-        retry = admission.kv_retry_after(prompt_tokens, snapshot.decode, loads.snapshot(loads.ids).decode, now, admit)
+        retry = admission.kv_retry_after(prompt_tokens, snapshot.decode, loads.every(), now, admit)
         return RouteOutcome(429, f"rejected at arrival: {decision.reason}", retry, snapshot=snapshot)
     if decision.role and state.recovering(decision.role, now):  # lost capacity, coming back
         return RouteOutcome(429, f"rejected at arrival: {decision.reason} while one is being restarted",
