@@ -27,13 +27,23 @@ from common.engine.llama import Llama
 from tools.moonbus.cluster import up
 
 
+# NOTE: past 2048 tokens SmolLM2's prefill grows faster than the fit of a grid that stopped there
+# (c2 came out 0): its 2,708-token chat prompts ran 1.23-1.40x their prediction live, where shorter
+# prompts of 128-2047 tokens ran 0.85-1.06x (docs/benchmarks.md, 2026-12-07 late morning), and every request queued behind
+# one was predicted that much early. Measured to 4096 (1.70 ms per token at 1024, 1.89 at 2048,
+# 2.91 at 4096, float32 on 2 cores), the fit has c2 > 0 (held-out error 3%, max 7%). It adds about
+# a minute to a first start here.
+MAX_INPUT = 4096
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=models.SMOLLM2)
     parser.add_argument("--home", type=Path, default=default_home())
     parser.add_argument("--out", type=Path, help="default: $MOONBUS_HOME/profiles/<model>-<dtype>.json")
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                         help="as the workers run (auto: bfloat16 where the CPU has it)")
-    parser.add_argument("--max-input", type=int, default=2048, help="longest prompt measured")
+    parser.add_argument("--max-input", type=int, default=MAX_INPUT,
+                        help="longest prompt measured (capped by the model's context)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default), as the workers run")
     parser.add_argument("--prefill-threads", type=int, default=0,
                         help="torch threads while prefill is timed, as prefill instances run (0 = --threads)")
