@@ -161,7 +161,8 @@ def _writable(folder: Path) -> bool:
 async def prepare_for_service(model: str, home: Path, stop: asyncio.Event) -> ModelRef | None:
     """`prepare` as a service runs it: off its event loop, waiting up to MODEL_WAIT_S for the
     model; None when `stop` (its SIGTERM) comes first, so that a service stopped while it waits
-    for model-init exits at once, its waiting thread ended."""
+    for model-init exits at once, its waiting thread ended. (A conversion under way, this process's
+    or, behind the store's lock, another's, is let finish first: it leaves the store whole.)"""
     given_up = threading.Event()
     preparing = asyncio.ensure_future(asyncio.to_thread(prepare, model, home, MODEL_WAIT_S, given_up))
     stopped = asyncio.ensure_future(stop.wait())
