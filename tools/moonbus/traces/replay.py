@@ -14,9 +14,10 @@ same load: aiperf reads it with `--custom-dataset-type mooncake_trace
 
 Per request: status (ok / rejected_arrival = HTTP 429 at arrival / rejected_late = a 429 after
 admission: an HTTP 429 whose message begins "rejected: " (its prefill or decode instance turned it
-away before its first token) or a 429 event after the stream started / failed), TTFT, every inter-token interval (a chunk carrying k tokens
-counts one interval then k-1 of zero), cached tokens from usage. Writes results.jsonl and
-summary.json to --out, prints the summary (tools.moonbus.traces.measures), and with --plot the PNGs.
+away before its first token) or a 429 event after the stream started / failed), TTFT, every
+inter-token interval (a chunk carrying k tokens counts one interval then k-1 of zero), cached
+tokens from usage. Writes results.jsonl and summary.json to --out, prints the summary
+(tools.moonbus.traces.measures), and with --plot the PNGs.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ async def send_one(session: aiohttp.ClientSession, url: str, model: str, index: 
             r.http_status, r.request_id = resp.status, resp.headers.get("X-Request-Id", "")
             if resp.status != 200:
                 text = await resp.text()
-                r.status = (_rejection_stage(text) if resp.status == 429 else FAILED)
+                r.status = _rejection_stage(text) if resp.status == 429 else FAILED
                 r.error = f"HTTP {resp.status}: {text[:200]}"
                 return r
             async for line in resp.content:
