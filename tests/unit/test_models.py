@@ -4,6 +4,7 @@ that only reads the model store waiting for the one that prepares it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -83,26 +84,34 @@ def _read_only(home: Path, command: str) -> list[str]:
             f"mount --bind {home} {home} && mount -o remount,bind,ro {home} && exec {command}"]
 
 
+@contextlib.contextmanager
+def _waiting_for_the_model(home: Path, command: str):
+    """`command` started where `home` is read-only, handed over once it says it waits for the
+    model: (the process, its stderr lines, every one read by the time the block has ended)."""
+    proc = subprocess.Popen(_read_only(home, command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO)
+    said: list[str] = []  # (its stderr is this reader's alone: communicate() would race it for the lines)
+    reader = threading.Thread(target=lambda: said.extend(proc.stderr), daemon=True)
+    reader.start()
+    try:
+        until_sync(lambda: any("waiting up to" in line for line in said) or proc.poll() is not None,
+                   "it says it waits for the model", timeout_s=300)
+        assert proc.poll() is None, "".join(said)  # it waits; it did not fail on the read-only store
+        yield proc, said
+    finally:
+        proc.kill()
+        reader.join(timeout=60)
+
+
 def test_a_process_that_only_reads_the_model_store_waits_for_the_model_to_appear(tmp_path):
     home = tmp_path / "home"
     (home / "models").mkdir(parents=True)
     code = ("import logging; from pathlib import Path; from common import models; logging.basicConfig(level=logging.INFO); "
             f"ref = models.prepare({models.TINY_RANDOM!r}, Path({str(home)!r}), models.MODEL_WAIT_S); "
             "print(f'{ref.name}: {ref.path}')")  # as a service prepares it
-    proc = subprocess.Popen(_read_only(home, f"{sys.executable} -c \"{code}\""),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-    said: list[str] = []
-    reader = threading.Thread(target=lambda: said.extend(proc.stderr), daemon=True)
-    reader.start()
-    try:
-        until_sync(lambda: any("waiting up to" in line for line in said) or proc.poll() is not None,
-                   "the reader says it waits for the model", timeout_s=300)
-        assert proc.poll() is None, "".join(said)  # it waits; it did not fail on the read-only store
+    with _waiting_for_the_model(home, f"{sys.executable} -c \"{code}\"") as (proc, said):
         ref = models.prepare(models.TINY_RANDOM, home)  # the preparer (model-init), where the store is writable
-        proc.wait(timeout=300)  # (its stderr is the reader's alone: communicate() would race it for the lines)
-    finally:
-        proc.kill()
-    reader.join(timeout=60)
+        proc.wait(timeout=300)
     assert proc.returncode == 0, "".join(said)
     assert proc.stdout.read().strip() == f"{ref.name}: {ref.path}"
     assert any("is there now" in line for line in said)
@@ -111,32 +120,19 @@ def test_a_process_that_only_reads_the_model_store_waits_for_the_model_to_appear
 def test_a_service_stopped_while_it_waits_for_the_model_exits_at_once(tmp_path):
     home = tmp_path / "home"
     (home / "models").mkdir(parents=True)
-    code = ("import asyncio, logging, signal, threading; from pathlib import Path; from common import models; "
-            "logging.basicConfig(level=logging.INFO)\n"
-            "async def main():\n"
-            "    stop = asyncio.Event()\n"
-            "    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)\n"
-            f"    ref = await models.prepare_for_service({models.TINY_RANDOM!r}, Path({str(home)!r}), stop)\n"
-            "    print(ref)\n"
-            "asyncio.run(main())")  # as a service waits, and hears its SIGTERM
     script = tmp_path / "wait.py"
-    script.write_text(code)
-    proc = subprocess.Popen(_read_only(home, f"{sys.executable} {script}"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-    said: list[str] = []
-    reader = threading.Thread(target=lambda: said.extend(proc.stderr), daemon=True)
-    reader.start()
-    try:
-        until_sync(lambda: any("waiting up to" in line for line in said) or proc.poll() is not None,
-                   "the service says it waits for the model", timeout_s=300)
-        assert proc.poll() is None, "".join(said)
+    script.write_text("import asyncio, logging, signal; from pathlib import Path; from common import models; "
+                      "logging.basicConfig(level=logging.INFO)\n"
+                      "async def main():\n"
+                      "    stop = asyncio.Event()\n"
+                      "    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)\n"
+                      f"    print(await models.prepare_for_service({models.TINY_RANDOM!r}, Path({str(home)!r}), stop))\n"
+                      "asyncio.run(main())")  # as a service waits, and hears its SIGTERM
+    with _waiting_for_the_model(home, f"{sys.executable} {script}") as (proc, said):
         proc.send_signal(signal.SIGTERM)
         # well before MODEL_WAIT_S: asyncio.run's end joins its executor's threads, so it exits only
         # once the waiting thread has ended
         proc.wait(timeout=300)
-    finally:
-        proc.kill()
-    reader.join(timeout=60)
     assert proc.returncode == 0, "".join(said)
     assert proc.stdout.read().split() == ["None"]  # no model: the service returns
     assert not any((home / "models").iterdir())
