@@ -134,13 +134,16 @@ class ClusterState:
         # few decode instances' share: it is kept per decode instance (dropped by `touched`), from
         # two sources kept apart, so that a route does not walk every prefill report again
         self._coming: dict[str, list[tuple[float, int, int, int]]] = {}  # decode_id -> sorted (finish, context, max, hint)
-        self._coming_sums: dict[str, tuple[int, int]] = {}  # decode_id -> its coming's (context, room), likewise
+        self._coming_sums: dict[str, tuple[int, int, int]] = {}  # decode_id -> its coming's (count, context, room), likewise
         # what the prefill reports say: decode_id -> their entries, and the request ids they hold (->
         # how many reports hold each). Kept up to date per report: a prefill report changes only its
         # own instance's entries (_reports_stale), not every other's
         self._reported_coming: dict[str, list[tuple[float, int, int, int]]] | None = None
         self._held_by_prefill: dict[str, int] = {}
         self._reported_of: dict[str, list[tuple[str, str, tuple]]] = {}  # instance -> its (decode id, request id, entry)
+        # decode_id -> [count, context, room] of what the prefill reports say will join it: added and
+        # taken away with their entries (integers: exact), so that a decode candidate is its sums, not a walk
+        self._reported_totals: dict[str, list[int]] = {}
         self._reports_stale: set[str] = set()  # instances whose prefill report changed since it was read
         # prefill instance id -> its node, reported queue seconds (None: no report), when reported and
         # its learned speed: what its candidate takes, until it is heard again or a factor moves
@@ -201,8 +204,8 @@ class ClusterState:
         the instance holds). Our work in transit follows each request itself (_left_transit)."""
         coming, sums, loads, candidates = self._coming, self._coming_sums, self._decode_loads, self._decode_candidates
         for decode_id in decode_ids:
-            if coming.pop(decode_id, None) is not None:
-                del sums[decode_id]
+            coming.pop(decode_id, None)
+            sums.pop(decode_id, None)
             loads.pop(decode_id, None)
             candidates.pop(decode_id, None)
 
@@ -245,7 +248,7 @@ class ClusterState:
         if info.prefill is not None or (before is not None and before.prefill is not None):
             self._reports_stale.add(info.instance_id)  # its share of who will join where is read again
         if info.decode is not None or (before is not None and before.decode is not None):
-            self._capacity = None
+            self._capacity = _largest_after(self._capacity, _decode_room(before), _decode_room(info))
             self._decode_reported.pop(info.instance_id, None)
         if before is None or info.leaving \
                 or (before.role, before.draining, before.node) != (info.role, info.draining, info.node):
@@ -595,10 +598,6 @@ class ClusterState:
         if coming is None:
             reported, held_by_prefill = self._from_prefill_reports()
             coming = list(reported.get(decode_id, ()))
-            tokens = room = 0  # their context, and the room decode will reserve for them: prompt + max_tokens
-            for _, context, max_tokens, _ in coming:
-                tokens += context
-                room += context + max_tokens
             bound = self._bound_to().get(decode_id)
             if bound:
                 routed = self.routed
@@ -606,12 +605,27 @@ class ClusterState:
                     r = routed[rid]
                     if r.joins_decode and rid not in held_by_prefill and decode_id not in r.seen_by:  # in transit
                         coming.append((r.routed_at + r.ttft_s, r.prompt_tokens, r.max_tokens, r.expected_tokens))
-                        tokens += r.prompt_tokens
-                        room += r.prompt_tokens + r.max_tokens
             coming.sort()
             self._coming[decode_id] = coming
-            self._coming_sums[decode_id] = tokens, room
         return coming
+
+    def _coming_totals(self, decode_id: str) -> tuple[int, int, int]:
+        """(how many, their context, the room decode will reserve for them: prompt + max_tokens) of
+        what `coming_to` lists, from the prefill reports' sums and our own requests in transit: no
+        list made, none sorted (a decode candidate needs only these)."""
+        sums = self._coming_sums.get(decode_id)
+        if sums is None:
+            reported, held_by_prefill = self._from_prefill_reports()
+            count, tokens, room = self._reported_totals.get(decode_id) or (0, 0, 0)
+            bound = self._bound_to().get(decode_id)
+            if bound:
+                routed = self.routed
+                for rid in bound:
+                    r = routed[rid]
+                    if r.joins_decode and rid not in held_by_prefill and decode_id not in r.seen_by:  # in transit
+                        count, tokens, room = count + 1, tokens + r.prompt_tokens, room + r.prompt_tokens + r.max_tokens
+            sums = self._coming_sums[decode_id] = count, tokens, room
+        return sums
 
     def _from_prefill_reports(self) -> tuple[dict[str, list[tuple[float, int, int, int]]], dict[str, int]]:
         """What every prefill report says will join each decode instance (decode_id -> entries, in
@@ -619,6 +633,7 @@ class ClusterState:
         heard since it was last read are read again: their entries out, their new ones in."""
         if self._reported_coming is None:
             self._reported_coming, self._held_by_prefill, self._reported_of = {}, {}, {}
+            self._reported_totals = {}
             self._reports_stale = set()
             for instance_id, known in self.instances.items():
                 if known.info.prefill is not None:
@@ -633,18 +648,24 @@ class ClusterState:
         return self._reported_coming, self._held_by_prefill
 
     def _add_reported(self, instance_id: str, known: Instance) -> None:
-        reported, held = self._reported_coming, self._held_by_prefill
+        reported, held, totals = self._reported_coming, self._held_by_prefill, self._reported_totals
         seen_at = known.seen_at
         mine = []
         for c in known.info.prefill.coming:
             held[c.request_id] = held.get(c.request_id, 0) + 1
-            entry = (seen_at + c.finish_in_s, c.tokens, c.max_tokens, c.expected_tokens)
+            tokens = c.tokens
+            entry = (seen_at + c.finish_in_s, tokens, c.max_tokens, c.expected_tokens)
             mine.append((c.decode_id, c.request_id, entry))
             entries = reported.get(c.decode_id)
             if entries is None:
                 reported[c.decode_id] = [entry]
+                totals[c.decode_id] = [1, tokens, tokens + c.max_tokens]
             else:
                 entries.append(entry)
+                total = totals[c.decode_id]
+                total[0] += 1
+                total[1] += tokens
+                total[2] += tokens + c.max_tokens
         self._reported_of[instance_id] = mine
 
     def _drop_reported(self, instance_id: str) -> None:
@@ -653,13 +674,18 @@ class ClusterState:
         gone = self._reported_of.pop(instance_id, None)
         if not gone:
             return
-        reported, held = self._reported_coming, self._held_by_prefill
+        reported, held, totals = self._reported_coming, self._held_by_prefill, self._reported_totals
         for decode_id, rid, entry in gone:
             entries = reported[decode_id]
             if len(entries) == 1:
                 del reported[decode_id]
+                del totals[decode_id]
             else:
                 entries.remove(entry)
+                total = totals[decode_id]
+                total[0] -= 1
+                total[1] -= entry[1]
+                total[2] -= entry[1] + entry[2]
             left = held[rid] - 1
             if left:
                 held[rid] = left
@@ -688,14 +714,12 @@ class ClusterState:
 
     def _build_decode_candidate(self, d: WorkerInfo) -> DecodeCandidate:
         instance_id = d.instance_id
-        if instance_id not in self._coming:
-            self.coming_to(instance_id)
-        coming_tokens, coming_room = self._coming_sums[instance_id]  # what decode will reserve for them: prompt + max_tokens
+        coming, coming_tokens, coming_room = self._coming_totals(instance_id)  # room: prompt + max_tokens
         reported = self._decode_reported.get(instance_id)
         if reported is None:
             reported = self._decode_reported[instance_id] = _decode_reported(d.decode)
         held, context, kv_free = reported
-        return _new_row(DecodeCandidate, (instance_id, d.node, held + len(self._coming[instance_id]),
+        return _new_row(DecodeCandidate, (instance_id, d.node, held + coming,
                                           context + coming_tokens, kv_free - coming_room if kv_free is not None else None,
                                           self.learned.factor(instance_id, "step")))
 
@@ -769,7 +793,7 @@ class ClusterState:
         if self.perf is None:
             return report.predicted_tbt_s if report is not None and report.predicted_tbt_s > 0 else DEFAULT_STEP_S
         batch = (len(report.joined) if report is not None else 0) + len(coming)
-        context = (report.context_tokens if report is not None else 0) + self._coming_sums[decode_id][0]
+        context = (report.context_tokens if report is not None else 0) + self._coming_totals(decode_id)[1]
         return self.perf.decode.step_seconds(batch if batch > 1 else 1, context) * factor
 
     def completed(self, generated: int) -> None:
@@ -785,10 +809,9 @@ class ClusterState:
 
     def largest_decode_room(self) -> int | None:
         """The most KV tokens any decode instance holds in all (used + free, as it reports them);
-        None when none reports a limit. Kept until a decode instance's report changes."""
+        None when none reports a limit. Kept until a report changes it (_largest_after)."""
         if self._capacity is None:
-            rooms = [i.info.decode.kv_used_tokens + i.info.decode.kv_free_tokens for i in self.instances.values()
-                     if i.info.decode is not None and i.info.decode.kv_free_tokens is not None]
+            rooms = [room for room in map(_decode_room, (i.info for i in self.instances.values())) if room is not None]
             self._capacity = (max(rooms) if rooms else None,)
         return self._capacity[0]
 
@@ -822,6 +845,28 @@ def _decode_reported(report: DecodeReport | None) -> tuple[int, int, int | None]
         return 0, 0, None
     joined = report.joined
     return len(joined), report.context_tokens + sum([j.tokens for j in joined[report.running:]]), report.kv_free_tokens
+
+
+def _decode_room(info: WorkerInfo | None) -> int | None:
+    """The KV tokens a decode instance holds in all (used + free, as it reports them); None without a limit."""
+    report = info.decode if info is not None else None
+    if report is None or report.kv_free_tokens is None:
+        return None
+    return report.kv_used_tokens + report.kv_free_tokens
+
+
+def _largest_after(kept: tuple[int | None] | None, before: int | None, after: int | None) -> tuple[int | None] | None:
+    """The largest decode room kept (ClusterState.largest_decode_room) after one instance's went from
+    `before` to `after`: the same while that instance did not hold it and does not pass it; else
+    None, made again over every instance when next asked (also when the instance was refused)."""
+    if kept is None:
+        return None
+    largest = kept[0]
+    if largest is None:
+        return kept if after is None else None
+    if (before is not None and before >= largest) or (after is not None and after > largest):
+        return None
+    return kept
 
 
 def _reported_queue_s(known: Instance, now: float) -> float:

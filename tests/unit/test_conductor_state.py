@@ -322,8 +322,9 @@ def test_a_request_held_again_or_routed_again_is_not_taken_for_ended():
 def test_views_kept_between_changes_equal_views_built_afresh(seed):
     """A report or a request of ours drops only the views it concerns (a decode instance's
     admission view is rebuilt only when its own report, a prefill report naming it, or a request
-    bound for it changed): after every step of a random run, every kept view equals one built
-    from nothing."""
+    bound for it changed; the sums of what is coming and the largest KV room are kept up to date
+    as reports come): after every step of a random run, every kept view equals one built from
+    nothing."""
     import random
 
     rng = random.Random(seed)
@@ -336,7 +337,8 @@ def test_views_kept_between_changes_equal_views_built_afresh(seed):
         return ([state.decode_load(d) for d in decodes], state.decode_candidates(now),
                 [state.prefill_queue_s(p, now) for p in prefills], {d: list(state.coming_to(d)) for d in decodes},
                 state.prefill_candidates(now), dict(state.sender_queued_bytes()),
-                [i.instance_id for i in state.of_role("prefill")], [i.instance_id for i in state.of_role("decode")])
+                [i.instance_id for i in state.of_role("prefill")], [i.instance_id for i in state.of_role("decode")],
+                state.largest_decode_room())
 
     for step in range(1500):
         now += rng.uniform(0.0, 0.2)
@@ -350,7 +352,7 @@ def test_views_kept_between_changes_equal_views_built_afresh(seed):
             joined = [Joined(f"r{rng.randint(0, 30)}", rng.uniform(0, 5), rng.randint(10, 900), rng.randint(1, 20),
                              rng.randint(0, 64)) for _ in range(rng.randint(0, 5))]
             state.heard(decode(rng.choice(decodes), node=rng.choice(nodes), joined=joined,
-                               draining=rng.random() < 0.1), now)
+                               kv_free=rng.choice((None, 500, 1000, 2000)), draining=rng.random() < 0.1), now)
         elif action < 0.76:
             state.heard(WorkerInfo(f"m{rng.randint(0, 2)}", "messenger", rng.choice(nodes)), now)
         elif action < 0.78:  # a node's messenger exits: its workers can move no KV
