@@ -47,6 +47,8 @@ def test_pure_rows_price_every_stage_of_the_live_route(report):
         assert set(x["stage_p50_us"]) == set(x["stage_p99_us"]) == set(routing.STAGES)  # the route's own stages
         assert all(x["stage_p50_us"][s] <= x["stage_p99_us"][s] for s in x["stage_p50_us"])
         assert 0 <= x["pull_share"] <= 1 and 0 <= x["reject_share"] < 1
+        # the instance reports between routes are timed apart, and shared out over the routes
+        assert 0 < x["report_p50_us"] <= x["report_p99_us"] and x["report_us_per_route"] > 0
     assert results["random"]["pull_share"] == 0 and results["random"]["mean_prefix_blocks"] == 0  # it never matches
     assert results["kvcache-centric"]["mean_prefix_blocks"] > 0
     ours = results[report["ours"]]

@@ -19,11 +19,14 @@ Timed, per request (time.perf_counter_ns), stage by stage: the live conductor's 
     prefix (index match) -> snapshot (the candidates built from the ClusterState, holders from
     the match) -> decide (the policy) -> judge (admission on the decode loads from the
     ClusterState, mode predictive) -> record (ClusterState.route of an admitted request)
-Before each route --reports-per-route instances' reports arrive (untimed; half from prefill
-instances, half from decode instances, drawn at random, each its last report again), and each
-drops the derived views it concerns, as in the live conductor (ClusterState.touched: who will
-join where and the admission view of each decode instance the report names; our work in transit
-at the instances whose report took one of ours in); the previous route's dispatch dropped its own. The default, 4: 16P+16D heartbeating
+Before each route --reports-per-route instances' reports arrive (timed apart from the route, each
+ClusterState.heard; half from prefill instances, half from decode instances, drawn at random, each
+its last report again): each is taken in (a prefill report's entries into the sums of who will
+join where) and drops the derived views it concerns, as in the live conductor (ClusterState.touched:
+the admission view of each decode instance the report names; our work in transit at the instances
+whose report took one of ours in); the previous route's dispatch dropped its own. Their time is
+printed per report and shared out over the routes (what a conductor spends besides its routes to
+keep its views). The default, 4: 16P+16D heartbeating
 every 150 ms send about 210 reports/s, and each request brings about four progress reports
 (accepted and prefilled at its prefill instance, joined and finished at its decode instance), so
 at several hundred routes/s about 4 reports arrive per route. -1 drops every view before each
@@ -310,32 +313,40 @@ def _bench(index: PrefixIndex, queries: list[Query], states: list[State], settin
     """Time every policy on the same (query, state) pairs, interleaved, so machine noise hits all alike."""
     warmup = min(500, decisions)
     samples: dict[str, list[tuple[int, ...]]] = {s.policy: [] for s in settings}
+    heard: dict[str, list[int]] = {s.policy: [] for s in settings}  # ns per instance report before its routes
     outcomes = {s.policy: [0, 0, 0] for s in settings}  # pulls, prefix blocks reused, rejects
     for i in range(warmup + decisions):
         q, state = queries[i % len(queries)], states[i % len(states)]
         # rotate which policy goes first: the first one meets this state's data cold in the CPU cache
         k = i % len(settings)
         for s in settings[k:] + settings[:k]:
-            stamps, outcome = _decide_once(index, q, state, s, admission, perf, reports)
-            if i >= warmup:
-                samples[s.policy].append(stamps)
-                out = outcomes[s.policy]
-                decision = outcome.decision
-                out[0] += decision is not None and decision.pull is not None
-                out[1] += decision.prefix_blocks if decision is not None else 0
-                out[2] += not outcome.admitted
-    return {policy: _summary(rows, outcomes[policy], decisions) for policy, rows in samples.items()}
+            stamps, outcome = _decide_once(index, q, state, s, admission, perf, reports, heard[s.policy])
+            if i < warmup:
+                heard[s.policy].clear()
+                continue
+            samples[s.policy].append(stamps)
+            out = outcomes[s.policy]
+            decision = outcome.decision
+            out[0] += decision is not None and decision.pull is not None
+            out[1] += decision.prefix_blocks if decision is not None else 0
+            out[2] += not outcome.admitted
+    return {policy: _summary(rows, outcomes[policy], decisions, heard[policy]) for policy, rows in samples.items()}
 
 
 def _decide_once(index: PrefixIndex, q: Query, state: State, settings: PolicySettings, admission: AdmissionSettings,
-                 perf: Profile, reports: int) -> tuple[tuple[int, ...], RouteOutcome]:
+                 perf: Profile, reports: int, heard: list[int] | None = None) -> tuple[tuple[int, ...], RouteOutcome]:
     cluster, now = state.state, state.now
-    # NOTE: untimed: the reports that came since the previous route dropped the views they concern
+    # NOTE: apart from the route: the reports that came since the previous route (each taken in, and
+    # the views it concerns dropped, as the live conductor does when it hears one), timed each into `heard`
     if reports < 0:
         cluster.changed()
     for i in range(reports):
         instance = state.rng.choice(PREFILL_IDS if i % 2 == 0 else DECODE_IDS)
-        cluster.heard(cluster.get(instance), cluster.instances[instance].seen_at)
+        info, seen_at = cluster.get(instance), cluster.instances[instance].seen_at
+        start = time.perf_counter_ns()
+        cluster.heard(info, seen_at)
+        if heard is not None:
+            heard.append(time.perf_counter_ns() - start)
     stamps = [time.perf_counter_ns()]
 
     def mark(_stage: str) -> None:
@@ -351,10 +362,14 @@ def _decide_once(index: PrefixIndex, q: Query, state: State, settings: PolicySet
     return (end - stamps[0], *(b - a for a, b in zip(stamps, stamps[1:]))), outcome
 
 
-def _summary(rows: list[tuple[int, ...]], outcome: list[int], decisions: int) -> dict:
+def _summary(rows: list[tuple[int, ...]], outcome: list[int], decisions: int, heard: list[int]) -> dict:
     ns = np.array(rows, dtype=np.float64) / 1e3  # columns: total, then STAGES; microseconds
     total = ns[:, 0]
+    reports = np.array(heard or [0], dtype=np.float64) / 1e3
     return {
+        "report_p50_us": float(np.percentile(reports, 50)),
+        "report_p99_us": float(np.percentile(reports, 99)),
+        "report_us_per_route": float(reports.sum() / len(total)),  # every report's time, shared out over the routes
         "decisions_per_s": float(1e6 / total.mean()),
         "mean_us": float(total.mean()),
         "p50_us": float(np.percentile(total, 50)),
@@ -391,6 +406,10 @@ def _print_table(r: dict, policies: list[str]) -> None:
     for p in policies:
         x = r["results"][p]
         print(f"  {p:<24}" + "".join(f"{x['stage_p50_us'][s]:>7.1f}/{x['stage_p99_us'][s]:<6.1f}" for s in STAGES))
+    if r["reports_per_route"] > 0:
+        print(f"\n  {'instance reports (apart)':<24}" + "".join(
+            f"  {p}: p50 {r['results'][p]['report_p50_us']:.1f} / p99 {r['results'][p]['report_p99_us']:.1f} us per "
+            f"report, {r['results'][p]['report_us_per_route']:.1f} us per route;" for p in policies))
     print(f"\n  {r['ours']} / random: p50 x{r['ratio_p50']:.2f}, p99 x{r['ratio_p99']:.2f}")
     verdict = "MET" if r["goal_met"] else "NOT MET"
     print(f"  goal p99 < {r['goal_p99_us']:.0f} us for {r['ours']}: {verdict} ({r['results'][r['ours']]['p99_us']:.1f} us)")
