@@ -598,13 +598,8 @@ class ClusterState:
         if coming is None:
             reported, held_by_prefill = self._from_prefill_reports()
             coming = list(reported.get(decode_id, ()))
-            bound = self._bound_to().get(decode_id)
-            if bound:
-                routed = self.routed
-                for rid in bound:
-                    r = routed[rid]
-                    if r.joins_decode and rid not in held_by_prefill and decode_id not in r.seen_by:  # in transit
-                        coming.append((r.routed_at + r.ttft_s, r.prompt_tokens, r.max_tokens, r.expected_tokens))
+            for r in self._ours_coming(decode_id, held_by_prefill):
+                coming.append((r.routed_at + r.ttft_s, r.prompt_tokens, r.max_tokens, r.expected_tokens))
             coming.sort()
             self._coming[decode_id] = coming
         return coming
@@ -617,15 +612,21 @@ class ClusterState:
         if sums is None:
             reported, held_by_prefill = self._from_prefill_reports()
             count, tokens, room = self._reported_totals.get(decode_id) or (0, 0, 0)
-            bound = self._bound_to().get(decode_id)
-            if bound:
-                routed = self.routed
-                for rid in bound:
-                    r = routed[rid]
-                    if r.joins_decode and rid not in held_by_prefill and decode_id not in r.seen_by:  # in transit
-                        count, tokens, room = count + 1, tokens + r.prompt_tokens, room + r.prompt_tokens + r.max_tokens
+            for r in self._ours_coming(decode_id, held_by_prefill):
+                count, tokens, room = count + 1, tokens + r.prompt_tokens, room + r.prompt_tokens + r.max_tokens
             sums = self._coming_sums[decode_id] = count, tokens, room
         return sums
+
+    def _ours_coming(self, decode_id: str, held_by_prefill: dict[str, int]) -> list[Routed]:
+        """Our requests bound for `decode_id` that will join it and that no report holds there yet:
+        on the bus, in a prefill no report names, in transfer (`held_by_prefill`: the request ids the
+        prefill reports hold)."""
+        bound = self._bound_to().get(decode_id)
+        if not bound:
+            return []
+        routed = self.routed
+        return [r for r in map(routed.__getitem__, bound)
+                if r.joins_decode and r.request_id not in held_by_prefill and decode_id not in r.seen_by]
 
     def _from_prefill_reports(self) -> tuple[dict[str, list[tuple[float, int, int, int]]], dict[str, int]]:
         """What every prefill report says will join each decode instance (decode_id -> entries, in
