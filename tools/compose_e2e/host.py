@@ -17,6 +17,7 @@ from it). `obstacles()` says what on the host would keep the test's containers f
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -117,7 +118,8 @@ class HostState:
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path, ignore_errors=True)
             else:
-                os.unlink(path)
+                with contextlib.suppress(FileNotFoundError):  # gone meanwhile (its daemon's own exit removed it)
+                    os.unlink(path)
         diffs = self.differences(HostState.capture_under(self.watched))
         if diffs:
             raise HostNotRestored("; ".join(diffs))
