@@ -233,6 +233,10 @@ def summary(report: dict) -> list[dict]:
              "ours": f"{ours[f'{q}_us']:.0f} us", "baseline": f"{base[f'{q}_us']:.0f} us", "ratio": report[f"ratio_{q}"],
              "goal": f"p99 < {report['goal_p99_us']:.0f} us" if q == "p99" else None,
              "met": report["goal_met"] if q == "p99" else None} for q in ("p50", "p99")]
+    if report["reports_per_route"] > 0:  # what the conductor spends on the reports between routes, apart
+        rows.append({"row": f"the {report['reports_per_route']} instance reports before each route, their time per route",
+                     "ours": f"{ours['report_us_per_route']:.0f} us", "baseline": f"{base['report_us_per_route']:.0f} us",
+                     "ratio": None, "goal": None, "met": None})
     live = report["live"] or {}
     for r in live.get("rows", []):
         rows.append({"row": f"live route p99, {r['conductors']} conductor(s), {r['prefix_index']} prefix index",
