@@ -18,6 +18,7 @@ import pytest
 from common.decide import route as routing
 from tests.integration.conftest import conversation_trace
 from tools.moonbus.traces.rows import load_trace, prompt_token_ids
+from tools.moonbus.bench import conductor as bench
 from tools.moonbus.bench.fleet import PromptBuilder
 
 pytestmark = pytest.mark.integration
@@ -49,6 +50,8 @@ def test_pure_rows_price_every_stage_of_the_live_route(report):
         assert 0 <= x["pull_share"] <= 1 and 0 <= x["reject_share"] < 1
         # the instance reports between routes are timed apart, and shared out over the routes
         assert 0 < x["report_p50_us"] <= x["report_p99_us"] and x["report_us_per_route"] > 0
+    reports_row = [r for r in bench.summary(report) if "instance reports" in r["row"]]  # make bench's table says so
+    assert [r["ours"] for r in reports_row] == [f"{results[report['ours']]['report_us_per_route']:.0f} us"]
     assert results["random"]["pull_share"] == 0 and results["random"]["mean_prefix_blocks"] == 0  # it never matches
     assert results["kvcache-centric"]["mean_prefix_blocks"] > 0
     ours = results[report["ours"]]
