@@ -610,7 +610,7 @@ class ClusterState:
         list made, none sorted (a decode candidate needs only these)."""
         sums = self._coming_sums.get(decode_id)
         if sums is None:
-            reported, held_by_prefill = self._from_prefill_reports()
+            _, held_by_prefill = self._from_prefill_reports()
             count, tokens, room = self._reported_totals.get(decode_id) or (0, 0, 0)
             for r in self._ours_coming(decode_id, held_by_prefill):
                 count, tokens, room = count + 1, tokens + r.prompt_tokens, room + r.prompt_tokens + r.max_tokens
@@ -742,7 +742,7 @@ class ClusterState:
         if coming is None:
             coming = self.coming_to(decode_id)
         factor = self.learned.factor(decode_id, "step")
-        step_s = self._step_s(decode_id, report, coming, factor)
+        step_s = self._step_s(decode_id, report, factor)
         kept = self._outputs_of.get(decode_id) or self._reported_outputs(decode_id, report)
         if kept.step_s != step_s or kept.seen_at != seen_at:  # (a NaN step: made again every time)
             # NOTE: a prefill's report that only moves when its requests finish keeps the step
@@ -789,12 +789,13 @@ class ClusterState:
                                                       min(contexts, default=0) >= 0)
         return kept
 
-    def _step_s(self, decode_id: str, report: DecodeReport | None, coming: list, factor: float) -> float:
+    def _step_s(self, decode_id: str, report: DecodeReport | None, factor: float) -> float:
         """One step of the instance with everything it holds and everything coming to it (`factor`: its learned one)."""
         if self.perf is None:
             return report.predicted_tbt_s if report is not None and report.predicted_tbt_s > 0 else DEFAULT_STEP_S
-        batch = (len(report.joined) if report is not None else 0) + len(coming)
-        context = (report.context_tokens if report is not None else 0) + self._coming_totals(decode_id)[1]
+        coming, coming_tokens, _ = self._coming_totals(decode_id)
+        batch = (len(report.joined) if report is not None else 0) + coming
+        context = (report.context_tokens if report is not None else 0) + coming_tokens
         return self.perf.decode.step_seconds(batch if batch > 1 else 1, context) * factor
 
     def completed(self, generated: int) -> None:

@@ -324,9 +324,9 @@ def _bench(index: PrefixIndex, queries: list[Query], states: list[State], settin
         # rotate which policy goes first: the first one meets this state's data cold in the CPU cache
         k = i % len(settings)
         for s in settings[k:] + settings[:k]:
-            stamps, outcome = _decide_once(index, q, state, s, admission, perf, reports, heard[s.policy])
+            stamps, outcome = _decide_once(index, q, state, s, admission, perf, reports,
+                                           heard[s.policy] if i >= warmup else None)
             if i < warmup:
-                heard[s.policy].clear()
                 continue
             samples[s.policy].append(stamps)
             out = outcomes[s.policy]
