@@ -169,9 +169,9 @@ class ClusterState:
         # and reserved room, and the leave times last made of them: its admission view's costly
         # part, kept until its own next report
         self._outputs_of: dict[str, _Outputs] = {}
-        # nodes whose messenger stopped heartbeating: their workers can neither send nor receive KV
-        # (a messenger that was never heard of, as in the simulator, marks nothing)
-        self.lost_nodes: set[str] = set()
+        # nodes whose messenger stopped heartbeating (-> since when): their workers can neither send
+        # nor receive KV (a messenger that was never heard of, as in the simulator, marks nothing)
+        self.lost_nodes: dict[str, float] = {}
         self.node_holders = NodeHolders()  # which messenger speaks for each node
         self.departed: dict[str, Departure] = {}  # instance_id -> how it went, until heard again
         # who last reported holding each of our requests, and since when it no longer does: a request
@@ -277,7 +277,7 @@ class ClusterState:
         instance.signal(now)
         self._learn(info)
         if info.role == "messenger" and info.node in self.lost_nodes:
-            self.lost_nodes.discard(info.node)
+            del self.lost_nodes[info.node]
             self._members = {}
         held = set()
         transit = self._transit_of.get(info.instance_id) if self._transit_s is not None else None
@@ -348,12 +348,14 @@ class ClusterState:
 
     def recovering(self, role: str, now: float) -> bool:
         """Capacity of `role` that is gone for now, not for good: an instance lost lately
-        (RECOVERY_S) and not heard from since, or one draining (a restart's first half). With no
-        other instance of the role, that is an overload (429 with a Retry-After), not a cluster
+        (RECOVERY_S) and not heard from since, one draining (a restart's first half), or one on a
+        node whose messenger was lost lately (it cannot move KV until its messenger is back). With
+        no other instance of the role, that is an overload (429 with a Retry-After), not a cluster
         without the role (503). One that came back, or left cleanly with no supervisor seeing its
         exit (an operator's stop), is not pending."""
+        cut_off = {node for node, at in self.lost_nodes.items() if now - at <= RECOVERY_S}
         return any(d.lost and d.role == role and now - d.at <= RECOVERY_S for d in self.departed.values()) \
-            or any(i.info.role == role and i.info.draining for i in self.instances.values())
+            or any(i.info.role == role and (i.info.draining or i.info.node in cut_off) for i in self.instances.values())
 
     def _departs(self, instance_id: str, how: Departure) -> None:
         self.departed.pop(instance_id, None)  # to the end: the oldest departure is forgotten first
@@ -367,7 +369,7 @@ class ClusterState:
             self._held.pop(info.instance_id, None)  # what it held is handed back (lost_with), not ended
             self._departs(info.instance_id, Departure(info.role, True, now))
             if info.role == "messenger":
-                self.lost_nodes.add(info.node)
+                self.lost_nodes[info.node] = now
                 self.node_holders.release(info.node, info.instance_id)
         if gone:
             self.changed()

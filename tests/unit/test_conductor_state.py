@@ -225,6 +225,21 @@ def test_a_role_that_lost_an_instance_is_recovering_for_a_while():
     assert not state.recovering("decode", now=10.1 + RECOVERY_S)
 
 
+def test_a_role_whose_node_lost_its_messenger_is_recovering_until_the_messenger_is_back():
+    """Its instances are alive but cannot move KV: lost capacity, coming back with the messenger
+    (a 429 with a Retry-After), not a cluster without the role (503). Found by a soak that killed
+    a prefill node's messenger: the requests of the next second got 503s."""
+    state = cluster()
+    state.heard(WorkerInfo("m0", "messenger", "n0"), 0.0)
+    state.dead("m0", now=10.0)
+    assert state.prefill_candidates(10.0) == ()  # p0 is cut off
+    assert state.recovering("prefill", now=10.0 + RECOVERY_S) and not state.recovering("decode", now=10.0)
+    assert not state.recovering("prefill", now=10.1 + RECOVERY_S)  # not back for that long: gone for good
+    state.heard(WorkerInfo("m0", "messenger", "n0"), 11.0)  # its supervisor brought it back
+    assert not state.recovering("prefill", now=11.0)
+    assert [c.instance_id for c in state.prefill_candidates(11.0)] == ["p0"]
+
+
 def test_a_lost_instance_that_came_back_or_left_cleanly_is_not_recovering():
     state = cluster()
     state.dead("d0", now=10.0)

@@ -12,6 +12,7 @@ import pytest
 from common.decide import route as routing
 from common.decide.index import KvEvent
 from common.decide.route import ToRoute, route
+from schemas.workers import WorkerInfo
 from services.conductor import service as conductor
 from tools.moonbus.bench import conductor as bench
 from tools.sim import SimConfig, build_profile
@@ -108,4 +109,17 @@ def test_no_instance_of_a_kind_is_a_429_while_one_comes_back_else_a_503():
     assert (outcome.status, outcome.retry_after_s) == (429, routing.RECOVERY_RETRY_S) and outcome.decision is None
     assert "while one is being restarted" in outcome.reason
     outcome = route(ToRoute("x", [9], 100, 10), sim.index, lost, 1000.0, sim.policy, sim.admission, sim.perf, 0.5)
+    assert outcome.status == 503 and outcome.reason == "no decode instance is available"
+
+
+def test_instances_cut_off_by_their_lost_messengers_are_a_429_while_the_messengers_come_back():
+    sim = make_sim()
+    cut = copy.deepcopy(sim.state)
+    nodes = sorted({cut.instances[i].info.node for i in cut.instances if i.startswith("d")})
+    for n, node in enumerate(nodes):
+        cut.heard(WorkerInfo(f"m{n}", "messenger", node), 0.0)
+        cut.dead(f"m{n}", 0.0)  # its process exited: being restarted
+    outcome = route(ToRoute("x", [9], 100, 10), sim.index, cut, 1.0, sim.policy, sim.admission, sim.perf, 0.5)
+    assert (outcome.status, outcome.retry_after_s) == (429, routing.RECOVERY_RETRY_S) and outcome.decision is None
+    outcome = route(ToRoute("x", [9], 100, 10), sim.index, cut, 1000.0, sim.policy, sim.admission, sim.perf, 0.5)
     assert outcome.status == 503 and outcome.reason == "no decode instance is available"
