@@ -7,11 +7,19 @@ that failed. It goes elsewhere first, if there is an elsewhere, away from the in
 failed: the decode instance after the first token or when it was lost, the prefill instance
 before, both when the KV could not travel between them. The other may well hold what the new
 attempt reuses (the prompt's prefix), so it is not avoided.
+
+One death is counted once. A gateway that finds an instance gone itself (no responder to its
+probe) resumes the request at once, and the conductor, not having heard of the exit yet, may send
+the next attempt to the same dead instance, then hand it back for that exit: the same death seen
+a second time. An instance found gone at a counted failure excuses one later failure of it
+(`excused`); an excused failure's finding excuses nothing, so a request that kills every instance
+it reaches (a poison request) still spends its limit, in at most twice the failures.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import AbstractSet
 
 
 @dataclass(frozen=True)
@@ -36,3 +44,10 @@ def after_failure(stage: str, started: bool, prefill_id: str, decode_id: str) ->
 def spent(retry: Retry, migrations: int, redispatches: int, max_migrations: int, prefill_retries: int) -> bool:
     """Whether the request may not try again: its limit of that kind of retry is used up."""
     return migrations >= max_migrations if retry.migrating else redispatches >= prefill_retries
+
+
+def excused(retry: Retry, found_gone: AbstractSet[str]) -> bool:
+    """Whether this failure is one already counted: every instance it failed on was found gone
+    (and that failure counted) before this attempt was routed. The caller takes them out of
+    `found_gone`: each finding excuses one failure."""
+    return bool(retry.avoid) and retry.avoid <= found_gone

@@ -37,7 +37,7 @@ from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 from prometheus_client import Counter
 
 from common import bus
-from common.decide.retry import after_failure, spent
+from common.decide.retry import after_failure, excused, spent
 from common.decide.tenancy import TenantLimits
 from schemas import subjects
 from schemas.codec import WireError
@@ -101,6 +101,8 @@ class Generation:
     senders: frozenset[str] = frozenset()  # the instances that may send the current attempt's chunks
     predicted_ttft_s: float = 0.0  # the conductor's prediction for the current attempt (0: none)
     handed_off_unseen: int = 0  # probes in a row where prefill handed it off and decode did not know it
+    unanswered: frozenset[str] = frozenset()  # the instances the last probe found gone (no responder)
+    found_gone: set[str] = field(default_factory=set)  # found gone, their failure counted: each excuses one more
 
     @property
     def completion_tokens(self) -> int:
@@ -281,26 +283,34 @@ class Gateway:
         """Tell every worker (and the conductor) to drop attempts <= the current one."""
         await bus.publish(self.nc, subjects.REQUEST_CANCEL, Cancel(gen.request_id, gen.attempt).to_bytes())
 
-    async def resume(self, gen: Generation, chunk: TokenChunk) -> bool:
+    async def resume(self, gen: Generation, chunk: TokenChunk, gone: frozenset[str] = frozenset()) -> bool:
         """Route the request again after a retryable error; False if its limits are spent or no
-        instance took it in time (the caller then fails it with the error)."""
+        instance took it in time (the caller then fails it with the error). `gone`: the instances
+        this gateway's probe found gone (no responder), the failure being its finding: a later
+        failure on them is the same death, not counted again (common/decide/retry.py)."""
         started = bool(gen.token_ids)
         retry = after_failure(chunk.stage, started, gen.prefill_id, gen.decode_id)
-        if spent(retry, gen.migrations, gen.redispatches, self.cfg.max_migrations, self.cfg.prefill_retries):
+        counted = not excused(retry, gen.found_gone)
+        if counted and spent(retry, gen.migrations, gen.redispatches, self.cfg.max_migrations, self.cfg.prefill_retries):
             log.warning("request %s: not resumed again (%d migrations, %d re-dispatches): %s", gen.request_id,
                         gen.migrations, gen.redispatches, chunk.error)
             return False
         await self.cancel(gen)  # the abandoned attempt stops wherever it still runs
         gen.avoid |= retry.avoid
         gen.attempt += 1
-        if retry.migrating:
-            gen.migrations += 1
+        if not counted:  # its excuse is spent; a finding on an excused failure excuses nothing more
+            gen.found_gone -= retry.avoid
         else:
-            gen.redispatches += 1
-        log.warning("request %s: resuming as attempt %d after %d tokens (%s)", gen.request_id, gen.attempt,
-                    len(gen.token_ids), chunk.error)
+            if retry.migrating:
+                gen.migrations += 1
+            else:
+                gen.redispatches += 1
+            gen.found_gone |= gone
+        log.warning("request %s: resuming as attempt %d after %d tokens (%s%s)", gen.request_id, gen.attempt,
+                    len(gen.token_ids), chunk.error, "" if counted else "; a death already counted")
         await self.events.request("migrated", gen.request_id, attempt=gen.attempt, reason=chunk.error,
-                                  source=chunk.source, resumed_tokens=len(gen.token_ids), before_first_token=not started)
+                                  source=chunk.source, resumed_tokens=len(gen.token_ids), before_first_token=not started,
+                                  counted=counted)
         deadline = time.monotonic() + self.cfg.migration_timeout_s
         while True:  # an instance may be restarting: keep asking for a while
             reply = await self.route(gen)
@@ -322,13 +332,17 @@ class Gateway:
             return True  # nothing can be told now; ask again later
         probe = Probe(gen.request_id, gen.attempt, len(gen.token_ids)).to_bytes()
         answers = {}
+        gen.unanswered = frozenset()
         for role, instance in (("decode", gen.decode_id), ("prefill", gen.prefill_id)):
             try:
                 msg = await bus.request(self.nc, subjects.worker_probe(instance), probe, timeout=5.0, outage_s=5.0)
                 answers[role] = ProbeReply.from_bytes(msg.data)
             except NatsTimeout:  # there, but too busy to answer: no reason to think it lost the request
                 return True
-            except (NoRespondersError, WireError):  # gone (the conductor will say so too), or nonsense
+            except NoRespondersError:  # gone (the conductor will say so too)
+                answers[role] = ProbeReply(False)
+                gen.unanswered |= {instance}
+            except WireError:  # nonsense
                 answers[role] = ProbeReply(False)
             if answers[role].known and answers[role].phase != "handed_off":
                 gen.handed_off_unseen = 0
@@ -357,7 +371,7 @@ class Gateway:
                 if not await self.held(gen):
                     lost = TokenChunk(gen.request_id, -1, [], error="the request was lost in transit",
                                       error_status=503, source=self.cfg.instance_id, attempt=gen.attempt, retryable=True)
-                    if await self.resume(gen, lost):
+                    if await self.resume(gen, lost, gone=gen.unanswered):
                         pending.clear()
                         progress = time.monotonic()
                         continue

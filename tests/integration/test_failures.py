@@ -30,6 +30,7 @@ import pytest
 from common import bus
 from schemas import subjects
 from schemas.events import TERMINAL_KINDS
+from schemas.workers import Exited
 from tests.integration.conftest import assert_greedy, collect_request_events, post, start_cluster
 from tests.wait import until
 from tools.moonbus.cluster.up import supervise
@@ -502,3 +503,43 @@ async def test_a_killed_decode_instance_rehomes_every_request_it_held(rows, tiny
     # the supervisor's thread restarted decode-0, which dies with that thread (its parent-death signal): again
     cluster.restart("decode-0")
     await wait_healthy(cluster, 1, 2)
+
+
+# --- one death, found first by the gateway -----------------------------------------------------
+
+async def test_a_death_the_gateway_finds_first_is_counted_once(tmp_path, tiny_profile):
+    """A gateway's probe can find a dead prefill instance before the conductor hears of its exit:
+    it resumes the request, the conductor (not knowing yet) sends the next attempt to the same dead
+    instance and hands it back for that exit a moment later. One death: with one re-dispatch
+    allowed, the request still completes once the instance is back. (Found by a soak that killed
+    the only prefill instance every 8 s: 14 requests failed with their re-dispatches spent.) The
+    conductor here hears of no exit but the one the test sends, as a supervisor would, so the
+    order is fixed; the gateway probes after 5 s of quiet, which the test's steps do not wait for."""
+    cluster = start_cluster(tmp_path, prefill=1, decode=1, profile=tiny_profile, dtype=DTYPE,
+                            service_args={"conductor": ["--heartbeat-timeout", "600"],
+                                          "gateway": ["--prefill-retries", "1", "--probe-after", "5",
+                                                      "--migration-timeout", "600", "--stall-timeout", "600",
+                                                      "--route-timeout", str(BOUND_S)]})
+    try:
+        proc(cluster, "prefill-0").send_signal(signal.SIGSTOP)  # it looks alive: the request is routed there
+        s = await open_stream(cluster, body(8))
+        assert (await routed(cluster, s.request_id, 0))["prefill_id"] == "prefill-0"
+        kill(cluster, "prefill-0")  # dead; the conductor is not told
+        found = await event_of(cluster, s.request_id, "migrated", attempt=1)  # the gateway's probe: no responder
+        assert found["before_first_token"] and found["counted"], found
+        assert (await routed(cluster, s.request_id, 1))["prefill_id"] == "prefill-0"  # the conductor did not know
+        nc = await bus.connect(cluster.spec.nats_url, "test-supervisor")
+        try:
+            await bus.publish(nc, subjects.control_exited("prefill-0"), Exited("prefill-0", -9).to_bytes())
+            await nc.flush()
+        finally:
+            await nc.drain()
+        again = await event_of(cluster, s.request_id, "migrated", attempt=2)  # handed back for the same death
+        assert "prefill-0 exited" in again["reason"] and not again["counted"], again
+        cluster.restart("prefill-0")
+        await asyncio.wait_for(s.task, BOUND_S * 5)
+        assert len(s.tokens) == 8 and s.events[-1] == {"done": True}
+        path = await collect_request_events(cluster.spec.nats_url, s.request_id)
+        assert [e["kind"] for e in path if e["kind"] in TERMINAL_KINDS] == ["completed"]
+    finally:
+        cluster.stop()
