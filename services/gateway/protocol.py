@@ -7,7 +7,7 @@ works with. The first problem found, in the order of FIELD_ORDER, is an ApiError
 {"error": {"message", "type", "param", "code"}} with its HTTP status, worded for a person.
 
 What the API can ask for and this server cannot do (logprobs, tool calls, penalties, a logit
-bias, a response format other than text, echo, best_of, a suffix) is refused with a 400 (code
+bias, a response format other than text, echo, best_of or n above 1, a suffix) is refused with a 400 (code
 "unsupported_value") rather than silently ignored; each such field is typed so that the
 generated document says which values are accepted (null, or the one that asks for nothing).
 The OpenAPI document's request schemas are generated from these models (openapi.py).
@@ -330,7 +330,7 @@ def _wording(e: dict[str, Any]) -> tuple[str, str | None, str | None]:
     if name in ("max_tokens", "max_completion_tokens"):
         return f"{name} must be at least 1, got {value}", name, None
     if name == "n":
-        return "only n=1 is supported", name, None
+        return "only n=1 is supported", name, "unsupported_value"
     if name == "temperature":
         return f"temperature must be between 0 and {TEMPERATURE_MAX:g}, got {float(value)}", name, None
     if name == "top_p":

@@ -91,7 +91,6 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     ("completion", OK | {"temperature": True}, "field 'temperature' must be a number, got a boolean"),
     ("completion", OK | {"temperature": 3}, "temperature must be between 0 and 2, got 3.0"),
     ("completion", OK | {"top_p": 0}, "top_p must be in (0, 1], got 0.0"),
-    ("completion", OK | {"n": 2}, "only n=1 is supported"),
     ("completion", OK | {"prompt": ""}, "prompt must not be empty"),
     ("completion", OK | {"prompt": [[]]}, "prompt must not be empty"),
     ("completion", OK | {"prompt": ["a", "b"]}, "only one prompt per request is supported"),
@@ -158,6 +157,8 @@ def test_every_body_sent_is_what_its_model_says(kind, body, return_token_ids):
     ("completion", OK | {"logprobs": 1}, "logprobs are not supported by this server"),
     ("completion", OK | {"echo": True}, "echo is not supported by this server"),
     ("completion", OK | {"best_of": 3}, "only best_of=1 is supported"),
+    ("completion", OK | {"n": 2}, "only n=1 is supported"),
+    ("chat", CHAT | {"n": 3}, "only n=1 is supported"),
     ("completion", OK | {"suffix": "}"}, "suffix is not supported by this server"),
 ])
 def test_what_this_server_cannot_do_is_refused_not_ignored(kind, body, message):
