@@ -514,10 +514,11 @@ async def test_a_death_the_gateway_finds_first_is_counted_once(tmp_path, tiny_pr
     allowed, the request still completes once the instance is back. (Found by a soak that killed
     the only prefill instance every 8 s: 14 requests failed with their re-dispatches spent.) The
     conductor here hears of no exit but the one the test sends, as a supervisor would, so the
-    order is fixed; the gateway probes after 5 s of quiet, which the test's steps do not wait for."""
+    order is fixed; the gateway probes after 15 s of quiet: the steps between two probes (reading
+    one event, sending one message) take a fraction of that even on busy cores."""
     cluster = start_cluster(tmp_path, prefill=1, decode=1, profile=tiny_profile, dtype=DTYPE,
                             service_args={"conductor": ["--heartbeat-timeout", "600"],
-                                          "gateway": ["--prefill-retries", "1", "--probe-after", "5",
+                                          "gateway": ["--prefill-retries", "1", "--probe-after", "15",
                                                       "--migration-timeout", "600", "--stall-timeout", "600",
                                                       "--route-timeout", str(BOUND_S)]})
     try:
