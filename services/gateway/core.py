@@ -101,7 +101,6 @@ class Generation:
     senders: frozenset[str] = frozenset()  # the instances that may send the current attempt's chunks
     predicted_ttft_s: float = 0.0  # the conductor's prediction for the current attempt (0: none)
     handed_off_unseen: int = 0  # probes in a row where prefill handed it off and decode did not know it
-    unanswered: frozenset[str] = frozenset()  # the instances the last probe found gone (no responder)
     found_gone: set[str] = field(default_factory=set)  # found gone, their failure counted: each excuses one more
 
     @property
@@ -326,31 +325,31 @@ class Gateway:
         for state in self.states.values():
             state.chunks.put_nowait(None)
 
-    async def held(self, gen: Generation) -> bool:
-        """Does an instance still hold the current attempt? (decode instances resend lost tokens)"""
+    async def held(self, gen: Generation) -> tuple[bool, frozenset[str]]:
+        """Does an instance still hold the current attempt? (decode instances resend lost tokens)
+        With the instances the probe found gone (no responder)."""
         if not self.nc.is_connected or not gen.decode_id:
-            return True  # nothing can be told now; ask again later
+            return True, frozenset()  # nothing can be told now; ask again later
         probe = Probe(gen.request_id, gen.attempt, len(gen.token_ids)).to_bytes()
-        answers = {}
-        gen.unanswered = frozenset()
+        answers, gone = {}, set()
         for role, instance in (("decode", gen.decode_id), ("prefill", gen.prefill_id)):
             try:
                 msg = await bus.request(self.nc, subjects.worker_probe(instance), probe, timeout=5.0, outage_s=5.0)
                 answers[role] = ProbeReply.from_bytes(msg.data)
             except NatsTimeout:  # there, but too busy to answer: no reason to think it lost the request
-                return True
+                return True, frozenset()
             except NoRespondersError:  # gone (the conductor will say so too)
                 answers[role] = ProbeReply(False)
-                gen.unanswered |= {instance}
+                gone.add(instance)
             except WireError:  # nonsense
                 answers[role] = ProbeReply(False)
             if answers[role].known and answers[role].phase != "handed_off":
                 gen.handed_off_unseen = 0
-                return True
+                return True, frozenset(gone)
         if answers["prefill"].known:  # handed off, but the decode instance has not seen it (yet?)
             gen.handed_off_unseen += 1
-            return gen.handed_off_unseen < 2
-        return False
+            return gen.handed_off_unseen < 2, frozenset(gone)
+        return False, frozenset(gone)
 
     # --- the stream of tokens -------------------------------------------------------------
     async def deltas(self, gen: Generation) -> AsyncIterator[Delta]:
@@ -368,10 +367,11 @@ class Gateway:
                 if time.monotonic() - progress > self.cfg.stall_timeout_s:
                     raise ApiError(504, f"no progress from the cluster for {self.cfg.stall_timeout_s:.0f} s",
                                    code="timeout")
-                if not await self.held(gen):
+                held, gone = await self.held(gen)
+                if not held:
                     lost = TokenChunk(gen.request_id, -1, [], error="the request was lost in transit",
                                       error_status=503, source=self.cfg.instance_id, attempt=gen.attempt, retryable=True)
-                    if await self.resume(gen, lost, gone=gen.unanswered):
+                    if await self.resume(gen, lost, gone=gone):
                         pending.clear()
                         progress = time.monotonic()
                         continue

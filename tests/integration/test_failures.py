@@ -30,9 +30,9 @@ import pytest
 from common import bus
 from schemas import subjects
 from schemas.events import TERMINAL_KINDS
-from schemas.workers import Exited
 from tests.integration.conftest import assert_greedy, collect_request_events, post, start_cluster
 from tests.wait import until
+from tools.moonbus.cluster.supervisor import SupervisorEvents
 from tools.moonbus.cluster.up import supervise
 
 pytestmark = pytest.mark.integration
@@ -529,12 +529,10 @@ async def test_a_death_the_gateway_finds_first_is_counted_once(tmp_path, tiny_pr
         found = await event_of(cluster, s.request_id, "migrated", attempt=1)  # the gateway's probe: no responder
         assert found["before_first_token"] and found["counted"], found
         assert (await routed(cluster, s.request_id, 1))["prefill_id"] == "prefill-0"  # the conductor did not know
-        nc = await bus.connect(cluster.spec.nats_url, "test-supervisor")
-        try:
-            await bus.publish(nc, subjects.control_exited("prefill-0"), Exited("prefill-0", -9).to_bytes())
-            await nc.flush()
-        finally:
-            await nc.drain()
+        supervisor = SupervisorEvents(cluster.spec.nats_url)  # what moonbus up's supervisor says of an exit
+        supervisor.ready.wait(BOUND_S)
+        supervisor.exited("prefill-0", -9)
+        supervisor.close()
         again = await event_of(cluster, s.request_id, "migrated", attempt=2)  # handed back for the same death
         assert "prefill-0 exited" in again["reason"] and not again["counted"], again
         cluster.restart("prefill-0")
