@@ -38,6 +38,7 @@ from prometheus_client import Counter
 
 from common import bus
 from common.decide.retry import after_failure, excused, spent
+from common.decide.route import RECOVERY_RETRY_S
 from common.decide.tenancy import TenantLimits
 from schemas import subjects
 from schemas.codec import WireError
@@ -282,18 +283,24 @@ class Gateway:
         """Tell every worker (and the conductor) to drop attempts <= the current one."""
         await bus.publish(self.nc, subjects.REQUEST_CANCEL, Cancel(gen.request_id, gen.attempt).to_bytes())
 
-    async def resume(self, gen: Generation, chunk: TokenChunk, gone: frozenset[str] = frozenset()) -> bool:
-        """Route the request again after a retryable error; False if its limits are spent or no
-        instance took it in time (the caller then fails it with the error). `gone`: the instances
-        this gateway's probe found gone (no responder), the failure being its finding: a later
-        failure on them is the same death, not counted again (common/decide/retry.py)."""
+    async def resume(self, gen: Generation, chunk: TokenChunk, gone: frozenset[str] = frozenset()) -> ApiError | None:
+        """Route the request again after a retryable error; None once it is, else the error the
+        caller fails it with. `gone`: the instances this gateway's probe found gone (no responder),
+        the failure being its finding: a later failure on them is the same death, not counted again
+        (common/decide/retry.py). A request whose limits are spent lost its instances to deaths,
+        one after another: lost capacity, answered 429 with Retry-After (as the conductor answers a
+        new request while the only instance of a kind restarts), never 503, which says that no
+        instance of a kind exists; one that no conductor took again answers as the conductor did."""
         started = bool(gen.token_ids)
         retry = after_failure(chunk.stage, started, gen.prefill_id, gen.decode_id)
         counted = not excused(retry, gen.found_gone)
         if counted and spent(retry, gen.migrations, gen.redispatches, self.cfg.max_migrations, self.cfg.prefill_retries):
             log.warning("request %s: not resumed again (%d migrations, %d re-dispatches): %s", gen.request_id,
                         gen.migrations, gen.redispatches, chunk.error)
-            return False
+            return ApiError(429, f"rejected: {chunk.error}; the request was resumed {gen.migrations + gen.redispatches} "
+                                 "times, the most allowed (capacity lost, coming back)",
+                            retry_after_s=RECOVERY_RETRY_S, code="overloaded",
+                            detail={"stage": chunk.stage or "worker", "source": chunk.source})
         await self.cancel(gen)  # the abandoned attempt stops wherever it still runs
         gen.avoid |= retry.avoid
         gen.attempt += 1
@@ -314,10 +321,14 @@ class Gateway:
         while True:  # an instance may be restarting: keep asking for a while
             reply = await self.route(gen)
             if reply.admitted:
-                return True
+                return None
             if time.monotonic() + 1.0 > deadline:
                 log.warning("request %s: could not be resumed: %s", gen.request_id, reply.reason)
-                return False
+                overloaded = reply.status == 429
+                return ApiError(reply.status, f"{'rejected' if overloaded else 'request failed'}: {chunk.error}; "
+                                              f"it could not be resumed: {reply.reason}",
+                                retry_after_s=reply.retry_after_s, code="overloaded" if overloaded else "unavailable",
+                                detail={"stage": "resume", "source": chunk.source})
             await asyncio.sleep(min(max(reply.retry_after_s, 0.2), 1.0))
 
     def probe_all(self) -> None:
@@ -370,20 +381,23 @@ class Gateway:
                 held, gone = await self.held(gen)
                 if not held:
                     lost = TokenChunk(gen.request_id, -1, [], error="the request was lost in transit",
-                                      error_status=503, source=self.cfg.instance_id, attempt=gen.attempt, retryable=True)
-                    if await self.resume(gen, lost, gone=gone):
-                        pending.clear()
-                        progress = time.monotonic()
-                        continue
-                    raise ApiError(503, "request failed: it was lost in transit and could not be resumed",
-                                   code="worker_failed", detail={"stage": "transit"})
+                                      error_status=503, source=self.cfg.instance_id, attempt=gen.attempt,
+                                      retryable=True, stage="transit")
+                    failed = await self.resume(gen, lost, gone=gone)
+                    if failed is not None:
+                        raise failed
+                    pending.clear()
+                    progress = time.monotonic()
                 continue
             chunk = heard.chunk
             if chunk.attempt != gen.attempt:
                 continue  # from an abandoned attempt
             if self.refused(gen, heard):
                 continue
-            if chunk.error and chunk.retryable and await self.resume(gen, chunk):
+            if chunk.error and chunk.retryable:
+                failed = await self.resume(gen, chunk)
+                if failed is not None:
+                    raise failed
                 pending.clear()
                 continue
             if chunk.error:

@@ -542,3 +542,31 @@ async def test_a_death_the_gateway_finds_first_is_counted_once(tmp_path, tiny_pr
         assert [e["kind"] for e in path if e["kind"] in TERMINAL_KINDS] == ["completed"]
     finally:
         cluster.stop()
+
+
+async def test_a_request_whose_retries_a_death_spent_gets_429_with_retry_after(tmp_path, tiny_profile):
+    """No re-dispatch allowed: the prefill instance holding a request dies before its first token
+    and the request's retries are spent. The cluster lost capacity (a supervisor would restart
+    the instance), not a kind: the client gets 429 with Retry-After, never 503, which says that no
+    instance of a kind exists. The conductor hears of no exit; the gateway's probe finds it."""
+    cluster = start_cluster(tmp_path, prefill=1, decode=1, profile=tiny_profile, dtype=DTYPE,
+                            service_args={"conductor": ["--heartbeat-timeout", "600"],
+                                          "gateway": ["--prefill-retries", "0", "--probe-after", "1",
+                                                      "--stall-timeout", "600", "--route-timeout", str(BOUND_S)]})
+    try:
+        proc(cluster, "prefill-0").send_signal(signal.SIGSTOP)  # it looks alive: the request is routed there
+        nc = await bus.connect(cluster.spec.nats_url, "test-routed")
+        routed_events = await nc.subscribe(subjects.request_event("routed", "*"))
+        answer = asyncio.ensure_future(post(f"{cluster.spec.url}/v1/completions", body(8), timeout_s=BOUND_S * 3))
+        await routed_events.next_msg(timeout=BOUND_S)
+        await nc.drain()
+        kill(cluster, "prefill-0")
+        status, reply, headers = await answer
+        assert status == 429, reply
+        assert int(headers["Retry-After"]) >= 1
+        assert reply["error"]["code"] == "overloaded", reply
+        assert "resumed 0 times, the most allowed" in reply["error"]["message"], reply
+        path = await collect_request_events(cluster.spec.nats_url, headers["X-Request-Id"])
+        assert [e["kind"] for e in path if e["kind"] in TERMINAL_KINDS] == ["rejected"]
+    finally:
+        cluster.stop()
