@@ -287,20 +287,16 @@ class Gateway:
         """Route the request again after a retryable error; None once it is, else the error the
         caller fails it with. `gone`: the instances this gateway's probe found gone (no responder),
         the failure being its finding: a later failure on them is the same death, not counted again
-        (common/decide/retry.py). A request whose limits are spent lost its instances to deaths,
-        one after another: lost capacity, answered 429 with Retry-After (as the conductor answers a
-        new request while the only instance of a kind restarts), never 503, which says that no
-        instance of a kind exists; one that no conductor took again answers as the conductor did."""
+        (common/decide/retry.py). How one that cannot be resumed ends: `_unresumed`."""
         started = bool(gen.token_ids)
         retry = after_failure(chunk.stage, started, gen.prefill_id, gen.decode_id)
         counted = not excused(retry, gen.found_gone)
         if counted and spent(retry, gen.migrations, gen.redispatches, self.cfg.max_migrations, self.cfg.prefill_retries):
             log.warning("request %s: not resumed again (%d migrations, %d re-dispatches): %s", gen.request_id,
                         gen.migrations, gen.redispatches, chunk.error)
-            return ApiError(429, f"rejected: {chunk.error}; the request was resumed {gen.migrations + gen.redispatches} "
-                                 "times, the most allowed (capacity lost, coming back)",
-                            retry_after_s=RECOVERY_RETRY_S, code="overloaded",
-                            detail={"stage": chunk.stage or "worker", "source": chunk.source})
+            return _unresumed(started, chunk, chunk.stage or "worker", f"{chunk.error}; the request was resumed "
+                              f"{gen.migrations + gen.redispatches} times, the most allowed (capacity lost, coming back)",
+                              429, RECOVERY_RETRY_S)
         await self.cancel(gen)  # the abandoned attempt stops wherever it still runs
         gen.avoid |= retry.avoid
         gen.attempt += 1
@@ -324,11 +320,8 @@ class Gateway:
                 return None
             if time.monotonic() + 1.0 > deadline:
                 log.warning("request %s: could not be resumed: %s", gen.request_id, reply.reason)
-                overloaded = reply.status == 429
-                return ApiError(reply.status, f"{'rejected' if overloaded else 'request failed'}: {chunk.error}; "
-                                              f"it could not be resumed: {reply.reason}",
-                                retry_after_s=reply.retry_after_s, code="overloaded" if overloaded else "unavailable",
-                                detail={"stage": "resume", "source": chunk.source})
+                return _unresumed(started, chunk, "resume", f"{chunk.error}; it could not be resumed: {reply.reason}",
+                                  reply.status, reply.retry_after_s)
             await asyncio.sleep(min(max(reply.retry_after_s, 0.2), 1.0))
 
     def probe_all(self) -> None:
@@ -479,3 +472,17 @@ class Gateway:
             return StatusReply.from_bytes(msg.data)
         except (NoRespondersError, NatsTimeout, WireError):
             return None
+
+
+def _unresumed(started: bool, chunk: TokenChunk, stage: str, why: str, status: int, retry_after_s: float) -> ApiError:
+    """How a request that could not be resumed after `chunk`'s failure ends. A stream that has
+    begun ends with its error event. One before its first token gets `status`: 429 with
+    Retry-After when its limits are spent (its instances died under it, one after another: lost
+    capacity, as the conductor answers a new request while the only instance of a kind restarts)
+    or when no instance had room for it again; 503 only when no instance of a kind exists."""
+    detail = {"stage": stage, "source": chunk.source}
+    if started:
+        return ApiError(chunk.error_status or 503, f"request failed: {why}", code="worker_failed", detail=detail)
+    overloaded = status == 429
+    return ApiError(status, f"{'rejected' if overloaded else 'request failed'}: {why}", retry_after_s=retry_after_s,
+                    code="overloaded" if overloaded else "unavailable", detail=detail)
