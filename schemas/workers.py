@@ -83,7 +83,6 @@ class DecodeReport(Wire):
     joined: list[Joined] = []  # every request held: the `running` members, then waiting
     measured: Measured | None = None  # its latest step
     kv_cache_bytes: int = 0  # its KV pool (`--kv-cache-bytes`): room for kv_used_tokens + kv_free_tokens
-    kv_waiting_tokens: int = 0  # the room its requests not yet holding any will reserve (in kv_free_tokens still)
 
 
 class WorkerInfo(Wire):

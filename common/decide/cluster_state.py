@@ -844,13 +844,11 @@ _INF = float("inf")
 
 def _decode_reported(report: DecodeReport | None) -> tuple[int, int, int | None]:
     """What a decode instance's candidate takes of its report: the requests it holds, their context
-    (the batch's, then those waiting for room in it) and its free KV room less what those waiting
-    will take of it (a request routed beside them waits behind them: they came first)."""
+    (the batch's, then those waiting for room in it) and its free KV room."""
     if report is None:
         return 0, 0, None
-    joined, free = report.joined, report.kv_free_tokens
-    return (len(joined), report.context_tokens + sum([j.tokens for j in joined[report.running:]]),
-            free - report.kv_waiting_tokens if free is not None else None)
+    joined = report.joined
+    return len(joined), report.context_tokens + sum([j.tokens for j in joined[report.running:]]), report.kv_free_tokens
 
 
 def _decode_room(info: WorkerInfo | None) -> int | None:

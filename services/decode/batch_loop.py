@@ -318,7 +318,7 @@ class DecodeService:
         tbt = self.perf.decode.step_seconds(max(1, engine.num_running), context) * self.speed.value
         return DecodeReport(engine.num_running, context, engine.reserved_tokens,
                             engine.kv_budget_tokens - engine.reserved_tokens, round(tbt, 6), joined, self.measured,
-                            engine.kv_cache_bytes, self.joins.waiting_tokens())
+                            engine.kv_cache_bytes)
 
     async def reject_late(self, task: DecodeTask, why: str) -> None:
         rid = task.request_id

@@ -83,10 +83,6 @@ class Joins:
         return ([e.task for e in self.loading.values()] + list(self.waiting)
                 + list(self.arrived._queue))  # noqa: SLF001 - a read-only look
 
-    def waiting_tokens(self) -> int:
-        """The KV room the requests that hold none yet (arrived, or waiting for it) will reserve."""
-        return sum([self.needed(t) for t in self.waiting]) + sum([self.needed(t) for t in self.arrived._queue])  # noqa: SLF001
-
     async def check_in_arrived(self) -> None:
         while not self.arrived.empty():
             await self.service.guarded(self.check_in, self.arrived.get_nowait())

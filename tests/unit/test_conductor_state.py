@@ -89,17 +89,6 @@ def test_a_decode_instance_counts_what_is_coming_to_it_exactly_once():
     assert (d.num_running, d.context_tokens) == (2, 150)
 
 
-def test_the_room_a_decode_instance_promised_to_requests_waiting_there_is_not_free():
-    state = cluster()
-    # d0 holds x in its batch and has a checked in but has reserved nothing for a yet (its KV loads
-    # first): a's 100 + 20 tokens are in the free room it reports, and not free for anyone else
-    report = DecodeReport(1, 50, 75, 925, 0.01, [Joined("x", 1.0, 50, 5, 30), Joined("a", 0.0, 100, 1, 21)],
-                          kv_waiting_tokens=120)
-    state.heard(WorkerInfo("d0", "decode", "n1", decode=report), now=1.0)
-    [d] = state.decode_candidates(now=1.0)
-    assert (d.num_running, d.context_tokens, d.kv_free_tokens) == (2, 150, 805)
-
-
 def test_after_our_broker_came_back_the_loads_count_from_then():
     state = cluster()
     # x has generated 5 of at most 25 tokens; steps take 0.01 s: it leaves 0.2 s after its report

@@ -161,4 +161,4 @@ class DecodeInstance:
         reserved = self.reserved()
         return WorkerInfo(self.instance_id, "decode", self.node, draining=self.draining, decode=DecodeReport(
             len(b.members), b.context, reserved, None if self.kv_tokens is None else self.kv_tokens - reserved,
-            0.0, joined, measured, kv_waiting_tokens=sum([self.needed(r) for r in self.waiting])))
+            0.0, joined, measured))
