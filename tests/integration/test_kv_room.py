@@ -17,6 +17,7 @@ import pytest
 
 from common.engine.paged import BLOCK
 from tests.integration.conftest import AUTO_DTYPE, TINY, collect_request_events, post, start_cluster, tiny_kv_bytes_per_token
+from tests.wait import until
 
 pytestmark = pytest.mark.integration
 KV_TOKENS = 2400  # the decode instance's budget
@@ -35,6 +36,12 @@ def small_room(tmp_path_factory, tiny_profile):
                             service_args={"decode": ["--kv-cache-bytes", str(kv_bytes), "--max-batch", str(MAX_BATCH)]})
     yield cluster
     cluster.stop()
+
+
+def held_room(cluster) -> int:
+    """The KV tokens decode-0 has reserved, as its last report said (0 before it reported)."""
+    kv = cluster.health().get("decode_kv", {}).get("decode-0")
+    return kv["kv_tokens"] - kv["kv_free_tokens"] if kv else 0
 
 
 def prompt_ids(n: int, seed: int) -> list[int]:
@@ -59,7 +66,11 @@ async def test_a_request_that_fits_once_another_leaves_waits_for_the_room(small_
         async with session.post(url, json=first_body) as first:
             assert first.status == 200, await first.text()
             first_id = first.headers["X-Request-Id"]
-            await first.content.readline()  # its first token: it holds its room at the decode instance now
+            await first.content.readline()  # its first token (from its prefill)
+            # its KV on its way to the decode instance, then there, waiting to load: until the
+            # decode instance reserves its room and reports so, the conductors count that room free
+            # (the report lists it as held: docs/architecture.md, "KV room is part of it")
+            await until(lambda: held_room(small_room) >= 200 + LONG_OUTPUT - 1, "the first request holds its room")
             waiting = asyncio.ensure_future(post(url, second_body, timeout_s=300))
             async for _ in first.content:  # to its end
                 pass
