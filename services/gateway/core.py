@@ -240,9 +240,7 @@ class Gateway:
             self.release(gen)
             kind = "rejected" if reply.status == 429 else "failed"
             await self.events.request(kind, rid, status=reply.status, reason=reply.reason, stage="arrival")
-            code = {429: "overloaded", 400: "request_too_large"}.get(reply.status, "unavailable")
-            err = ApiError(reply.status, reply.reason, retry_after_s=reply.retry_after_s if reply.status != 400 else 0.0,
-                           code=code, param="max_tokens" if reply.status == 400 else None)
+            err = refused(reply.status, reply.reason, reply.retry_after_s)
             err.request_id = rid
             raise err
         return gen
@@ -483,6 +481,13 @@ def _unresumed(started: bool, chunk: TokenChunk, stage: str, why: str, status: i
     detail = {"stage": stage, "source": chunk.source}
     if started:
         return ApiError(chunk.error_status or 503, f"request failed: {why}", code="worker_failed", detail=detail)
-    overloaded = status == 429
-    return ApiError(status, f"{'rejected' if overloaded else 'request failed'}: {why}", retry_after_s=retry_after_s,
-                    code="overloaded" if overloaded else "unavailable", detail=detail)
+    return refused(status, f"{'rejected' if status == 429 else 'request failed'}: {why}", retry_after_s, detail)
+
+
+def refused(status: int, message: str, retry_after_s: float, detail: dict[str, str] | None = None) -> ApiError:
+    """The error for a request no instance took, as a conductor's reply or a spent resume says:
+    429 (no room, capacity lost) with Retry-After, 400 for a request that fits no instance, 503 when
+    no instance of a kind exists. Its terminal event is `rejected` for a 429, `failed` otherwise."""
+    code = {429: "overloaded", 400: "request_too_large"}.get(status, "unavailable")
+    return ApiError(status, message, retry_after_s=retry_after_s if status != 400 else 0.0, code=code,
+                    param="max_tokens" if status == 400 else None, detail=detail)
