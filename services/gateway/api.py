@@ -198,7 +198,7 @@ class Api:
             self.metrics.blocks_pulled.inc(event.data.get("blocks", 0))
 
     async def end_with_error(self, gen: Generation, err: ApiError) -> None:
-        kind = "rejected" if err.status == 429 else "failed"
+        kind = err.terminal_kind
         if kind == "rejected":
             self.metrics.rejections.labels(err.detail.get("stage", "decode")).inc()
         self.dashboard.record("rejected_late" if kind == "rejected" else "failed", gen.tenant.name)

@@ -238,10 +238,9 @@ class Gateway:
         if not reply.admitted:
             self.states.pop(rid, None)
             self.release(gen)
-            kind = "rejected" if reply.status == 429 else "failed"
-            await self.events.request(kind, rid, status=reply.status, reason=reply.reason, stage="arrival")
             err = refused(reply.status, reply.reason, reply.retry_after_s)
             err.request_id = rid
+            await self.events.request(err.terminal_kind, rid, status=reply.status, reason=reply.reason, stage="arrival")
             raise err
         return gen
 
@@ -487,7 +486,7 @@ def _unresumed(started: bool, chunk: TokenChunk, stage: str, why: str, status: i
 def refused(status: int, message: str, retry_after_s: float, detail: dict[str, str] | None = None) -> ApiError:
     """The error for a request no instance took, as a conductor's reply or a spent resume says:
     429 (no room, capacity lost) with Retry-After, 400 for a request that fits no instance, 503 when
-    no instance of a kind exists. Its terminal event is `rejected` for a 429, `failed` otherwise."""
+    no instance of a kind exists (its terminal event: ApiError.terminal_kind)."""
     code = {429: "overloaded", 400: "request_too_large"}.get(status, "unavailable")
     return ApiError(status, message, retry_after_s=retry_after_s if status != 400 else 0.0, code=code,
                     param="max_tokens" if status == 400 else None, detail=detail)

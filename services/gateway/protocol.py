@@ -75,6 +75,12 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    @property
+    def terminal_kind(self) -> str:
+        """The request's terminal event when it ends with this error: `rejected` for an overload
+        (429: the client may retry), `failed` for anything else."""
+        return "rejected" if self.status == 429 else "failed"
+
 
 def _error_type(status: int) -> str:
     if status == 429:
